@@ -1,0 +1,444 @@
+"""Engine: add requests, step, abort. LLM: the offline facade over it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from inferd.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.kv_cache import KVCacheManager
+from inferd.engine.runner import ModelRunner
+from inferd.engine.sampler import Sampler, TokenLogprobs
+from inferd.engine.scheduler import Scheduler
+from inferd.errors import ConfigError, InvalidRequestError
+from inferd.models import loader
+from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inferd.request import Request, RequestStatus
+from inferd.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_DEFAULT_LEN = 8192
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # this class of CPU has no fast bf16 matmul; GPUs all do
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one of a parent's n sequences."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for the metrics endpoint, read after any step."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        folder = loader.resolve_model(config.model)
+        self.tokenizer = loader.load_tokenizer(config.tokenizer or folder)
+        hf_config = loader.text_config(loader.load_config(folder))
+        self.max_model_len = config.max_model_len or min(loader.model_max_len(hf_config), _MAX_DEFAULT_LEN)
+        loaded = loader.load_model(folder, self.dtype, self.device, self.max_model_len)
+        self.model = loaded.model
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = self._eos_ids(folder, hf_config)
+        self.kv = KVCacheManager(
+            self._num_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.sampler = Sampler(self.device, config.seed)
+        self._parents: dict[str, _Parent] = {}
+        self._seqs: dict[str, _Sequence] = {}
+        self._ids = itertools.count()
+        self.model_name = config.model
+        self.model_folder = folder
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        cache: CacheConfig = self.config.cache
+        per_block = ModelRunner.bytes_per_block(self.model, cache.block_size, self.dtype)
+        num_blocks = cache.num_blocks or cache.kv_cache_memory // per_block
+        tokens = num_blocks * cache.block_size
+        if tokens < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {tokens} tokens ({num_blocks} blocks), fewer than max_model_len="
+                f"{self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at %d tokens: %.1fx",
+            num_blocks,
+            cache.block_size,
+            tokens,
+            num_blocks * per_block / 1024**3,
+            self.max_model_len,
+            tokens / self.max_model_len,
+        )
+        return num_blocks
+
+    def _eos_ids(self, folder, hf_config) -> frozenset[int]:
+        ids: set[int] = set()
+        candidates = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        gen = folder / "generation_config.json"
+        if gen.exists():
+            import json
+
+            candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
+        for c in candidates:
+            if isinstance(c, int):
+                ids.add(c)
+            elif isinstance(c, list):
+                ids.update(int(x) for x in c)
+        return frozenset(ids)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises InvalidRequestError (and queues nothing) if it can't run."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        params = self._validate(token_ids, params)
+        parent = _Parent(request_id, text, token_ids)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        for i in range(params.n):
+            child_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            req = Request(
+                request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                parent_id=request_id,
+                index=i,
+                prompt_token_ids=token_ids,
+                params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt,
+                prompt=text,
+            )
+            req.times.arrival = arrival
+            if child_params.seed is not None:
+                req.generator = torch.Generator(device=self.device)
+                req.generator.manual_seed(child_params.seed)
+            seq = _Sequence(
+                req,
+                IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
+                [] if child_params.logprobs is not None else None,
+            )
+            parent.seqs.append(seq)
+            self._seqs[req.request_id] = seq
+        self._parents[request_id] = parent
+        for seq in parent.seqs:
+            self.scheduler.add(seq.request)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size}); got {min(token_ids)}..{max(token_ids)}",
+                param="prompt",
+            )
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but the context is {self.max_model_len} tokens and must leave "
+                "room for at least one output token; shorten the prompt or raise --max-model-len",
+                param="prompt",
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - n)
+        elif n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's context is {self.max_model_len} tokens, but {n + max_tokens} were asked for "
+                f"({n} in the prompt, {max_tokens} max_tokens); lower max_tokens to at most "
+                f"{self.max_model_len - n}",
+                param="max_tokens",
+            )
+        needed = self.kv.blocks_needed(n + params.max_tokens)
+        if needed > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"this request needs {needed} KV blocks but the cache has {self.kv.num_blocks}; lower "
+                "max_tokens or the prompt, or raise --kv-cache-memory",
+                param="max_tokens",
+            )
+        return params
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (all its n sequences) at once and free its blocks. Unknown ids are ignored."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for seq in parent.seqs:
+            req = seq.request
+            self._seqs.pop(req.request_id, None)
+            if not req.is_finished:
+                self.scheduler.finish(req)
+                req.status = RequestStatus.FINISHED_ABORTED
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+        )
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        logits, sampling = self.runner.execute(sched)
+        for r in sched.requests:
+            r.num_computed_tokens += sched.num_scheduled_tokens[r.request_id]
+        if logits is None:
+            return []
+        sampled = self.sampler(logits, sampling)
+        now = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        for req, token_id, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            seq = self._seqs[req.request_id]
+            self._append_token(seq, token_id, lp, now)
+            touched[req.parent_id] = self._parents[req.parent_id]
+        return [self._make_output(p) for p in touched.values()]
+
+    def _append_token(self, seq: _Sequence, token_id: int, lp: TokenLogprobs | None, now: float) -> None:
+        req = seq.request
+        times = req.times
+        if times.first_token is None:
+            times.first_token = now
+        else:
+            times.inter_token_latencies.append(now - times.last_token)
+        times.last_token = now
+        req.output_token_ids.append(token_id)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(lp)
+        params = req.params
+        if not params.ignore_eos and token_id in req.eos_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, None)
+        elif token_id in params.stop_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, token_id)
+        else:
+            stop = seq.detok.add_token(token_id, check_stop=len(req.output_token_ids) >= params.min_tokens)
+            if stop is not None:
+                self._finish(req, RequestStatus.FINISHED_STOPPED, stop)
+        if not req.is_finished and (
+            len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
+        ):
+            self._finish(req, RequestStatus.FINISHED_LENGTH, None)
+        if req.is_finished:
+            seq.detok.flush()
+
+    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
+        req.status = status
+        req.stop_reason = stop_reason
+        req.times.finished = time.monotonic()
+        self.scheduler.finish(req)
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        finished = parent.finished
+        outputs = []
+        for seq in parent.seqs:
+            req = seq.request
+            new_tokens = req.output_token_ids[seq.sent_tokens :]
+            if not new_tokens and not finished:
+                continue
+            seq.sent_tokens = len(req.output_token_ids)
+            delta_lp = None
+            if seq.logprobs is not None:
+                delta_lp = seq.logprobs[seq.sent_logprobs :]
+                seq.sent_logprobs = len(seq.logprobs)
+            outputs.append(
+                CompletionOutput(
+                    index=req.index,
+                    text=seq.detok.text,
+                    token_ids=req.output_token_ids,
+                    delta_text=seq.detok.take_delta(req.is_finished),
+                    delta_token_ids=new_tokens,
+                    logprobs=seq.logprobs,
+                    delta_logprobs=delta_lp,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            )
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for seq in parent.seqs:
+                self._seqs.pop(seq.request.request_id, None)
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            finished,
+            self._metrics(parent) if finished else None,
+        )
+
+    @staticmethod
+    def _metrics(parent: _Parent) -> RequestMetrics:
+        reqs = [s.request for s in parent.seqs]
+        first = reqs[0].times
+        return RequestMetrics(
+            arrival_time=first.arrival,
+            first_scheduled_time=min(
+                (r.times.first_scheduled for r in reqs if r.times.first_scheduled), default=None
+            ),
+            first_token_time=min((r.times.first_token for r in reqs if r.times.first_token), default=None),
+            last_token_time=max((r.times.last_token for r in reqs if r.times.last_token), default=None),
+            finished_time=max((r.times.finished for r in reqs if r.times.finished), default=None),
+            num_prompt_tokens=len(parent.prompt_token_ids),
+            num_generation_tokens=sum(len(r.output_token_ids) for r in reqs),
+            num_cached_tokens=max(r.num_cached_tokens for r in reqs),
+            num_preemptions=sum(r.num_preemptions for r in reqs),
+            inter_token_latencies=[x for r in reqs for x in r.times.inter_token_latencies],
+        )
+
+    def check_idle(self) -> None:
+        """Invariant after all requests are done: every block free (or cached), no state left behind."""
+        if self.has_unfinished_requests() or self._parents:
+            raise AssertionError("engine still holds requests")
+        self.kv.check_idle()
+
+
+def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
+    """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig."""
+    cache_fields = {"block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching"}
+    sched_fields = {
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "long_prefill_token_threshold",
+        "max_waiting_requests",
+    }
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
+    try:
+        return EngineConfig(
+            model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs
+        )
+    except TypeError as e:
+        raise ConfigError(f"unknown engine setting: {e}") from None
+
+
+class LLM:
+    """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        self.engine = Engine(make_engine_config(model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                rid = self.engine.new_request_id()
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+            for c in conversations
+        ]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_lists, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [final[rid] for rid in ids]

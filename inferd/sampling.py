@@ -1,0 +1,106 @@
+"""SamplingParams: how a request picks its tokens and when it stops, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inferd.errors import InvalidRequestError
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """The OpenAI sampling fields plus vLLM's extra ones.
+
+    temperature 0 means greedy. `max_tokens=None` means "until the context is full".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: sampled token plus top-k alternatives
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
+            (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, "top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.repetition_penalty > 0,
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                "max_tokens",
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                "logprobs",
+                f"logprobs must be between 0 and 20, got {self.logprobs}",
+            ),
+            (all(s for s in self.stop), "stop", "stop strings must not be empty"),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "stop_token_ids must be non-negative integers",
+            ),
+            (
+                self.seed is None or isinstance(self.seed, int),
+                "seed",
+                f"seed must be an integer, got {self.seed!r}",
+            ),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
