@@ -62,11 +62,7 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet sent, minus the hold-back while a stop string could still be forming."""
-        end = (
-            len(self.text)
-            if finished or not self.stop
-            else max(self.emitted, len(self.text) - self.hold_back)
-        )
+        end = len(self.text) if finished or not self.stop else max(self.emitted, len(self.text) - self.hold_back)
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

@@ -92,9 +92,7 @@ class Engine:
         self.model = loaded.model
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_ids(folder, hf_config)
-        self.kv = KVCacheManager(
-            self._num_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
-        )
+        self.kv = KVCacheManager(self._num_blocks(), config.cache.block_size, config.cache.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(self.device, config.seed)
@@ -352,9 +350,7 @@ class Engine:
         first = reqs[0].times
         return RequestMetrics(
             arrival_time=first.arrival,
-            first_scheduled_time=min(
-                (r.times.first_scheduled for r in reqs if r.times.first_scheduled), default=None
-            ),
+            first_scheduled_time=min((r.times.first_scheduled for r in reqs if r.times.first_scheduled), default=None),
             first_token_time=min((r.times.first_token for r in reqs if r.times.first_token), default=None),
             last_token_time=max((r.times.last_token for r in reqs if r.times.last_token), default=None),
             finished_time=max((r.times.finished for r in reqs if r.times.finished), default=None),
@@ -384,9 +380,7 @@ def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
     try:
-        return EngineConfig(
-            model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs
-        )
+        return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
     except TypeError as e:
         raise ConfigError(f"unknown engine setting: {e}") from None
 
@@ -394,8 +388,9 @@ def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
 class LLM:
     """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
-        self.engine = Engine(make_engine_config(model, **kwargs))
+    def __init__(self, model: str | EngineConfig = DEFAULT_MODEL, **kwargs):
+        config = model if isinstance(model, EngineConfig) else make_engine_config(model, **kwargs)
+        self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(
@@ -424,8 +419,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-            for c in conversations
+            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations
         ]
         token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_lists, sampling_params)

@@ -21,9 +21,7 @@ BlockHash = bytes
 _ROOT_HASH = b"inferd-prefix-root"
 
 
-def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra: str | None = None
-) -> BlockHash:
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra: str | None = None) -> BlockHash:
     """sha256 over (parent hash, token ids, extra keys): stable across processes, unlike hash()."""
     h = hashlib.sha256(parent or _ROOT_HASH)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
@@ -207,9 +205,7 @@ class KVCacheManager:
         self.stats.hits += len(hits) * self.block_size
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
-    ) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens of `request`. False (and no change) if it can't."""
         computed = computed or ComputedBlocks()
         blocks = self.req_blocks.setdefault(request.request_id, [])

@@ -87,9 +87,7 @@ class ModelRunner:
             meta.num_decodes = len(decodes)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in block_tables])
             meta.decode_seq_lens = self._tensor([r.num_computed_tokens + 1 for r in decodes])
-        return StepInput(
-            self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling
-        )
+        return StepInput(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

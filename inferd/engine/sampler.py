@@ -68,9 +68,7 @@ class Sampler:
     def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         for i, r in enumerate(requests):
             if len(r.output_token_ids) < r.params.min_tokens:
-                stops = set(r.params.stop_token_ids) | (
-                    set() if r.params.ignore_eos else set(r.eos_token_ids)
-                )
+                stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
                 ids = [t for t in stops if t < logits.shape[1]]
                 if ids:
                     logits[i, ids] = float("-inf")

@@ -42,10 +42,7 @@ class CausalLM(nn.Module):
 
     @property
     def head_dim(self) -> int:
-        return (
-            getattr(self.config, "head_dim", None)
-            or self.config.hidden_size // self.config.num_attention_heads
-        )
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, meta: AttentionMetadata

@@ -25,9 +25,7 @@ def layer_windows(config) -> list[int | None]:
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, config, window: int | None, qkv_bias: bool, qk_norm: bool, unit_offset_norm: bool = False
-    ):
+    def __init__(self, config, window: int | None, qkv_bias: bool, qk_norm: bool, unit_offset_norm: bool = False):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -70,9 +68,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, window, qkv_bias, qk_norm)
         act = getattr(config, "hidden_act", "silu")
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, act, getattr(config, "mlp_bias", False)
-        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

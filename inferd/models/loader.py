@@ -67,9 +67,7 @@ def _download_from_hub(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(
-            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja"])
-        )
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja"]))
     except Exception as e:  # network down, unknown repo, auth: all the same to the user
         raise ModelLoadError(
             f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "

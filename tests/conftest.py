@@ -1,0 +1,131 @@
+"""Tiny random-weight models for every architecture, built from configs (no downloads).
+
+`tiny_model(arch)` returns a Hugging Face folder (config.json, model.safetensors, tokenizer) that both
+inferd and transformers load, so tests can compare them token for token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "Question: What is the capital of France?\nAnswer: Paris. ",
+    "Paged attention stores keys and values in fixed-size blocks. ",
+    "Continuous batching lets requests join and leave every step. ",
+    "Größe, café, naïve, 東京, こんにちは, 🙂🚀 — unicode for the byte-level tokenizer. ",
+    "def add(a, b):\n    return a + b\n",
+    "1234567890 + - * / = ( ) [ ] { } < > ! ? , . ; : ' \" ",
+]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+VOCAB = 384
+
+
+def build_tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(_CORPUS * 20, vocab_size=VOCAB, min_frequency=1, special_tokens=["<pad>", "<eos>", "<bos>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+        return tf.LlamaConfig(**common, rope_parameters=rope, architectures=["LlamaForCausalLM"])
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"])
+    if arch == "qwen2":
+        return tf.Qwen2Config(**{**common, "tie_word_embeddings": True}, architectures=["Qwen2ForCausalLM"])
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32, architectures=["Qwen3ForCausalLM"])
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 4, "num_key_value_heads": 1, "tie_word_embeddings": True},
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=24,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            architectures=["Gemma3ForCausalLM"],
+        )
+    raise ValueError(arch)
+
+
+def build_tiny_model(arch: str, folder: Path) -> Path:
+    import transformers as tf
+
+    torch.manual_seed(1234)
+    config = tiny_config(arch)
+    config.initializer_range = 0.2  # peaked distributions: greedy ties would make exactness tests fragile
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random norms too, so a wrong norm formula cannot hide behind weight=1
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if arch == "gemma3" else 1.0))
+    model.save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: build_tiny_model(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def tiny_model(request, tiny_models) -> Path:
+    return tiny_models[request.param]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_threads():
+    # two cores here: let torch use them, and keep tokenizers from spawning more
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    yield
+
+
+def assert_idle(llm) -> None:
+    """The invariant after every engine test: no request left, every block free or cached."""
+    llm.engine.check_idle()
