@@ -201,9 +201,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def record_lookup(self, request: Request, computed: ComputedBlocks) -> None:
+        """Count a prefix lookup once its request is admitted (a failed admission is retried)."""
+        if self.enable_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += computed.num_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens of `request`. False (and no change) if it can't."""

@@ -37,6 +37,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, requests)

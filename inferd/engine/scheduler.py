@@ -59,16 +59,16 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute this step: all that remain, within the budget and the chunk cap."""
         limit = self.config.long_prefill_token_threshold
-        return min(n, limit) if limit > 0 else n
+        return min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk(request, budget)
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
                 victim = self.running.pop()  # the newest arrival has the lowest priority
                 self._preempt(victim, out)
@@ -100,12 +100,10 @@ class Scheduler:
             request = self.waiting[0]
             computed = self.kv.find_computed_blocks(request) if request.num_computed_tokens == 0 else None
             computed = computed or ComputedBlocks()
-            remaining = request.num_tokens - request.num_computed_tokens - computed.num_tokens
-            n = min(remaining, budget)
-            limit = self.config.long_prefill_token_threshold
-            n = min(n, limit) if limit > 0 else n
+            n = self._chunk(request.num_tokens - request.num_computed_tokens - computed.num_tokens, budget)
             if not self.kv.allocate_slots(request, n, computed):
                 break
+            self.kv.record_lookup(request, computed)
             self.waiting.popleft()
             request.num_computed_tokens += computed.num_tokens
             if request.status == RequestStatus.WAITING:
