@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from inferd.outputs import RequestOutput
+from inferd.server.errors import error_event
+from inferd.server.logprobs import chat_logprobs
+from inferd.server.params import chat_params
+from inferd.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+from inferd.server.sse import DONE, SSEResponse, event
+from inferd.server.state import ServerState, new_id
+from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit, unless_disconnected
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
+    state.check_model(req.model)
+    params = chat_params(req)
+    prompt = state.apply_chat_template(
+        req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+    )
+    request_id = new_id("chatcmpl")
+    streams = await submit(state.engine, request_id, [prompt], params, req.cache_salt)
+    headers = {"X-Request-Id": request_id}
+    if req.stream:
+        body = _stream(state, req, request_id, streams)
+        return SSEResponse(body, on_close=lambda: state.engine.abort(request_id), headers=headers)
+    try:
+        (final,) = await unless_disconnected(raw, final_outputs(state.engine, streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(_response(state, req, request_id, final).model_dump(), headers=headers)
+
+
+def _top_k(req: ChatCompletionRequest) -> int:
+    return req.top_logprobs or 0
+
+
+def _response(
+    state: ServerState, req: ChatCompletionRequest, request_id: str, out: RequestOutput
+) -> ChatCompletionResponse:
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        logprobs = chat_logprobs(c.logprobs or [], state.token_text, _top_k(req)) if req.logprobs else None
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
+    usage = UsageInfo()
+    usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(choice: ChatChunkChoice) -> str:
+        body = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=[choice])
+        return event(body, exclude)
+
+    try:
+        # the role comes first, in a delta of its own, for every choice (as OpenAI sends it)
+        for index in range(req.n):
+            yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        usage = UsageInfo()
+        async for _, out in iterate(state.engine, streams):
+            for c in out.outputs:
+                if c.delta_text or (req.logprobs and c.delta_logprobs):
+                    logprobs = (
+                        chat_logprobs(c.delta_logprobs or [], state.token_text, _top_k(req)) if req.logprobs else None
+                    )
+                    yield chunk(
+                        ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text), logprobs=logprobs)
+                    )
+                if c.finish_reason is not None:
+                    yield chunk(
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=DeltaMessage(),
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+            if out.finished:
+                usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        if include_usage:
+            body = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=[], usage=usage)
+            yield event(body)
+    except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it
+        yield error_event(e)
+    yield DONE

@@ -1,0 +1,75 @@
+"""`inferd serve`: load the engine, then serve it over HTTP until SIGTERM/SIGINT, draining on the way out."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    from inferd.engine.args import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API (default: the default model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, help="name(s) clients use for the model (default: --model)"
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get("INFERD_API_KEY"), help="require `Authorization: Bearer KEY` on the API"
+    )
+    p.add_argument(
+        "--max-waiting-requests", type=int, default=0, help="answer 503 beyond this many waiting requests (0: no limit)"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
+    )
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn stops listening and waits for open responses on SIGTERM; we also stop taking new requests
+    on connections still open and turn /health to 503 at once, so load balancers move away."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from inferd.engine.args import engine_config_from_args
+    from inferd.engine.engine import Engine
+    from inferd.server.app import create_app
+    from inferd.server.state import ServerSettings
+
+    config = engine_config_from_args(args, max_waiting_requests=args.max_waiting_requests)
+    engine = Engine(config)  # load first: the port opens (and /health answers 200) only once the model is ready
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [args.model],
+        api_key=args.api_key,
+        max_waiting_requests=args.max_waiting_requests,
+        model_root=str(engine.model_folder),
+    )
+    app = create_app(engine, settings)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=logging.getLevelName(logging.getLogger().level).lower(),
+        timeout_graceful_shutdown=args.drain_timeout,
+        access_log=False,
+    )
+    server = _DrainingServer(uv_config, on_exit=app.state.inferd.engine.start_drain)
+    logger.info("serving %s as %s on http://%s:%d", args.model, settings.served_model_names, args.host, args.port)
+    server.run()
+    return 0

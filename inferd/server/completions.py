@@ -1,0 +1,120 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from inferd.outputs import RequestOutput
+from inferd.server.errors import APIError, error_event
+from inferd.server.logprobs import completion_logprobs
+from inferd.server.params import completion_params
+from inferd.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from inferd.server.sse import DONE, SSEResponse, event
+from inferd.server.state import ServerState, new_id
+from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit, unless_disconnected
+
+
+def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """OpenAI's four prompt shapes (str, [str], [int], [[int]]) -> token ids and texts, one per prompt."""
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    elif isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = prompt
+    ids = [state.encode(p) if isinstance(p, str) else list(p) for p in items]
+    texts = [p if isinstance(p, str) else None for p in items]
+    return ids, texts
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    state.check_model(req.model)
+    params = completion_params(req)
+    prompt_ids, prompt_texts = _prompts(state, req.prompt)
+    request_id = new_id("cmpl")
+    streams = await submit(state.engine, request_id, prompt_ids, params, req.cache_salt)
+    echoes = [
+        (t if t is not None else state.decode(ids)) if req.echo else ""
+        for t, ids in zip(prompt_texts, prompt_ids, strict=True)
+    ]
+    headers = {"X-Request-Id": request_id}
+    if req.stream:
+        body = _stream(state, req, request_id, streams, echoes)
+        return SSEResponse(body, on_close=lambda: [state.engine.abort(rid) for rid, _ in streams], headers=headers)
+    try:
+        finals = await unless_disconnected(raw, final_outputs(state.engine, streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    body = _response(state, req, request_id, finals, echoes)
+    return JSONResponse(body.model_dump(), headers=headers)
+
+
+def _response(
+    state: ServerState, req: CompletionRequest, request_id: str, finals: list[RequestOutput], echoes: list[str]
+) -> CompletionResponse:
+    choices, usage = [], UsageInfo()
+    for i, out in enumerate(finals):
+        usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs, _ = completion_logprobs(c.logprobs or [], state.token_text, len(echoes[i]))
+            choices.append(
+                CompletionChoice(
+                    index=i * req.n + c.index,
+                    text=echoes[i] + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+
+
+async def _stream(
+    state: ServerState, req: CompletionRequest, request_id: str, streams, echoes: list[str]
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(choice: CompletionChoice) -> str:
+        body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[choice])
+        return event(body, exclude)
+
+    offsets: dict[int, int] = {}
+    usage = UsageInfo()
+    try:
+        for i, echo in enumerate(echoes):
+            for j in range(req.n):
+                offsets[i * req.n + j] = len(echo)
+                if echo:
+                    yield chunk(CompletionChoice(index=i * req.n + j, text=echo))
+        async for i, out in iterate(state.engine, streams):
+            for c in out.outputs:
+                index = i * req.n + c.index
+                if c.delta_text or (req.logprobs is not None and c.delta_logprobs):
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs, offsets[index] = completion_logprobs(
+                            c.delta_logprobs or [], state.token_text, offsets[index]
+                        )
+                    yield chunk(CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs))
+                if c.finish_reason is not None:
+                    yield chunk(
+                        CompletionChoice(index=index, text="", finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    )
+            if out.finished:
+                usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        if include_usage:
+            body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage)
+            yield event(body)
+    except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it
+        yield error_event(e)
+    yield DONE

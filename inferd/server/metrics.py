@@ -1,0 +1,127 @@
+"""Prometheus metrics under vLLM's names with the `inferd:` prefix, so dashboards and KEDA queries carry over.
+
+Per-request latencies come from the engine's own timestamps (RequestMetrics), observed on the step thread
+through AsyncEngine's hooks. Gauges and the engine's cumulative counters are read from the latest stats
+snapshot at scrape time. Each app gets its own CollectorRegistry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inferd.engine.async_engine import EngineHooks
+from inferd.engine.engine import EngineStats
+from inferd.outputs import RequestMetrics, RequestOutput
+
+# vLLM's buckets, so histogram_quantile queries written for vLLM read the same
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680]
+
+P = "inferd:"
+
+
+class _EngineStateCollector(Collector):
+    """Gauges and the engine's own cumulative counters, read from the latest snapshot when scraped."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], tuple[EngineStats, int]]):
+        self.model_name = model_name
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        stats, pending = self.snapshot()
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting + pending)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_cache_usage)
+        yield counter("num_preemptions", "Preemptions (by recompute) since start.", stats.num_preemptions)
+        yield counter("prefix_cache_queries", "Prefix cache queries since start.", stats.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prefix cache hits since start.", stats.prefix_cache_hits)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(P + name, doc, lbl, registry=r, buckets=buckets).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first token).", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.", LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS)
+        self.inference = hist("request_inference_time_seconds", "First scheduled to last token.", LATENCY_BUCKETS)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", lbl, registry=r).labels(
+            model_name
+        )
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", lbl, registry=r).labels(
+            model_name
+        )
+        self.success = Counter(
+            P + "request_success", "Finished sequences by finish reason.", [*lbl, "finished_reason"], registry=r
+        )
+        self._started: set[str] = set()  # requests whose prompt tokens are already counted
+        self._snapshot: Callable[[], tuple[EngineStats, int]] | None = None
+        r.register(_EngineStateCollector(model_name, lambda: self._snapshot()))
+
+    def attach(self, snapshot: Callable[[], tuple[EngineStats, int]]) -> EngineHooks:
+        """Bind to an engine: `snapshot` gives (latest stats, requests not yet queued in the engine)."""
+        self._snapshot = snapshot
+        return EngineHooks(on_step=self.on_step, on_abort=self.on_abort)
+
+    # -- step-thread hooks -------------------------------------------------------------------------
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.request_id not in self._started:
+                self._started.add(out.request_id)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+            if new_tokens:
+                self.generation_tokens.inc(new_tokens)
+            if out.finished:
+                self._started.discard(out.request_id)
+                for c in out.outputs:
+                    self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+                if out.metrics is not None:
+                    self._observe(out.metrics)
+
+    def on_abort(self, request_id: str) -> None:
+        self._started.discard(request_id)
+        self.success.labels(self.model_name, "abort").inc()
+
+    def _observe(self, m: RequestMetrics) -> None:
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        if m.last_token_time is not None:
+            self.decode.observe(m.last_token_time - m.first_token_time)
+            if m.first_scheduled_time is not None:
+                self.inference.observe(m.last_token_time - m.first_scheduled_time)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)

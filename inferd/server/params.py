@@ -1,0 +1,58 @@
+"""OpenAI request fields -> SamplingParams; fields inferd cannot honour are refused, not ignored."""
+
+from __future__ import annotations
+
+from inferd.sampling import SamplingParams
+from inferd.server.errors import APIError
+from inferd.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+MAX_N = 128  # each of n is a sequence in the batch; more than this is a mistake, not a workload
+
+
+def _common(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.n > MAX_N:
+        raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (leave it unset or equal to n)", param="best_of")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo")
+    return _common(req, req.max_tokens, req.logprobs)
+
+
+def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools and req.tool_choice != "none":
+        raise APIError(400, "tool calling is not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _common(req, max_tokens, logprobs)

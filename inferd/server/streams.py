@@ -1,0 +1,113 @@
+"""Submitting a request's prompts to the AsyncEngine, merging their streams, and noticing disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from inferd.engine.async_engine import AsyncEngine, RequestStream
+from inferd.outputs import RequestOutput
+from inferd.sampling import SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def submit(
+    engine: AsyncEngine, base_id: str, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None
+) -> list[tuple[str, RequestStream]]:
+    """Queue every prompt as one engine request; if any is refused, abort the others and raise its error."""
+    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    results = await asyncio.gather(
+        *(engine.add_request(rid, p, params, cache_salt) for rid, p in zip(ids, prompts, strict=True)),
+        return_exceptions=True,
+    )
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for rid, r in zip(ids, results, strict=True):
+            if not isinstance(r, BaseException):
+                engine.abort(rid)
+        raise errors[0]
+    return list(zip(ids, results, strict=True))
+
+
+async def iterate(
+    engine: AsyncEngine, streams: list[tuple[str, RequestStream]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come; leaving early aborts the unfinished ones."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0][1]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as e:
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, (_, s) in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for rid, stream in streams:
+            if not stream.finished:
+                engine.abort(rid)
+
+
+async def final_outputs(engine: AsyncEngine, streams: list[tuple[str, RequestStream]]) -> list[RequestOutput]:
+    """The finished output of every prompt, in prompt order."""
+    final: dict[int, RequestOutput] = {}
+    async for i, out in iterate(engine, streams):
+        if out.finished:
+            final[i] = out
+    return [final[i] for i in range(len(streams))]
+
+
+async def _disconnected(request: Request) -> None:
+    # the body is already read, so the next message the server sends is the disconnect
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (which aborts its engine requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnected()
