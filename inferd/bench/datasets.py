@@ -1,0 +1,209 @@
+"""What a benchmark sends: seeded request sets (prompt text, its token count, the output length).
+
+A dataset hands out requests with `take(count)`; the runner calls it in a fixed order (warm-ups, then each
+sweep level), so the same seed gives the same requests, and no two requests of a run share a prompt:
+vLLM and llama.cpp cache repeated prompts, and a benchmark that repeats itself measures the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from inferd.bench.tokenizers import Tokenizer
+from inferd.errors import InferdError
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str
+    prompt_len: int  # tokens of the prompt text, by the benchmark's tokenizer (the server's usage may add a BOS)
+    output_len: int  # max_tokens asked for
+
+
+class Dataset(Protocol):
+    name: str
+    default_count: int
+
+    def take(self, count: int) -> list[BenchRequest]: ...
+
+
+# Common words, each one token in most tokenizers: random sequences of them tokenize to predictable lengths,
+# unlike random token ids, which re-tokenize into different counts.
+_WORD_TEXT = """
+the of and to in is was he for it with as his on be at by had are but from or have an they which one you were
+all her she there would their we him been has when who will no more if out so up said what its about than into
+them can only other time new some could these two may first then do any like my now over such our man me even
+most made after also did many before must through back years where much your way well down should because each
+just those people how too little state good very make world still own see men work long get here between both
+life being under never day same another know while last might us great old year off come since against go came
+right used take three small house water light river stone garden window paper music table city road market
+morning evening summer winter north south green blue red yellow quiet simple bright heavy early late open
+close answer question number letter story picture animal forest mountain ocean island village engine signal
+energy
+"""
+WORDS = tuple(_WORD_TEXT.split())
+
+
+def length_range(mean: int, range_ratio: float) -> tuple[int, int]:
+    """vLLM's random lengths: uniform integers in [mean*(1-r), mean*(1+r)], at least 1."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise InferdError("--random-range-ratio must be in [0, 1)")
+    lo = max(1, math.floor(mean * (1.0 - range_ratio)))
+    hi = max(lo, math.ceil(mean * (1.0 + range_ratio)))
+    return lo, hi
+
+
+def sample_len(rng: np.random.Generator, mean: int, range_ratio: float) -> int:
+    lo, hi = length_range(mean, range_ratio)
+    return int(rng.integers(lo, hi + 1))
+
+
+def random_text(tok: Tokenizer, num_tokens: int, rng: np.random.Generator) -> tuple[str, int]:
+    """Text of random words cut to `num_tokens` tokens of `tok`; returns (text, its re-encoded token count)."""
+    if num_tokens <= 0:
+        return "", 0
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        words = rng.choice(WORDS, size=num_tokens - len(ids) + 1)
+        ids += tok.encode((" " if ids else "") + " ".join(words))
+    text = tok.decode(ids[:num_tokens])
+    return text, len(tok.encode(text))
+
+
+class _Distinct:
+    """Remembers every prompt handed out, so a collision can be redrawn."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def add(self, prompt: str) -> bool:
+        if prompt in self._seen:
+            return False
+        self._seen.add(prompt)
+        return True
+
+
+class RandomDataset:
+    name = "random"
+    default_count = 1000
+
+    def __init__(self, tok: Tokenizer, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0):
+        if input_len < 1 or output_len < 1:
+            raise InferdError("--random-input-len and --random-output-len must be >= 1")
+        length_range(input_len, range_ratio)  # validates the ratio now, not mid-run
+        self.tok, self.input_len, self.output_len, self.range_ratio = tok, input_len, output_len, range_ratio
+        self.rng = np.random.default_rng(seed)
+        # the server adds its special tokens (a BOS) to the prompt; leave room so usage shows input_len
+        self._special = tok.num_special_tokens()
+        self._distinct = _Distinct()
+
+    def take(self, count: int) -> list[BenchRequest]:
+        out = []
+        while len(out) < count:
+            n_in = sample_len(self.rng, self.input_len, self.range_ratio)
+            n_out = sample_len(self.rng, self.output_len, self.range_ratio)
+            text, n = random_text(self.tok, max(1, n_in - self._special), self.rng)
+            if self._distinct.add(text):
+                out.append(BenchRequest(text, n + self._special, n_out))
+        return out
+
+
+class SharedPrefixDataset:
+    """N prefixes x M suffixes: each take() draws fresh prefixes, then suffixes that share them, shuffled."""
+
+    name = "shared-prefix"
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        prefix_len: int,
+        num_prefixes: int,
+        suffixes_per_prefix: int,
+        suffix_len: int,
+        output_len: int,
+        range_ratio: float = 0.0,
+        seed: int = 0,
+    ):
+        if min(prefix_len, num_prefixes, suffixes_per_prefix, suffix_len, output_len) < 1:
+            raise InferdError("--prefix-len, --num-prefixes, --suffixes-per-prefix and the lengths must be >= 1")
+        length_range(suffix_len, range_ratio)
+        self.tok, self.prefix_len, self.num_prefixes = tok, prefix_len, num_prefixes
+        self.suffix_len, self.output_len, self.range_ratio = suffix_len, output_len, range_ratio
+        self.default_count = num_prefixes * suffixes_per_prefix
+        self.rng = np.random.default_rng(seed)
+        self._special = tok.num_special_tokens()
+        self._distinct = _Distinct()
+
+    def take(self, count: int) -> list[BenchRequest]:
+        n_prefix = max(1, self.prefix_len - self._special)
+        prefixes = [random_text(self.tok, n_prefix, self.rng)[0] for _ in range(self.num_prefixes)]
+        out = []
+        while len(out) < count:
+            prefix = prefixes[len(out) % self.num_prefixes]
+            suffix, _ = random_text(self.tok, sample_len(self.rng, self.suffix_len, self.range_ratio), self.rng)
+            prompt = f"{prefix} {suffix}"
+            if self._distinct.add(prompt):
+                n_out = sample_len(self.rng, self.output_len, self.range_ratio)
+                out.append(BenchRequest(prompt, len(self.tok.encode(prompt)) + self._special, n_out))
+        order = self.rng.permutation(len(out))
+        return [out[i] for i in order]
+
+
+# vLLM's ShareGPT filter: drop very short pairs and those that do not fit a 2048-token context
+_SHAREGPT_MIN_LEN, _SHAREGPT_MAX_PROMPT, _SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+def _first_turns(conv: list[dict]) -> tuple[str, str] | None:
+    """ShareGPT ({"from", "value"}) or OpenAI-style ({"role", "content"}) turns -> (first prompt, first reply)."""
+    if len(conv) < 2:
+        return None
+    texts = [turn.get("value", turn.get("content")) for turn in conv[:2]]
+    if not all(isinstance(t, str) for t in texts):
+        return None
+    return texts[0], texts[1]
+
+
+class ShareGPTDataset:
+    """First human turn as the prompt, the reply's token count as max_tokens, in a seeded order."""
+
+    name = "sharegpt"
+    default_count = 1000
+
+    def __init__(self, path: str | Path, tok: Tokenizer, seed: int = 0, output_len: int | None = None):
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise InferdError(f"cannot read ShareGPT file {path}: {e}") from e
+        if not isinstance(data, list):
+            raise InferdError(f"{path}: expected a JSON list of {{'conversations': [...]}} entries")
+        pairs = [p for entry in data if isinstance(entry, dict) and (p := _first_turns(entry.get("conversations", [])))]
+        rng = np.random.default_rng(seed)
+        self._pairs = [pairs[i] for i in rng.permutation(len(pairs))]
+        self._next = 0
+        self.tok, self.output_len, self.path = tok, output_len, str(path)
+        self._distinct = _Distinct()
+
+    def take(self, count: int) -> list[BenchRequest]:
+        out: list[BenchRequest] = []
+        while len(out) < count:
+            if self._next >= len(self._pairs):
+                raise InferdError(
+                    f"{self.path} has too few usable conversations for {count} more requests "
+                    f"(prompt {_SHAREGPT_MIN_LEN}-{_SHAREGPT_MAX_PROMPT} tokens, total <= {_SHAREGPT_MAX_TOTAL})"
+                )
+            prompt, reply = self._pairs[self._next]
+            self._next += 1
+            n_in = len(self.tok.encode(prompt))
+            n_out = self.output_len or len(self.tok.encode(reply))
+            too_short = n_in < _SHAREGPT_MIN_LEN or (self.output_len is None and n_out < _SHAREGPT_MIN_LEN)
+            if too_short or n_in > _SHAREGPT_MAX_PROMPT or n_in + n_out > _SHAREGPT_MAX_TOTAL:
+                continue
+            if self._distinct.add(prompt):
+                out.append(BenchRequest(prompt, n_in, n_out))
+        return out

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inferd.bench.datasets import RandomDataset, SharedPrefixDataset, ShareGPTDataset, length_range
+from inferd.bench.tokenizers import LocalTokenizer
+from inferd.errors import InferdError
+
+
+class CharTokenizer:
+    """One token per character and one BOS: lengths are known exactly."""
+
+    name = "chars"
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def num_special_tokens(self):
+        return 1
+
+
+@pytest.fixture(scope="module")
+def local_tok(tmp_path_factory):
+    from tests.conftest import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return LocalTokenizer(str(path))
+
+
+def test_length_range_matches_vllm():
+    assert length_range(100, 0.0) == (100, 100)
+    assert length_range(100, 0.25) == (75, 125)
+    assert length_range(1, 0.5) == (1, 2)
+    with pytest.raises(InferdError):
+        length_range(10, 1.0)
+
+
+def test_random_dataset_exact_lengths_and_distinct_prompts():
+    ds = RandomDataset(CharTokenizer(), input_len=40, output_len=7, seed=3)
+    reqs = ds.take(30) + ds.take(30)
+    assert all(r.prompt_len == 40 and len(r.prompt) == 39 for r in reqs)  # 39 characters + the BOS
+    assert all(r.output_len == 7 for r in reqs)
+    assert len({r.prompt for r in reqs}) == 60
+
+
+def test_random_dataset_is_deterministic_by_seed(local_tok):
+    a = RandomDataset(local_tok, 64, 16, range_ratio=0.5, seed=11)
+    b = RandomDataset(local_tok, 64, 16, range_ratio=0.5, seed=11)
+    c = RandomDataset(local_tok, 64, 16, range_ratio=0.5, seed=12)
+    ra, rb, rc = a.take(20), b.take(20), c.take(20)
+    assert ra == rb
+    assert [r.prompt for r in ra] != [r.prompt for r in rc]
+    for r in ra:
+        assert 8 <= r.output_len <= 24
+        assert r.prompt_len == len(local_tok.encode(r.prompt)) + local_tok.num_special_tokens()
+        assert 30 <= r.prompt_len <= 98  # asked 32..96; a cut word may re-tokenize a token either way
+    assert len({r.output_len for r in ra}) > 1 and len({r.prompt_len for r in ra}) > 1
+
+
+def test_shared_prefix_groups():
+    ds = SharedPrefixDataset(CharTokenizer(), prefix_len=30, num_prefixes=3, suffixes_per_prefix=4, suffix_len=10,
+                             output_len=5, seed=0)  # fmt: skip
+    assert ds.default_count == 12
+    reqs = ds.take(ds.default_count)
+    prefixes = {r.prompt[:29] for r in reqs}  # 29 characters + BOS = 30 tokens
+    assert len(prefixes) == 3
+    assert sorted(sum(r.prompt.startswith(p) for r in reqs) for p in prefixes) == [4, 4, 4]
+    assert len({r.prompt for r in reqs}) == 12
+    assert all(r.prompt_len == 29 + 1 + 10 + 1 for r in reqs)  # prefix, space, suffix, BOS
+    again = SharedPrefixDataset(CharTokenizer(), 30, 3, 4, 10, 5, seed=0).take(12)
+    assert again == reqs
+    assert not prefixes & {r.prompt[:29] for r in ds.take(12)}  # the next draw (a sweep level) has fresh prefixes
+
+
+def _sharegpt(path, n):
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question number {i} " * 3},
+                {"from": "gpt", "value": "ok " * i},
+            ]
+        }
+        for i in range(n)
+    ]
+    data.append({"conversations": [{"from": "human", "value": "x"}]})  # one turn: skipped
+    data.append(
+        {
+            "conversations": [
+                {"role": "user", "content": "role style prompt"},
+                {"role": "assistant", "content": "fine reply"},
+            ]
+        }
+    )
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_sharegpt_seeded_filtered_and_exhaustible(tmp_path):
+    path = _sharegpt(tmp_path / "sg.json", 20)
+    tok = CharTokenizer()
+    a, b = ShareGPTDataset(path, tok, seed=1).take(10), ShareGPTDataset(path, tok, seed=1).take(10)
+    assert a == b
+    assert [r.prompt for r in a] != [r.prompt for r in ShareGPTDataset(path, tok, seed=2).take(10)]
+    assert all(r.output_len >= 4 and r.prompt_len == len(r.prompt) for r in a)
+    fixed = ShareGPTDataset(path, tok, seed=1, output_len=9).take(5)
+    assert {r.output_len for r in fixed} == {9}
+    with pytest.raises(InferdError, match="too few"):
+        ShareGPTDataset(path, tok, seed=1).take(100)
+    with pytest.raises(InferdError):
+        ShareGPTDataset(tmp_path / "missing.json", tok)
