@@ -251,31 +251,37 @@ class AsyncEngine:
             item = self._inbox.get() if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
-        while True:
-            if item is _STOP:
-                for rid in list(self._live):
-                    self.engine.abort(rid)
-                self._live.clear()
-                return False
+        replies: list[tuple[asyncio.Future, BaseException | None]] = []
+        while item is not _STOP:
             if isinstance(item, _Add):
-                self._add(item)
+                replies.append((item.future, self._add(item)))
             else:
                 self._abort(item.request_id)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return True
+                break
+        # the stats must count an accepted request as waiting before its submitter hears back,
+        # or the overload check could miss it in between
+        self.stats = self.engine.stats()
+        if replies:
+            self._call_loop(_resolve_all, replies)
+        if item is _STOP:
+            for rid in list(self._live):
+                self.engine.abort(rid)
+            self._live.clear()
+            return False
+        return True
 
-    def _add(self, item: _Add) -> None:
+    def _add(self, item: _Add) -> BaseException | None:
         if item.future.cancelled():
-            return
+            return None
         try:
             self.engine.add_request(item.request_id, item.prompt, item.params, item.cache_salt, item.arrival_time)
         except Exception as e:
-            self._call_loop(_resolve, item.future, e)
-            return
+            return e
         self._live.add(item.request_id)
-        self._call_loop(_resolve, item.future, None)
+        return None
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._live:
@@ -323,6 +329,11 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         self._fail(list(self._streams), error)
+
+
+def _resolve_all(replies: list[tuple[asyncio.Future, BaseException | None]]) -> None:
+    for future, error in replies:
+        _resolve(future, error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
