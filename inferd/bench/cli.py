@@ -175,7 +175,15 @@ def run_serve(args: argparse.Namespace) -> int:
     base_url = normalize_base_url(args.base_url)
     server = preflight(base_url, args.api_key)
     model = args.model or _default_model(server)
-    tok = resolve_tokenizer(args.tokenizer_source, base_url, model, args.tokenizer, args.api_key)
+    served = [m.get("id") for m in server.models if isinstance(m, dict)]
+    unknown = bool(served) and model not in served  # llama.cpp answers any name, so this is a hint, not an error
+    if unknown:
+        logger.warning("the server lists %s, not %r; requests may fail with 404", served, model)
+    try:
+        tok = resolve_tokenizer(args.tokenizer_source, base_url, model, args.tokenizer, args.api_key)
+    except InferdError as e:
+        hint = f" (the server serves {served}, not {model!r}: check --model)" if unknown else ""
+        raise InferdError(f"{e}{hint}") from None
     dataset = _make_dataset(args, tok)
     client = ClientConfig(
         base_url=base_url,
