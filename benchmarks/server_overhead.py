@@ -1,0 +1,195 @@
+"""Server overhead: the same greedy workload offline (LLM.generate) and through `inferd serve` (streaming).
+
+Both sides use the same engine settings, with max_num_seqs = the client concurrency, so the batch sizes
+match and the difference is what HTTP, SSE and the step thread cost. Output tokens/s of both and their
+ratio go to benchmarks/results/server_overhead.json. Target: the server keeps >= 90% of offline throughput.
+
+    .venv/bin/python benchmarks/server_overhead.py --num-requests 64 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from inferd.config import DEFAULT_MODEL
+from inferd.engine.engine import LLM
+from inferd.sampling import SamplingParams
+
+RESULTS = Path(__file__).parent / "results" / "server_overhead.json"
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "paged",
+    "attention",
+    "keeps",
+    "every",
+    "block",
+    "busy",
+]
+
+
+def make_prompts(n: int, words: int) -> list[str]:
+    # distinct prompts (no shared prefix beyond chance), deterministic
+    return [f"Request {i}: " + " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(words)) for i in range(n)]
+
+
+def engine_kwargs(args) -> dict:
+    return dict(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.concurrency,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+
+
+def run_offline(args, prompts: list[str]) -> dict:
+    from inferd.config import parse_memory
+
+    kw = engine_kwargs(args) | {"kv_cache_memory": parse_memory(args.kv_cache_memory)}
+    llm = LLM(args.model, **kw)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[: args.concurrency], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "inferd.cli", "serve", "--model", args.model, "--port", str(port)]
+    for flag, value in engine_kwargs(args).items():
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not become healthy in time")
+
+
+async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+async def _drive(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[int, float]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        await asyncio.gather(*(_one(client, p, 4) for p in prompts[:concurrency]))  # warm-up
+        queue = list(reversed(prompts))
+        total = 0
+
+        async def worker() -> None:
+            nonlocal total
+            while queue:
+                tokens = await _one(client, queue.pop(), max_tokens)  # not `total += await ...`: lost updates
+                total += tokens
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return total, time.perf_counter() - start
+
+
+def run_server(args, prompts: list[str]) -> dict:
+    port = free_port()
+    proc = start_server(args, port)
+    try:
+        tokens, elapsed = asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, args.concurrency, args.output_len))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--input-words", type=int, default=32, help="words per prompt")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+
+    prompts = make_prompts(args.num_requests, args.input_words)
+    offline = run_offline(args, prompts)
+    print(f"offline: {offline['output_tokens_per_s']:.1f} output tok/s ({offline['seconds']:.1f} s)", flush=True)
+    server = run_server(args, prompts)
+    print(f"server:  {server['output_tokens_per_s']:.1f} output tok/s ({server['seconds']:.1f} s)", flush=True)
+    ratio = server["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    print(f"ratio:   {ratio:.3f} (target >= 0.90)")
+    result = {
+        "benchmark": "server_overhead",
+        "model": args.model,
+        "dtype": args.dtype,
+        "num_requests": args.num_requests,
+        "concurrency": args.concurrency,
+        "input_words": args.input_words,
+        "output_len": args.output_len,
+        "offline": offline,
+        "server": server,
+        "ratio": ratio,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "note": "CPU machine shared with other jobs; numbers are noisy",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
