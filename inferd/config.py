@@ -54,6 +54,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length, capped at 8192
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: one per core
+    #: matmul backend for fp32 on CPU: "onednn" (oneDNN inner product, uses AVX-512 where present) or "dense"
+    cpu_linear: str = "onednn"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -62,6 +64,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.cpu_linear not in ("onednn", "dense"):
+            raise ConfigError(f"cpu_linear must be onednn or dense, got {self.cpu_linear!r}")
         self.cache.validate()
         self.scheduler.validate()
 

@@ -22,6 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap on one prefill chunk (0: none)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    g.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"], help="fp32 matmul backend on CPU")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: one per core)")
 
 
@@ -34,6 +35,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra):
         max_model_len=args.max_model_len,
         seed=args.seed,
         num_threads=args.num_threads,
+        cpu_linear=args.cpu_linear,
         kv_cache_memory=parse_memory(args.kv_cache_memory),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

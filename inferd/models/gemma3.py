@@ -8,7 +8,7 @@ from torch import nn
 
 from inferd.models.attention import AttentionMetadata
 from inferd.models.base import CausalLM, KVCache
-from inferd.models.layers import RMSNorm, build_rotary
+from inferd.models.layers import Linear, RMSNorm, build_rotary
 from inferd.models.llama import Attention, GatedMLP, layer_windows
 
 
@@ -56,7 +56,7 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config, max_positions: int):
         super().__init__(config)
         self.model = Gemma3Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_global = build_rotary(config, max_positions, "full_attention")
         self.rotary_local = build_rotary(config, max_positions, "sliding_attention")
         self.embed_scale = config.hidden_size**0.5

@@ -10,7 +10,7 @@ from torch import nn
 
 from inferd.models.attention import AttentionMetadata, paged_attention
 from inferd.models.base import CausalLM, KVCache
-from inferd.models.layers import ACTIVATIONS, FusedLinear, RMSNorm, apply_rotary, build_rotary
+from inferd.models.layers import ACTIVATIONS, FusedLinear, Linear, RMSNorm, apply_rotary, build_rotary
 
 
 def layer_windows(config) -> list[int | None]:
@@ -32,7 +32,7 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(config.hidden_size, [q, kv, kv], bias=qkv_bias)
-        self.o_proj = nn.Linear(q, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.o_proj = Linear(q, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.window = window
         self.scale = self.head_dim**-0.5
         self.softcap = None
@@ -55,7 +55,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +101,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config)
         bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.model = DecoderBody(config, bias, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = build_rotary(config, max_positions)
         self.tie_weights_if_needed()
 

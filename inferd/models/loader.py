@@ -22,6 +22,7 @@ from torch import nn
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import ModelLoadError
 from inferd.models.base import CausalLM
+from inferd.models.layers import pack_linears_for_cpu
 from inferd.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -183,7 +184,9 @@ class LoadedModel:
     folder: Path
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LoadedModel:
+def load_model(
+    folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int, cpu_linear: str = "onednn"
+) -> LoadedModel:
     config = text_config(load_config(folder))
     cls = model_class_for(config)
     with _skip_init(), torch.device(device):
@@ -193,6 +196,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
     model.to(dtype=dtype)
+    if device.type == "cpu" and dtype == torch.float32 and cpu_linear == "onednn":
+        pack_linears_for_cpu(model)
     model.eval().requires_grad_(False)
     return LoadedModel(model, config, folder)
 

@@ -1,0 +1,97 @@
+"""Shared helpers for the benchmark scripts: machine facts, matmul peak, FLOP counting, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def median_time(fn: Callable[[], object], runs: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_peak_gflops(n: int = 3072) -> dict[str, float]:
+    """Large fp32 matmul throughput, with torch's dense path and with oneDNN (whichever the CPU runs faster)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    flops = 2 * n**3
+    out = {"dense_mm": flops / median_time(lambda: a @ b) / 1e9}
+    if torch.backends.mkldnn.is_available():
+        wm = b.t().contiguous().to_mkldnn()
+        out["onednn"] = (
+            flops / median_time(lambda: torch.ops.mkldnn._linear_pointwise(a, wm, None, "none", [], "")) / 1e9
+        )
+    out["peak"] = max(out.values())
+    return out
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
+    except (OSError, StopIteration):
+        isa = []
+    return {
+        "cpu": cpu or platform.processor(),
+        "isa": isa,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+class FlopCounter:
+    """Model FLOPs of a decoder: 2 per weight per token for the body, the LM head only where sampled,
+    plus attention (QK^T and PV) over each token's visible context."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.hidden = cfg.hidden_size
+        self.vocab = cfg.vocab_size
+        self.layers = cfg.num_hidden_layers
+        self.heads = cfg.num_attention_heads
+        self.head_dim = model.head_dim
+        # count from the Linear shapes: packed (oneDNN) layers no longer hold a dense weight
+        self.body_params = sum(
+            m.in_features * m.out_features for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
+        )
+        self.windows = [getattr(layer.self_attn, "window", None) for layer in model.model.layers]
+
+    def attention(self, context: int) -> int:
+        total = 0
+        for w in self.windows:
+            seen = min(context, w) if w else context
+            total += 4 * seen * self.heads * self.head_dim
+        return total
+
+    def token(self, context: int, sampled: bool) -> int:
+        return 2 * self.body_params + self.attention(context) + (2 * self.hidden * self.vocab if sampled else 0)
+
+
+def write_result(name: str, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path

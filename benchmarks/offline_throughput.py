@@ -1,0 +1,176 @@
+"""Offline throughput: inferd's engine against Hugging Face transformers `generate` on the same prompts.
+
+Workload (issue 2): 64 requests, prompt lengths uniform in 32-512, output lengths uniform in 32-256,
+ignore_eos, the default model in fp32. inferd runs them with max_num_seqs=32; transformers runs static
+batches of 32 (left padding), each batch until its longest requested output, counting only the tokens
+each request asked for. Also: a decode step at batch 32 in model FLOP/s against the machine's matmul
+peak, and a profile of that step.
+
+    .venv/bin/python benchmarks/offline_throughput.py            # full run, writes results/offline_throughput.json
+    .venv/bin/python benchmarks/offline_throughput.py --quick    # 16 requests, for a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import FlopCounter, machine, matmul_peak_gflops, median_time, write_result
+from inferd import LLM, SamplingParams
+from inferd.config import DEFAULT_MODEL
+
+
+def make_workload(n: int, seed: int, vocab_lo: int = 1000, vocab_hi: int = 200_000):
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(n):
+        prompts.append([rng.randrange(vocab_lo, vocab_hi) for _ in range(rng.randint(32, 512))])
+        outputs.append(rng.randint(32, 256))
+    return prompts, outputs
+
+
+def run_inferd(llm: LLM, prompts, outputs) -> dict:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(outputs)
+    return {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed}
+
+
+def run_hf(folder, prompts, outputs, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pad = model.config.pad_token_id or 0
+    t = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        batch, wants = prompts[start : start + batch_size], outputs[start : start + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(wants),
+                min_new_tokens=max(wants),  # ignore_eos: every sequence runs to the batch's longest request
+                do_sample=False,
+                pad_token_id=pad,
+            )
+    elapsed = time.perf_counter() - t
+    counted = sum(outputs)
+    return {"seconds": elapsed, "output_tokens": counted, "output_tokens_per_s": counted / elapsed}
+
+
+def decode_step_efficiency(llm: LLM, prompts, batch: int, peak: float) -> dict:
+    """Fill the batch, finish every prefill, then time decode steps and profile one."""
+    engine = llm.engine
+    flops = FlopCounter(engine.model)
+    for i, p in enumerate(prompts[:batch]):
+        engine.add_request(f"decode-{i}", p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()
+    running = list(engine.scheduler.running)
+    step_flops = sum(flops.token(r.num_tokens, sampled=True) for r in running)
+    seconds = median_time(engine.step, runs=9, warmup=1)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    top = [
+        {"op": e.key, "self_ms": e.self_cpu_time_total / 1000, "calls": e.count}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    ]
+    for i in range(batch):
+        engine.abort(f"decode-{i}")
+    engine.check_idle()
+    gflops = step_flops / seconds / 1e9
+    return {
+        "batch": len(running),
+        "step_seconds": seconds,
+        "step_gflop": step_flops / 1e9,
+        "gflops": gflops,
+        "fraction_of_peak": gflops / peak,
+        "lm_head_share_of_flops": len(running) * 2 * flops.hidden * flops.vocab / step_flops,
+        "profile_top_ops": top,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=3, help="inferd runs (the median is reported)")
+    ap.add_argument("--hf-runs", type=int, default=1)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"])
+    ap.add_argument("--quick", action="store_true", help="16 requests, one run each")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="offline_throughput")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_requests, args.runs, args.hf_runs = 16, 1, 1
+
+    info = machine()
+    peak = matmul_peak_gflops()
+    prompts, outputs = make_workload(args.num_requests, args.seed)
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=2 * 1024**3,
+        cpu_linear=args.cpu_linear,
+    )
+    run_inferd(llm, prompts[:4], [8] * 4)  # warm-up
+    inferd_runs = [run_inferd(llm, prompts, outputs) for _ in range(args.runs)]
+    inferd_tps = statistics.median(r["output_tokens_per_s"] for r in inferd_runs)
+    decode = decode_step_efficiency(llm, prompts, args.max_num_seqs, peak["peak"])
+    result = {
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": [32, 512],
+            "output_len": [32, 256],
+            "total_prompt_tokens": sum(map(len, prompts)),
+            "total_output_tokens": sum(outputs),
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "dtype": "float32",
+            "cpu_linear": args.cpu_linear,
+        },
+        "machine": info,
+        "matmul_peak_gflops": peak,
+        "inferd": {"runs": inferd_runs, "median_output_tokens_per_s": inferd_tps},
+        "decode_step_batch32": decode,
+    }
+    if not args.skip_hf:
+        folder = llm.engine.model_folder
+        del llm
+        hf_runs = [run_hf(folder, prompts, outputs, args.max_num_seqs) for _ in range(args.hf_runs)]
+        hf_tps = statistics.median(r["output_tokens_per_s"] for r in hf_runs)
+        result["transformers"] = {"runs": hf_runs, "median_output_tokens_per_s": hf_tps}
+        result["ratio_inferd_over_transformers"] = inferd_tps / hf_tps
+    path = write_result(args.out, result)
+    line = f"inferd {inferd_tps:.1f} out tok/s"
+    if "transformers" in result:
+        hf_tps = result["transformers"]["median_output_tokens_per_s"]
+        line += f" | transformers {hf_tps:.1f} | ratio {result['ratio_inferd_over_transformers']:.2f}x"
+    share = decode["fraction_of_peak"]
+    line += f" | decode b{decode['batch']}: {decode['gflops']:.0f} GFLOP/s = {share:.0%} of peak {peak['peak']:.0f}"
+    print(line)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
