@@ -56,6 +56,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: one per core
     #: matmul backend for fp32 on CPU: "onednn" (oneDNN inner product, uses AVX-512 where present) or "dense"
     cpu_linear: str = "onednn"
+    #: decode attention: "auto" (native kernel on CPU fp32 when it builds), "cpu-kernel" (required), "torch"
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -66,6 +68,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.cpu_linear not in ("onednn", "dense"):
             raise ConfigError(f"cpu_linear must be onednn or dense, got {self.cpu_linear!r}")
+        if self.attention_backend not in ("auto", "cpu-kernel", "torch"):
+            raise ConfigError(f"attention_backend must be auto, cpu-kernel or torch; got {self.attention_backend!r}")
         self.cache.validate()
         self.scheduler.validate()
 

@@ -23,6 +23,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"], help="fp32 matmul backend on CPU")
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu-kernel", "torch"],
+        help="decode attention: native CPU kernel where it builds (auto), or the PyTorch reference",
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: one per core)")
 
 
@@ -36,6 +42,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra):
         seed=args.seed,
         num_threads=args.num_threads,
         cpu_linear=args.cpu_linear,
+        attention_backend=args.attention_backend,
         kv_cache_memory=parse_memory(args.kv_cache_memory),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

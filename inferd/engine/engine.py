@@ -93,7 +93,7 @@ class Engine:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_ids(folder, hf_config)
         self.kv = KVCacheManager(self._num_blocks(), config.cache.block_size, config.cache.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device, config.attention_backend)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(self.device, config.seed)
         self._parents: dict[str, _Parent] = {}

@@ -13,11 +13,16 @@ import torch
 
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.scheduler import SchedulerOutput
-from inferd.models.attention import AttentionMetadata, PrefillChunk
+from inferd.errors import ConfigError
+from inferd.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from inferd.models.base import CausalLM
 from inferd.request import Request
 
 logger = logging.getLogger(__name__)
+
+# Decodes attend in padded groups: more groups waste less padding but launch more kernels.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
 
 
 @dataclass
@@ -30,7 +35,14 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCacheManager, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCacheManager,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "auto",
+    ):
         self.model = model
         self.kv = kv
         self.device = device
@@ -40,6 +52,18 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)
         ]
+        self.decode_kernel = self._pick_decode_kernel(attention_backend)
+
+    def _pick_decode_kernel(self, backend: str):
+        if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        from inferd.models.cpu_kernels import paged_decode_kernel
+
+        kernel = paged_decode_kernel()
+        if kernel is None and backend == "cpu-kernel":
+            raise ConfigError("--attention-backend cpu-kernel: the native kernel failed to build (see the log)")
+        logger.info("decode attention: %s", "native CPU kernel" if kernel else "PyTorch reference")
+        return kernel
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -57,7 +81,8 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInput:
         n_of = sched.num_scheduled_tokens
-        decodes = [r for r in sched.requests if n_of[r.request_id] == 1]
+        # decodes sorted by length, so the padded groups attention gathers them in waste little
+        decodes = sorted((r for r in sched.requests if n_of[r.request_id] == 1), key=lambda r: r.num_tokens)
         prefills = [r for r in sched.requests if n_of[r.request_id] > 1]
         bs = self.kv.block_size
         ids: list[int] = []
@@ -81,13 +106,32 @@ class ModelRunner:
             if start + n == r.num_tokens:  # the chunk reaches the end: a new token is sampled
                 logits_indices.append(len(ids) - 1)
                 sampling.append(r)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=chunks)
-        if decodes:
-            width = max(len(t) for t in block_tables)
-            meta.num_decodes = len(decodes)
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in block_tables])
-            meta.decode_seq_lens = self._tensor([r.num_computed_tokens + 1 for r in decodes])
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), block_size=bs, prefills=chunks, decode_kernel=self.decode_kernel
+        )
+        meta.decode_groups = self._decode_groups(decodes, block_tables)
         return StepInput(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling)
+
+    def _decode_groups(self, decodes: list[Request], tables: list[list[int]]) -> list[DecodeGroup]:
+        """Split the length-sorted decodes into up to MAX_DECODE_GROUPS groups of equal size."""
+        if self.decode_kernel is not None:  # it reads every request's blocks in place: no padding to avoid
+            num_groups = 1 if decodes else 0
+        else:
+            num_groups = min(MAX_DECODE_GROUPS, -(-len(decodes) // MIN_DECODE_GROUP))
+        groups = []
+        for g in range(num_groups):
+            lo, hi = len(decodes) * g // num_groups, len(decodes) * (g + 1) // num_groups
+            width = max(len(t) for t in tables[lo:hi])
+            groups.append(
+                DecodeGroup(
+                    start=lo,
+                    count=hi - lo,
+                    block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables[lo:hi]]),
+                    seq_lens=self._tensor([r.num_computed_tokens + 1 for r in decodes[lo:hi]]),
+                    block_size=self.kv.block_size,
+                )
+            )
+        return groups
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,13 +1,18 @@
 """Paged attention, PyTorch reference backend (CPU and CUDA).
 
 Per layer, K and V live in [num_blocks, block_size, num_kv_heads, head_dim] tensors. Each step writes
-the new tokens' K/V into their slots, then attends: decode tokens (one query each) as one padded
-batch, prefill chunks one request at a time with a causal mask offset by what was computed before.
-Sliding-window layers only look at the last `window` positions.
+the new tokens' K/V into their slots, then attends: decode tokens (one query each) in a few padded
+groups of similar length, prefill chunks one request at a time with a causal mask offset by what was
+computed before. Sliding-window layers only gather and attend over the blocks inside their window.
+
+The decode path gathers each request's blocks into a padded batch before SDPA: that copy is the price
+of doing paged attention without a custom kernel, so the runner sorts decodes by length and splits
+them into groups to keep the padding (copied and attended for nothing) small.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,29 +28,47 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens [start, start + count) of the flat batch, one per request, padded to a common width."""
+
+    start: int
+    count: int
+    block_tables: torch.Tensor  # [count, max_blocks], padded with block 0
+    seq_lens: torch.Tensor  # [count], including the token being decoded
+    block_size: int
+    _views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, [count, 1, 1, keys] bool mask) for a layer with this window, built once per step."""
+        if window not in self._views:
+            self._views[window] = self._build(window)
+        return self._views[window]
+
+    def _build(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, seq_lens, tables = self.block_size, self.seq_lens, self.block_tables
+        num_blocks = (seq_lens + bs - 1) // bs
+        first = torch.zeros_like(seq_lens) if window is None else (seq_lens - window).clamp(min=0) // bs
+        width = int((num_blocks - first).max())
+        cols = first[:, None] + torch.arange(width, device=tables.device)[None, :]
+        tables = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))
+        pos = (cols[:, :, None] * bs + torch.arange(bs, device=tables.device)).flatten(1)
+        mask = pos < seq_lens[:, None]
+        if window is not None:
+            mask &= pos > (seq_lens[:, None] - 1 - window)
+        return tables, mask[:, None, None, :]
+
+
+@dataclass
 class AttentionMetadata:
     """Where every token of the flat batch lives and what it may attend to. Decodes come first."""
 
     slot_mapping: torch.Tensor  # [num_tokens]
     block_size: int
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes], including the token being decoded
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    #: the native kernel reading K/V in place (CPU, fp32), or None for the PyTorch reference
+    decode_kernel: Callable | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[num_decodes, 1, 1, max_len] bool: which gathered key positions each decode query sees."""
-        if window not in self._decode_masks:
-            seq_lens = self.decode_seq_lens
-            max_len = self.decode_block_tables.shape[1] * self.block_size
-            pos = torch.arange(max_len, device=seq_lens.device)
-            mask = pos[None, :] < seq_lens[:, None]
-            if window is not None:
-                mask &= pos[None, :] > (seq_lens[:, None] - 1 - window)
-            self._decode_masks[window] = mask[:, None, None, :]
-        return self._decode_masks[window]
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """[q, context + q] bool causal (and windowed) mask; None where plain causal SDPA does the job."""
@@ -76,8 +99,7 @@ def write_kv(
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[..., num_blocks] block ids -> [..., num_blocks * block_size, kv_heads, head_dim]."""
-    g = cache[block_table]
-    return g.flatten(-4, -3)
+    return cache[block_table].flatten(-4, -3)
 
 
 def _sdpa(q, k, v, mask, scale, softcap, is_causal=False):
@@ -112,12 +134,24 @@ def paged_attention(
     """q [T, H, D], k/v [T, KVH, D] for the new tokens -> attention output [T, H * D]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        keys = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)
-        values = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
-        o = _sdpa(q[:nd].unsqueeze(2), keys, values, meta.decode_mask(window), scale, softcap)
-        out[:nd] = o.squeeze(2)
+    for group in meta.decode_groups:
+        s, e = group.start, group.start + group.count
+        if meta.decode_kernel is not None:
+            out[s:e] = meta.decode_kernel(
+                q[s:e].contiguous(),
+                k_cache,
+                v_cache,
+                group.block_tables,
+                group.seq_lens,
+                scale,
+                window or 0,
+                softcap or 0.0,
+            )
+            continue
+        tables, mask = group.view(window)
+        keys = _gather(k_cache, tables).transpose(1, 2)
+        values = _gather(v_cache, tables).transpose(1, 2)
+        out[s:e] = _sdpa(q[s:e].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
     for i, chunk in enumerate(meta.prefills):
         s, e = chunk.start, chunk.start + chunk.num_tokens
         if chunk.context_len == 0:

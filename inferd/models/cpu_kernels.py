@@ -1,0 +1,49 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension builder (g++ and ninja).
+
+The build is cached per CPU (it is compiled with -march=native), so only the first start on a
+machine pays the ~1 minute compile. If anything about the build fails, inferd logs why and falls
+back to the PyTorch reference attention, which gives the same results, only slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+        model = next((line for line in info.splitlines() if line.startswith("model name")), "")
+    except OSError:
+        flags = model = ""
+    return hashlib.sha256((flags + model).encode()).hexdigest()[:10]
+
+
+@functools.cache
+def paged_decode_kernel() -> Callable | None:
+    """The compiled `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)`."""
+    if os.environ.get("INFERD_DISABLE_CPU_KERNELS"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name=f"inferd_paged_decode_{_cpu_fingerprint()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            verbose=False,
+        )
+        return module.paged_decode
+    except Exception as e:  # no compiler, no ninja, odd platform: the reference path still works
+        logger.warning("CPU paged attention kernel unavailable (%s); using the PyTorch reference", e)
+        return None

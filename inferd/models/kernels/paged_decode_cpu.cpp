@@ -1,0 +1,96 @@
+// Paged attention for decode tokens on CPU: one query per request, keys and values read in place from
+// the block tables, so nothing is gathered or padded. Work is split over (request, kv head) pairs;
+// each pair computes its query group's scores, a softmax, and the weighted sum of values.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+}  // namespace
+
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
+// seq_lens: [B] int64 (including the token being decoded); window <= 0 means none. Returns [B, H, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                           int64_t window, double softcap) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
+              "paged_decode runs on float32");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t G = H / KVH;
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t MB = bt.size(1);
+  const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
+
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, kvh = item % KVH;
+      const int64_t len = lp[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      scores.assign(G * n, 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        const int64_t block = btp[b * MB + pos / BS];
+        const float* key = kp + ((block * BS + pos % BS) * KVH + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float s = dot(qp + (b * H + kvh * G + g) * D, key, D) * fscale;
+          if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
+          scores[g * n + t] = s;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * n;
+        const float mx = *std::max_element(row, row + n);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          row[t] = std::exp(row[t] - mx);
+          sum += row[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) row[t] *= inv;
+      }
+      float* o = op + (b * H + kvh * G) * D;
+      std::fill(o, o + G * D, 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        const int64_t block = btp[b * MB + pos / BS];
+        const float* val = vp + ((block * BS + pos % BS) * KVH + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + t], val, o + g * D, D);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32)");
+}
