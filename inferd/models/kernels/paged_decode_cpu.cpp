@@ -18,6 +18,25 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Four dot products against the same query: four independent accumulators keep the FMA units busy
+// instead of waiting on one reduction chain.
+inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t n,
+                 float* out) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < n; ++i) {
+    const float qi = q[i];
+    s0 += qi * k0[i];
+    s1 += qi * k1[i];
+    s2 += qi * k2[i];
+    s3 += qi * k3[i];
+  }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
+}
+
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
@@ -57,15 +76,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - start;
       scores.assign(G * n, 0.f);
-      for (int64_t t = 0; t < n; ++t) {
+      auto key_at = [&](int64_t t) {
         const int64_t pos = start + t;
-        const int64_t block = btp[b * MB + pos / BS];
-        const float* key = kp + ((block * BS + pos % BS) * KVH + kvh) * D;
+        return kp + ((btp[b * MB + pos / BS] * BS + pos % BS) * KVH + kvh) * D;
+      };
+      // tokens outer, heads inner: four keys stay in L1 while every head of the group uses them
+      int64_t t = 0;
+      float four[4];
+      for (; t + 4 <= n; t += 4) {
+        const float *k0 = key_at(t), *k1 = key_at(t + 1), *k2 = key_at(t + 2), *k3 = key_at(t + 3);
         for (int64_t g = 0; g < G; ++g) {
-          float s = dot(qp + (b * H + kvh * G + g) * D, key, D) * fscale;
-          if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
-          scores[g * n + t] = s;
+          dot4(qp + (b * H + kvh * G + g) * D, k0, k1, k2, k3, D, four);
+          std::copy(four, four + 4, scores.data() + g * n + t);
         }
+      }
+      for (; t < n; ++t)
+        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(qp + (b * H + kvh * G + g) * D, key_at(t), D);
+      for (float& s : scores) {
+        s *= fscale;
+        if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
       }
       for (int64_t g = 0; g < G; ++g) {
         float* row = scores.data() + g * n;
