@@ -68,24 +68,29 @@ class AttentionMetadata:
     #: the native kernel reading K/V in place (CPU, fp32), or None for the PyTorch reference
     decode_kernel: Callable | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-    _prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    _prefill_masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
-    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
-        """[q, context + q] bool causal (and windowed) mask; None where plain causal SDPA does the job."""
+    def prefill_view(self, index: int, window: int | None) -> tuple[int, torch.Tensor | None]:
+        """(first key position, [q, keys] bool mask) for one prefill chunk, built once per step.
+
+        A sliding-window layer starts at the block holding the earliest key any query of the chunk can
+        see; the mask is None where plain causal SDPA over the chunk's own keys does the job.
+        """
         key = (index, window)
         if key not in self._prefill_masks:
             chunk = self.prefills[index]
-            total = chunk.context_len + chunk.num_tokens
-            if chunk.context_len == 0 and (window is None or window >= total):
-                self._prefill_masks[key] = None
+            ctx, total = chunk.context_len, chunk.context_len + chunk.num_tokens
+            first = 0 if window is None else max(0, ctx - window + 1) // self.block_size * self.block_size
+            if ctx == 0 and (window is None or window >= total):
+                self._prefill_masks[key] = (0, None)
             else:
                 device = chunk.block_table.device
-                q_pos = torch.arange(chunk.context_len, total, device=device)[:, None]
-                k_pos = torch.arange(total, device=device)[None, :]
+                q_pos = torch.arange(ctx, total, device=device)[:, None]
+                k_pos = torch.arange(first, total, device=device)[None, :]
                 mask = k_pos <= q_pos
                 if window is not None:
                     mask &= k_pos > q_pos - window
-                self._prefill_masks[key] = mask
+                self._prefill_masks[key] = (first, mask)
         return self._prefill_masks[key]
 
 
@@ -155,17 +160,19 @@ def paged_attention(
         out[s:e] = _sdpa(q[s:e].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
     for i, chunk in enumerate(meta.prefills):
         s, e = chunk.start, chunk.start + chunk.num_tokens
+        first, mask = meta.prefill_view(i, window)
         if chunk.context_len == 0:
             keys, values = k[s:e], v[s:e]  # nothing earlier: attend over the chunk's own fresh K/V
         else:
             total = chunk.context_len + chunk.num_tokens
-            keys = _gather(k_cache, chunk.block_table)[:total]
-            values = _gather(v_cache, chunk.block_table)[:total]
+            table = chunk.block_table[first // meta.block_size :]
+            keys = _gather(k_cache, table)[: total - first]
+            values = _gather(v_cache, table)[: total - first]
         o = _sdpa(
             q[s:e].transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            meta.prefill_mask(i, window),
+            mask,
             scale,
             softcap,
             is_causal=True,
