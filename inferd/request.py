@@ -42,7 +42,7 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
-    #: seconds spent prefilling (until the first token) and decoding (after it)
+    #: gap before each output token after the first (seconds)
     inter_token_latencies: list[float] = field(default_factory=list)
 
 
