@@ -88,7 +88,7 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(config.tokenizer or folder)
         hf_config = loader.text_config(loader.load_config(folder))
         self.max_model_len = config.max_model_len or min(loader.model_max_len(hf_config), _MAX_DEFAULT_LEN)
-        loaded = loader.load_model(folder, self.dtype, self.device, self.max_model_len, config.cpu_linear)
+        loaded = loader.load_model(folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear)
         self.model = loaded.model
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_ids(folder, hf_config)

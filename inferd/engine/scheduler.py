@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from inferd.config import SchedulerConfig
-from inferd.engine.kv_cache import ComputedBlocks, KVCacheManager
+from inferd.engine.kv_cache import KVCacheManager
 from inferd.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -98,14 +98,14 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed = self.kv.find_computed_blocks(request) if request.num_computed_tokens == 0 else None
-            computed = computed or ComputedBlocks()
-            n = self._chunk(request.num_tokens - request.num_computed_tokens - computed.num_tokens, budget)
+            # waiting requests (new or preempted) have nothing computed: all they reuse comes from the cache
+            computed = self.kv.find_computed_blocks(request)
+            n = self._chunk(request.num_tokens - computed.num_tokens, budget)
             if not self.kv.allocate_slots(request, n, computed):
                 break
             self.kv.record_lookup(request, computed)
             self.waiting.popleft()
-            request.num_computed_tokens += computed.num_tokens
+            request.num_computed_tokens = computed.num_tokens
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = computed.num_tokens
             if request.times.first_scheduled is None:

@@ -185,9 +185,14 @@ class LoadedModel:
 
 
 def load_model(
-    folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int, cpu_linear: str = "onednn"
+    folder: Path,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    cpu_linear: str = "onednn",
 ) -> LoadedModel:
-    config = text_config(load_config(folder))
+    """Build the model class for `config` (a text config, see `text_config`) and fill it from `folder`."""
     cls = model_class_for(config)
     with _skip_init(), torch.device(device):
         model = cls(config, max_positions)
