@@ -65,7 +65,7 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, w
                 in_flight -= 1
     elapsed = time.perf_counter() - t
     outs = [finished[i] for i in range(len(prompts))]
-    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    ttfts = [o.metrics.times.first_token - o.metrics.times.arrival for o in outs]
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     queries = engine.kv.stats.queries - queries0
     return {

@@ -14,7 +14,7 @@ _PLUGIN_COMMANDS = ["inferd.server.cli", "inferd.bench.cli"]
 
 
 def _add_generate(sub) -> None:
-    from inferd.engine.args import add_engine_args
+    from inferd.config import add_engine_args
 
     p = sub.add_parser("generate", help="complete prompts offline and print the text")
     p.add_argument("prompts", nargs="+", help="one or more prompts")
@@ -32,7 +32,7 @@ def _add_generate(sub) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from inferd import SamplingParams
-    from inferd.engine.args import engine_config_from_args
+    from inferd.config import engine_config_from_args
     from inferd.engine.engine import LLM
 
     llm = LLM(engine_config_from_args(args))

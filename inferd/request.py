@@ -1,4 +1,8 @@
-"""Request: one sequence being generated. Its progress is one counter, num_computed_tokens."""
+"""Request: one sequence being generated, as the scheduler sees it.
+
+Its progress is one counter, `num_computed_tokens`, and the list of tokens it has generated; both
+change in one place only, `Scheduler.update_from_output` (and a preemption resets the counter).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from inferd.outputs import RequestTimes
 from inferd.sampling import SamplingParams
 
 
@@ -33,40 +36,29 @@ FINISH_REASONS = {
 }
 
 
-@dataclass
-class RequestTimes:
-    """Engine-side timestamps (time.monotonic) for the latency metrics."""
-
-    arrival: float = field(default_factory=time.monotonic)
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-    #: gap before each output token after the first (seconds)
-    inter_token_latencies: list[float] = field(default_factory=list)
+def sub_request_id(parent_id: str, index: int) -> str:
+    """The id of a request's index-th part: one of its n sequences, or one prompt of a prompt list."""
+    return f"{parent_id}-{index}"
 
 
 @dataclass(eq=False)
 class Request:
     """One sequence. `n > 1` requests are fanned out into n of these by the engine."""
 
-    request_id: str  # unique per sequence, e.g. "cmpl-3#1" for the second of n
+    request_id: str  # unique per sequence: sub_request_id(parent_id, index) when the parent has n > 1
     parent_id: str
     index: int  # which of the parent's n sequences
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
     cache_salt: str | None = None
-    prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
-    block_hashes: list[bytes] = field(default_factory=list)
-    times: RequestTimes = field(default_factory=RequestTimes)
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,14 +67,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_id_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from inferd import LLM, SamplingParams
-from inferd.engine.scheduler import SchedulerOutput
-from inferd.request import Request
+from inferd.engine.step import NewRequest, ScheduledChunk, SchedulerOutput
 from tests.conftest import assert_idle
 
 pytestmark = pytest.mark.slow
@@ -28,16 +27,20 @@ def test_default_model_knows_paris(llm):
 
 def _engine_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one prefill step of our model."""
-    engine = llm.engine
-    req = Request("logits", "logits", 0, token_ids, SamplingParams(), engine.eos_token_ids)
-    assert engine.kv.allocate_slots(req, len(token_ids))
+    runner, bs = llm.engine.runner, llm.engine.kv.block_size
+    blocks = list(range(-(-len(token_ids) // bs)))  # the engine is idle: any blocks will do
+    sched = SchedulerOutput(
+        chunks=[ScheduledChunk("logits", token_ids, 0, is_prefill=True, samples=True, new_block_ids=blocks)],
+        new_requests=[NewRequest("logits", token_ids, SamplingParams(), frozenset())],
+    )
+    runner.update_states(sched)
     try:
-        step = engine.runner.prepare(SchedulerOutput({req.request_id: len(token_ids)}, [req]))
+        step = runner.prepare(sched)
         with torch.inference_mode():
-            hidden = engine.model(step.input_ids, step.positions, engine.runner.kv_caches, step.meta)
-            return engine.model.compute_logits(hidden).float()
+            hidden = llm.engine.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
+            return llm.engine.model.compute_logits(hidden).float()
     finally:
-        engine.kv.free(req)
+        runner.update_states(SchedulerOutput(finished_ids=["logits"]))
 
 
 def test_logits_match_transformers_reading_the_same_gguf(llm):

@@ -1,8 +1,15 @@
-"""Engine: add requests, step, abort. LLM: the offline facade over it."""
+"""Engine: add requests, step, abort. LLM: the offline facade over it.
+
+The engine owns what belongs to an API request: the fan-out of `n` into sequences, detokenization,
+stop strings and the outputs. A sequence's progress through the model is the scheduler's
+(`Scheduler.update_from_output`); the engine only asks it to finish a sequence whose text hit a stop
+string, or that was aborted.
+"""
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
@@ -11,16 +18,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from inferd.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from inferd.chat import render_chat
+from inferd.config import DEFAULT_MODEL, EngineConfig, make_engine_config
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.runner import ModelRunner
-from inferd.engine.sampler import Sampler, TokenLogprobs
-from inferd.engine.scheduler import Scheduler
+from inferd.engine.scheduler import SampledToken, Scheduler
 from inferd.errors import ConfigError, InvalidRequestError
 from inferd.models import loader
-from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inferd.request import Request, RequestStatus
+from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestTimes, TokenLogprobs
+from inferd.request import Request, RequestStatus, sub_request_id
 from inferd.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,14 +95,17 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(config.tokenizer or folder)
         hf_config = loader.text_config(loader.load_config(folder))
         self.max_model_len = config.max_model_len or min(loader.model_max_len(hf_config), _MAX_DEFAULT_LEN)
-        loaded = loader.load_model(folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear)
-        self.model = loaded.model
+        self.model = loader.load_model(
+            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear
+        )
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_ids(folder, hf_config)
-        self.kv = KVCacheManager(self._num_blocks(), config.cache.block_size, config.cache.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv, self.dtype, self.device, config.attention_backend)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.sampler = Sampler(self.device, config.seed)
+        num_blocks, block_size = self._num_blocks(), config.cache.block_size
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(
+            self.model, num_blocks, block_size, self.dtype, self.device, config.attention_backend, config.seed
+        )
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
@@ -104,7 +114,7 @@ class Engine:
 
     # -- set-up ------------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
-        cache: CacheConfig = self.config.cache
+        cache = self.config.cache
         per_block = ModelRunner.bytes_per_block(self.model, cache.block_size, self.dtype)
         num_blocks = cache.num_blocks or cache.kv_cache_memory // per_block
         tokens = num_blocks * cache.block_size
@@ -129,8 +139,6 @@ class Engine:
         candidates = [getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id]
         gen = folder / "generation_config.json"
         if gen.exists():
-            import json
-
             candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
         for c in candidates:
             if isinstance(c, int):
@@ -166,19 +174,15 @@ class Engine:
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             req = Request(
-                request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                request_id=sub_request_id(request_id, i) if params.n > 1 else request_id,
                 parent_id=request_id,
                 index=i,
                 prompt_token_ids=token_ids,
                 params=child_params,
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
-                prompt=text,
+                times=RequestTimes(arrival=arrival),
             )
-            req.times.arrival = arrival
-            if child_params.seed is not None:
-                req.generator = torch.Generator(device=self.device)
-                req.generator.manual_seed(child_params.seed)
             seq = _Sequence(
                 req,
                 IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
@@ -233,15 +237,10 @@ class Engine:
             req = seq.request
             self._seqs.pop(req.request_id, None)
             if not req.is_finished:
-                self.scheduler.finish(req)
-                req.status = RequestStatus.FINISHED_ABORTED
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._parents)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -256,54 +255,29 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        runner_output = self.runner.execute(sched)
         if sched.empty:
             return []
-        logits, sampling = self.runner.execute(sched)
-        for r in sched.requests:
-            r.num_computed_tokens += sched.num_scheduled_tokens[r.request_id]
-        if logits is None:
-            return []
-        sampled = self.sampler(logits, sampling)
-        now = time.monotonic()
         touched: dict[str, _Parent] = {}
-        for req, token_id, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
-            seq = self._seqs[req.request_id]
-            self._append_token(seq, token_id, lp, now)
-            touched[req.parent_id] = self._parents[req.parent_id]
+        for sampled in self.scheduler.update_from_output(sched, runner_output):
+            seq = self._seqs[sampled.request.request_id]
+            self._on_token(seq, sampled)
+            touched[seq.request.parent_id] = self._parents[seq.request.parent_id]
         return [self._make_output(p) for p in touched.values()]
 
-    def _append_token(self, seq: _Sequence, token_id: int, lp: TokenLogprobs | None, now: float) -> None:
+    def _on_token(self, seq: _Sequence, sampled: SampledToken) -> None:
+        """Detokenize a sequence's new token and look for its stop strings."""
         req = seq.request
-        times = req.times
-        if times.first_token is None:
-            times.first_token = now
-        else:
-            times.inter_token_latencies.append(now - times.last_token)
-        times.last_token = now
-        req.output_token_ids.append(token_id)
-        if seq.logprobs is not None and lp is not None:
-            seq.logprobs.append(lp)
-        params = req.params
-        if not params.ignore_eos and token_id in req.eos_token_ids:
-            self._finish(req, RequestStatus.FINISHED_STOPPED, None)
-        elif token_id in params.stop_token_ids:
-            self._finish(req, RequestStatus.FINISHED_STOPPED, token_id)
-        else:
-            stop = seq.detok.add_token(token_id, check_stop=len(req.output_token_ids) >= params.min_tokens)
+        if seq.logprobs is not None and sampled.logprobs is not None:
+            seq.logprobs.append(sampled.logprobs)
+        # at this point only an eos or stop token can have stopped it: those are not text
+        if req.status != RequestStatus.FINISHED_STOPPED:
+            check = len(req.output_token_ids) >= req.params.min_tokens
+            stop = seq.detok.add_token(sampled.token_id, check_stop=check)
             if stop is not None:
-                self._finish(req, RequestStatus.FINISHED_STOPPED, stop)
-        if not req.is_finished and (
-            len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            self._finish(req, RequestStatus.FINISHED_LENGTH, None)
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
         if req.is_finished:
             seq.detok.flush()
-
-    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
-        req.status = status
-        req.stop_reason = stop_reason
-        req.times.finished = time.monotonic()
-        self.scheduler.finish(req)
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         finished = parent.finished
@@ -347,18 +321,12 @@ class Engine:
     @staticmethod
     def _metrics(parent: _Parent) -> RequestMetrics:
         reqs = [s.request for s in parent.seqs]
-        first = reqs[0].times
         return RequestMetrics(
-            arrival_time=first.arrival,
-            first_scheduled_time=min((r.times.first_scheduled for r in reqs if r.times.first_scheduled), default=None),
-            first_token_time=min((r.times.first_token for r in reqs if r.times.first_token), default=None),
-            last_token_time=max((r.times.last_token for r in reqs if r.times.last_token), default=None),
-            finished_time=max((r.times.finished for r in reqs if r.times.finished), default=None),
+            times=RequestTimes.merge([r.times for r in reqs]),
             num_prompt_tokens=len(parent.prompt_token_ids),
             num_generation_tokens=sum(len(r.output_token_ids) for r in reqs),
             num_cached_tokens=max(r.num_cached_tokens for r in reqs),
             num_preemptions=sum(r.num_preemptions for r in reqs),
-            inter_token_latencies=[x for r in reqs for x in r.times.inter_token_latencies],
         )
 
     def check_idle(self) -> None:
@@ -366,23 +334,6 @@ class Engine:
         if self.has_unfinished_requests() or self._parents:
             raise AssertionError("engine still holds requests")
         self.kv.check_idle()
-
-
-def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
-    """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig."""
-    cache_fields = {"block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching"}
-    sched_fields = {
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "long_prefill_token_threshold",
-        "max_waiting_requests",
-    }
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_fields}
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_fields}
-    try:
-        return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
-    except TypeError as e:
-        raise ConfigError(f"unknown engine setting: {e}") from None
 
 
 class LLM:
@@ -418,11 +369,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations
-        ]
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_lists, sampling_params)
+        return self.generate([render_chat(self.tokenizer, c) for c in conversations], sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -30,16 +30,16 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra:
     return h.digest()
 
 
-def request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
-    """Extend (and return) the request's hashes to cover every full block of its known tokens."""
-    hashes = request.block_hashes
-    num_full = request.num_tokens // block_size
-    while len(hashes) < num_full:
-        i = len(hashes)
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, salt: str | None = None
+) -> list[BlockHash]:
+    """Extend `hashes` (in place, and return it) to cover every full block of `token_ids`."""
+    for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        tokens = request.token_ids_slice(i * block_size, (i + 1) * block_size)
         # the salt goes into the first block only: the chain carries it to every later block
-        hashes.append(hash_block_tokens(parent, tokens, request.cache_salt if i == 0 else None))
+        hashes.append(
+            hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt if i == 0 else None)
+        )
     return hashes
 
 
@@ -172,6 +172,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # per request, computed once per full block
         self.stats = PrefixCacheStats()
 
     @property
@@ -185,14 +186,25 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
+
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from its `start`-th block on."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.block_size:
+            tokens = request.prompt_token_ids + request.output_token_ids
+            extend_block_hashes(hashes, tokens, self.block_size, request.cache_salt)
+        return hashes
 
     def find_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest cached prefix of full blocks. The last token is always left to compute."""
         if not self.enable_caching:
             return ComputedBlocks()
-        hashes = request_block_hashes(request, self.block_size)
+        hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
         for i, block_hash in enumerate(hashes[:max_blocks]):
@@ -241,7 +253,7 @@ class KVCacheManager:
         start = self._num_hashed.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = request_block_hashes(request, self.block_size)
+        hashes = self._block_hashes(request)
         for i in range(start, num_full):
             tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
             self.pool.cache_block(blocks[i], hashes[i], tokens)
@@ -250,6 +262,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)
         # tail first, so the LRU queue evicts the end of a sequence before its shared head
         self.pool.free(reversed(blocks))
 

@@ -1,22 +1,25 @@
-"""ModelRunner: owns the model and the KV cache tensors, turns a scheduled step into one forward pass.
+"""ModelRunner: owns the model, the KV cache tensors and the sampler; turns a step record into tokens.
 
-It lays the batch out flat (decodes first, then prefill chunks), builds positions, the slot mapping
-and block tables, runs the model, and computes logits only for the requests that sample this step.
+It knows requests only through the step records (`inferd.engine.step`): from them it keeps its own
+per-request state (block table, sampling state) and never sees the scheduler's objects. Per step it
+lays the batch out flat (one-query chunks first, then multi-token prefill chunks), builds positions,
+the slot mapping and block tables, runs the model, computes logits only for the chunks that sample,
+and samples.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from inferd.engine.kv_cache import KVCacheManager
-from inferd.engine.scheduler import SchedulerOutput
+from inferd.engine.sampler import Sampler
+from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.errors import ConfigError
 from inferd.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from inferd.models.base import CausalLM
-from inferd.request import Request
+from inferd.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -25,34 +28,51 @@ MAX_DECODE_GROUPS = 4
 MIN_DECODE_GROUP = 8
 
 
+@dataclass(eq=False)
+class CachedRequest:
+    """The runner's own state of one request, built from its `NewRequest` and chunks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled (penalties read it)
+    block_ids: list[int] = field(default_factory=list)
+
+
 @dataclass
 class StepInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_requests: list[Request]  # in the order of logits_indices
+    sampling: list[CachedRequest]  # in the order of logits_indices
 
 
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "auto",
+        seed: int = 0,
     ):
         self.model = model
-        self.kv = kv
+        self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        shape = (kv.num_blocks, kv.block_size, model.num_kv_heads, model.head_dim)
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)
         ]
         self.decode_kernel = self._pick_decode_kernel(attention_backend)
+        self.sampler = Sampler(device, seed)
+        self.requests: dict[str, CachedRequest] = {}
 
     def _pick_decode_kernel(self, backend: str):
         if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.float32:
@@ -70,65 +90,90 @@ class ModelRunner:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
+    # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Request]]:
-        """One forward pass. Returns logits [num_sampling, vocab] and the requests they belong to."""
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Apply the step record to the runner's state, run one forward pass, sample."""
+        self.update_states(sched)
+        if sched.empty:
+            return RunnerOutput()
         step = self.prepare(sched)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        if not step.sampling_requests:
-            return None, []
-        return self.model.compute_logits(hidden[step.logits_indices]), step.sampling_requests
+        if not step.sampling:
+            return RunnerOutput()
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        sampled = self.sampler(logits, step.sampling)
+        for state, token_id in zip(step.sampling, sampled.token_ids, strict=True):
+            state.output_token_ids.append(token_id)
+        return RunnerOutput([s.request_id for s in step.sampling], sampled.token_ids, sampled.logprobs)
+
+    def update_states(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_ids:
+            self.requests.pop(request_id, None)
+        for request_id in sched.preempted_ids:  # recomputed later into new blocks; sampling state stays
+            self.requests[request_id].block_ids = []
+        for new in sched.new_requests:
+            self.requests[new.request_id] = self._cached_request(new)
+        for chunk in sched.chunks:
+            self.requests[chunk.request_id].block_ids.extend(chunk.new_block_ids)
+
+    def _cached_request(self, new: NewRequest) -> CachedRequest:
+        generator = None
+        if new.params.seed is not None:  # its own stream, so its tokens do not depend on the batch
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.params.seed)
+        return CachedRequest(new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids, generator)
 
     def prepare(self, sched: SchedulerOutput) -> StepInput:
-        n_of = sched.num_scheduled_tokens
-        # decodes sorted by length, so the padded groups attention gathers them in waste little
-        decodes = sorted((r for r in sched.requests if n_of[r.request_id] == 1), key=lambda r: r.num_tokens)
-        prefills = [r for r in sched.requests if n_of[r.request_id] > 1]
-        bs = self.kv.block_size
+        """The flat batch. One-query chunks (decodes, and one-token prefill chunks, which attend the same
+        way) take the decode attention path, sorted by length so its padded groups waste little."""
+        singles = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: c.start)
+        multis = [c for c in sched.chunks if c.num_tokens > 1]
+        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        sampling: list[Request] = []
+        sampling: list[CachedRequest] = []
         chunks: list[PrefillChunk] = []
         block_tables: list[list[int]] = []
-        for r in decodes + prefills:
-            start, n = r.num_computed_tokens, n_of[r.request_id]
-            table = self.kv.block_ids(r.request_id)
+        for c in singles + multis:
+            state = self.requests[c.request_id]
+            start, n, table = c.start, c.num_tokens, state.block_ids
             first = len(ids)
-            ids.extend(r.token_ids_slice(start, start + n))
+            ids.extend(c.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 block_tables.append(table)
             else:
                 chunks.append(PrefillChunk(first, n, start, self._tensor(table[: -(-(start + n) // bs)])))
-            if start + n == r.num_tokens:  # the chunk reaches the end: a new token is sampled
+            if c.samples:
                 logits_indices.append(len(ids) - 1)
-                sampling.append(r)
+                sampling.append(state)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), block_size=bs, prefills=chunks, decode_kernel=self.decode_kernel
         )
-        meta.decode_groups = self._decode_groups(decodes, block_tables)
+        meta.decode_groups = self._decode_groups(singles, block_tables)
         return StepInput(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling)
 
-    def _decode_groups(self, decodes: list[Request], tables: list[list[int]]) -> list[DecodeGroup]:
-        """Split the length-sorted decodes into up to MAX_DECODE_GROUPS groups of equal size."""
+    def _decode_groups(self, singles: list[ScheduledChunk], tables: list[list[int]]) -> list[DecodeGroup]:
+        """Split the length-sorted one-query chunks into up to MAX_DECODE_GROUPS groups of equal size."""
         if self.decode_kernel is not None:  # it reads every request's blocks in place: no padding to avoid
-            num_groups = 1 if decodes else 0
+            num_groups = 1 if singles else 0
         else:
-            num_groups = min(MAX_DECODE_GROUPS, -(-len(decodes) // MIN_DECODE_GROUP))
+            num_groups = min(MAX_DECODE_GROUPS, -(-len(singles) // MIN_DECODE_GROUP))
         groups = []
         for g in range(num_groups):
-            lo, hi = len(decodes) * g // num_groups, len(decodes) * (g + 1) // num_groups
+            lo, hi = len(singles) * g // num_groups, len(singles) * (g + 1) // num_groups
             width = max(len(t) for t in tables[lo:hi])
             groups.append(
                 DecodeGroup(
                     start=lo,
                     count=hi - lo,
                     block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables[lo:hi]]),
-                    seq_lens=self._tensor([r.num_computed_tokens + 1 for r in decodes[lo:hi]]),
-                    block_size=self.kv.block_size,
+                    seq_lens=self._tensor([c.start + 1 for c in singles[lo:hi]]),
+                    block_size=self.block_size,
                 )
             )
         return groups

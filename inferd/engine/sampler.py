@@ -8,21 +8,24 @@ Logprobs are those of the model's raw distribution, as vLLM and OpenAI report th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from inferd.request import Request
+from inferd.outputs import TokenLogprobs
+from inferd.sampling import SamplingParams
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprob of the sampled token and the top alternatives at one position."""
+class SamplingState(Protocol):
+    """What the sampler reads of a request: the runner keeps one of these per request."""
 
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]]
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None  # a seeded request's own; None draws from the sampler's
 
 
 @dataclass
@@ -38,7 +41,7 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, requests)
         if any(r.params.uses_penalties for r in requests):
@@ -48,7 +51,7 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, requests))
 
     # -- logits processors ------------------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         vocab = logits.shape[1]
         for i, r in enumerate(requests):
             p = r.params
@@ -66,7 +69,7 @@ class Sampler:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
-    def _mask_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _mask_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         for i, r in enumerate(requests):
             if len(r.output_token_ids) < r.params.min_tokens:
                 stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
@@ -76,7 +79,7 @@ class Sampler:
         return logits
 
     # -- choosing tokens --------------------------------------------------------------------------
-    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
@@ -85,7 +88,7 @@ class Sampler:
             token_ids[rows] = chosen
         return token_ids
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         device = logits.device
         temps = torch.tensor([r.params.temperature for r in requests], device=device)
         logits = logits / temps[:, None]
@@ -114,14 +117,14 @@ class Sampler:
 
     # -- logprobs ---------------------------------------------------------------------------------
     @staticmethod
-    def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
+    def _raw_logprobs(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor | None:
         if all(r.params.logprobs is None for r in requests):
             return None
         return torch.log_softmax(logits, dim=-1)
 
     @staticmethod
     def _gather_logprobs(
-        logprobs: torch.Tensor | None, token_ids: torch.Tensor, requests: list[Request]
+        logprobs: torch.Tensor | None, token_ids: torch.Tensor, requests: Sequence[SamplingState]
     ) -> list[TokenLogprobs | None]:
         if logprobs is None:
             return [None] * len(requests)

@@ -3,6 +3,10 @@
 Every step, each scheduled request gets a number of tokens to compute. A decoding request needs one
 (its last sampled token); a prefilling request takes the next chunk of what it has not computed yet.
 Prefill chunks and decodes share a step, so a long prompt never stalls the requests already running.
+
+The scheduler is also the one place where a request moves forward: `update_from_output` advances
+`num_computed_tokens`, appends the sampled tokens and applies the token-level stops (`check_stop`);
+`finish` ends a request for any other reason (a stop string the engine found, an abort).
 """
 
 from __future__ import annotations
@@ -10,52 +14,72 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from inferd.config import SchedulerConfig
 from inferd.engine.kv_cache import KVCacheManager
+from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
+from inferd.outputs import TokenLogprobs
 from inferd.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 
+def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
+    """Whether the token just appended ends `request`: (status, stop_reason), or None to go on.
+
+    An end-of-sequence or stop token counts once `min_tokens` are out (the sampler masks them before
+    that); a stop token is named as the stop reason, eos is not. Then the length limits: `max_tokens`
+    and the model's context. Stop strings are text, so the engine checks them after detokenizing.
+    """
+    params = request.params
+    num_output = len(request.output_token_ids)
+    last = request.output_token_ids[-1]
+    if num_output >= params.min_tokens:
+        if not params.ignore_eos and last in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, last
+    if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
 @dataclass
-class SchedulerOutput:
-    """What one step computes: tokens per request, in the order the runner lays them out."""
+class SampledToken:
+    """A token appended to a request this step, for the engine to detokenize and report."""
 
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def empty(self) -> bool:
-        return not self.requests
+    request: Request
+    token_id: int
+    logprobs: TokenLogprobs | None
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
         self.config = config
         self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # for the next step record: the runner drops their state
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.requests)
 
     def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    # -- scheduling --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        if not out.preempted:  # under KV pressure, admit nothing new this step
+        if not out.preempted_ids:  # under KV pressure, admit nothing new this step
             self._schedule_waiting(out, budget)
         return out
 
@@ -69,14 +93,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_blocks = self.kv.num_blocks_of(request.request_id)
             while not self.kv.allocate_slots(request, n):
                 victim = self.running.pop()  # the newest arrival has the lowest priority
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.requests.append(request)
-                out.num_scheduled_tokens[request.request_id] = n
+                out.chunks.append(self._chunk_record(request, request.num_computed_tokens, n, num_blocks))
                 budget -= n
                 i += 1
         return budget
@@ -88,7 +112,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted.append(request)
+        out.preempted_ids.append(request.request_id)
         logger.info(
             "preempted %s (%d tokens) to free KV blocks; it will be recomputed",
             request.request_id,
@@ -106,20 +130,62 @@ class Scheduler:
             self.kv.record_lookup(request, computed)
             self.waiting.popleft()
             request.num_computed_tokens = computed.num_tokens
-            if request.status == RequestStatus.WAITING:
+            if request.status == RequestStatus.WAITING:  # new to the runner; a preempted one it still knows
                 request.num_cached_tokens = computed.num_tokens
+                out.new_requests.append(
+                    NewRequest(request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids)
+                )
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.requests.append(request)
-            out.num_scheduled_tokens[request.request_id] = n
+            out.chunks.append(self._chunk_record(request, computed.num_tokens, n, 0))
             budget -= n
 
-    def finish(self, request: Request) -> None:
-        """Drop a finished or aborted request from the queues and free its blocks."""
+    def _chunk_record(self, request: Request, start: int, n: int, num_known_blocks: int) -> ScheduledChunk:
+        """The step record of `request`: its next n tokens from `start`, and the blocks the runner lacks."""
+        end = start + n
+        is_decode = n == 1 and end == request.num_tokens and start >= request.num_prompt_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, end),
+            start=start,
+            is_prefill=not is_decode,
+            samples=end == request.num_tokens,
+            new_block_ids=self.kv.block_ids(request.request_id, num_known_blocks),
+        )
+
+    # -- progress ----------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[SampledToken]:
+        """Move every scheduled request forward by what the step computed and sampled."""
+        for chunk in sched.chunks:
+            self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens
+        now = time.monotonic()
+        sampled = []
+        for request_id, token_id, logprobs in zip(out.request_ids, out.token_ids, out.logprobs, strict=True):
+            request = self.requests[request_id]
+            request.output_token_ids.append(token_id)
+            request.times.on_token(now)
+            stop = check_stop(request, self.max_model_len)
+            if stop is not None:
+                self.finish(request, *stop)
+            sampled.append(SampledToken(request, token_id, logprobs))
+        return sampled
+
+    def finish(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End a request (a stop, a stop string, an abort): drop it from the queues and free its blocks.
+
+        A request that has already finished only takes the new status and reason (a stop string found
+        in the token that also reached max_tokens makes it a stop, as in vLLM).
+        """
+        request.status = status
+        request.stop_reason = stop_reason
+        request.times.finished = time.monotonic()
+        if self.requests.pop(request.request_id, None) is None:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        self._finished_ids.append(request.request_id)

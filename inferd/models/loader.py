@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -177,13 +176,6 @@ def iter_safetensors(folder: Path):
                 yield name, sf.get_tensor(name)
 
 
-@dataclass
-class LoadedModel:
-    model: CausalLM
-    config: object
-    folder: Path
-
-
 def load_model(
     folder: Path,
     config,
@@ -191,7 +183,7 @@ def load_model(
     device: torch.device,
     max_positions: int,
     cpu_linear: str = "onednn",
-) -> LoadedModel:
+) -> CausalLM:
     """Build the model class for `config` (a text config, see `text_config`) and fill it from `folder`."""
     cls = model_class_for(config)
     with _skip_init(), torch.device(device):
@@ -204,7 +196,7 @@ def load_model(
     if device.type == "cpu" and dtype == torch.float32 and cpu_linear == "onednn":
         pack_linears_for_cpu(model)
     model.eval().requires_grad_(False)
-    return LoadedModel(model, config, folder)
+    return model
 
 
 def model_max_len(config) -> int:

@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
-    from inferd.engine.args import add_engine_args
+    from inferd.config import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API (default: the default model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -47,12 +47,12 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from inferd.engine.args import engine_config_from_args
+    from inferd.config import engine_config_from_args
     from inferd.engine.engine import Engine
     from inferd.server.app import create_app
     from inferd.server.state import ServerSettings
 
-    config = engine_config_from_args(args, max_waiting_requests=args.max_waiting_requests)
+    config = engine_config_from_args(args)
     engine = Engine(config)  # load first: the port opens (and /health answers 200) only once the model is ready
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],

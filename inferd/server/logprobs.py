@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from inferd.engine.sampler import TokenLogprobs
+from inferd.outputs import TokenLogprobs
 from inferd.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 _FLOOR = -9999.0  # JSON has no -inf; vLLM uses the same floor

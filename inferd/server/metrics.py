@@ -110,18 +110,19 @@ class ServerMetrics:
         self.success.labels(self.model_name, "abort").inc()
 
     def _observe(self, m: RequestMetrics) -> None:
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.queue.observe(m.first_scheduled_time - m.arrival_time)
-        if m.first_token_time is None:
+        t = m.times
+        if t.finished is not None:
+            self.e2e.observe(t.finished - t.arrival)
+        if t.first_scheduled is not None:
+            self.queue.observe(t.first_scheduled - t.arrival)
+        if t.first_token is None:
             return
-        self.ttft.observe(m.first_token_time - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.prefill.observe(m.first_token_time - m.first_scheduled_time)
-        if m.last_token_time is not None:
-            self.decode.observe(m.last_token_time - m.first_token_time)
-            if m.first_scheduled_time is not None:
-                self.inference.observe(m.last_token_time - m.first_scheduled_time)
-        for gap in m.inter_token_latencies:
+        self.ttft.observe(t.first_token - t.arrival)
+        if t.first_scheduled is not None:
+            self.prefill.observe(t.first_token - t.first_scheduled)
+        if t.last_token is not None:
+            self.decode.observe(t.last_token - t.first_token)
+            if t.first_scheduled is not None:
+                self.inference.observe(t.last_token - t.first_scheduled)
+        for gap in t.inter_token_latencies:
             self.itl.observe(gap)

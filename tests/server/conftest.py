@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from inferd.engine.engine import Engine, make_engine_config
+from inferd.config import make_engine_config
+from inferd.engine.engine import Engine
 from inferd.server.app import create_app
 from inferd.server.cli import _DrainingServer
 from inferd.server.state import ServerSettings
@@ -58,7 +59,7 @@ class RunningServer:
 def start_server(model_dir, drain_timeout: float = 5.0, api_key: str | None = None, **engine_kwargs) -> RunningServer:
     kwargs = dict(max_model_len=512, kv_cache_memory=64 << 20, num_threads=2) | engine_kwargs
     max_waiting = kwargs.pop("max_waiting_requests", 0)
-    engine = Engine(make_engine_config(str(model_dir), max_waiting_requests=max_waiting, **kwargs))
+    engine = Engine(make_engine_config(str(model_dir), **kwargs))
     settings = ServerSettings([MODEL_NAME, "tiny-alias"], api_key=api_key, max_waiting_requests=max_waiting)
     app = create_app(engine, settings)
     port = free_port()

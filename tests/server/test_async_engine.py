@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
+from inferd.config import make_engine_config
 from inferd.engine.async_engine import AsyncEngine, EngineOverloadedError
-from inferd.engine.engine import Engine, make_engine_config
+from inferd.engine.engine import Engine
 from inferd.errors import InvalidRequestError
 from inferd.sampling import SamplingParams
 
