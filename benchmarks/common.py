@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def median_time(fn: Callable[[], object], runs: int = 5, warmup: int = 1) -> float:
@@ -90,8 +93,28 @@ class FlopCounter:
         return 2 * self.body_params + self.attention(context) + (2 * self.hidden * self.vocab if sampled else 0)
 
 
-def write_result(name: str, result: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2))
+def portable(value):
+    """`value` (JSON data) with this machine's paths replaced, so committed results hold none:
+    the converted model folder becomes `<converted model folder>`, the interpreter `python`,
+    paths in the repository become relative and the home folder `~`."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    home = str(Path.home())
+    value = re.sub(re.escape(home) + r"/\.cache/inferd/converted/[^\s\"',]+", "<converted model folder>", value)
+    value = value.replace(sys.executable, "python")
+    value = value.replace(str(REPO_ROOT) + "/", "").replace(str(REPO_ROOT), ".")
+    return value.replace(home, "~")
+
+
+def write_json(path: Path, result: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(portable(result), indent=2) + "\n")
     return path
+
+
+def write_result(name: str, result: dict) -> Path:
+    return write_json(RESULTS / f"{name}.json", result)

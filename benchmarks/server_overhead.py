@@ -22,7 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from inferd.config import DEFAULT_MODEL
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
+from benchmarks.common import write_json  # noqa: E402
+from inferd.config import DEFAULT_MODEL  # noqa: E402
 from inferd.engine.engine import LLM
 from inferd.sampling import SamplingParams
 
@@ -186,8 +188,7 @@ def main() -> None:
         "note": "CPU machine shared with other jobs; numbers are noisy",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

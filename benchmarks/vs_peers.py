@@ -39,6 +39,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
+from benchmarks.common import portable, write_json  # noqa: E402
+
 RESULTS_DIR = ROOT / "results" / "vs_peers"
 SUMMARY = ROOT / "results" / "vs_peers.json"
 PEERS_DIR = Path(os.environ.get("INFERD_PEERS_DIR", Path.home() / ".cache" / "inferd-peers"))
@@ -317,6 +320,7 @@ def run_server(server: Server, port: int, model: Model, args: argparse.Namespace
         if done.returncode != 0:
             entry["error"] = f"inferd bench exited with {done.returncode}"
         result = json.loads((RESULTS_DIR / f"{server.name}.json").read_text())
+        write_json(RESULTS_DIR / f"{server.name}.json", result)  # the same, without this machine's paths
         entry["result_file"] = str((RESULTS_DIR / f"{server.name}.json").relative_to(ROOT.parent))
         entry["server_models"] = result.get("server_models")
         for run in result["runs"]:
@@ -373,9 +377,8 @@ def write_summary(entries: dict[str, dict], args: argparse.Namespace) -> dict:
     summary.setdefault("servers", {}).update(entries)
     summary["ratios_inferd_over_peer"] = ratios(summary)
     summary["target"] = target(summary, summary["ratios_inferd_over_peer"])
-    SUMMARY.parent.mkdir(parents=True, exist_ok=True)
-    SUMMARY.write_text(json.dumps(summary, indent=2))
-    return summary
+    write_json(SUMMARY, summary)
+    return portable(summary)
 
 
 def main() -> int:
