@@ -147,18 +147,32 @@ def _flag_type(f) -> typing.Any:
     return kinds[0]
 
 
+def _cli_reader(parse):
+    """argparse reports ArgumentTypeError as a usage error; ours raise ConfigError."""
+
+    def read(text: str):
+        try:
+            return parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    read.__name__ = getattr(parse, "__name__", "value")
+    return read
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per setting: --max-num-seqs for max_num_seqs, --[no-]enable-prefix-caching for a bool."""
     g = parser.add_argument_group("engine")
     for _, f in _settings():
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         shown = meta["shown"] if meta["shown"] is not None else f.default
-        help_text = f"{meta['help']} (default: {shown})"
+        help_text = meta["help"] if shown is None or "default" in meta["help"] else f"{meta['help']} (default: {shown})"
         kind = _flag_type(f)
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
-        g.add_argument(flag, type=meta["parse"] or kind, default=f.default, choices=meta["choices"], help=help_text)
+        parse = _cli_reader(meta["parse"]) if meta["parse"] else kind
+        g.add_argument(flag, type=parse, default=f.default, choices=meta["choices"], help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
