@@ -14,6 +14,7 @@ FORBIDDEN = {
     "inferd.errors": {"inferd."},
     "inferd.sampling": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.outputs": {"inferd."},
+    "inferd.prefix_hash": {"inferd."},
     "inferd.request": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.chat": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},

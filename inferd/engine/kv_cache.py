@@ -1,46 +1,19 @@
 """The block pool and the KV cache manager.
 
 K/V for every token lives in fixed-size blocks. A request owns a list of block ids (its block table).
-With prefix caching, every *full* block is keyed by a chained hash of its tokens, so a later request
-with the same prefix can take the blocks instead of recomputing them. A freed block keeps its hash
+With prefix caching, every *full* block is keyed by a chained hash of its tokens (`inferd.prefix_hash`),
+so a later request with the same prefix can take the blocks instead of recomputing them. A freed block keeps its hash
 until the pool hands it out again, which is what makes it reusable after its request is gone.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from inferd.prefix_hash import BlockHash, extend_block_hashes
 from inferd.request import Request
-
-BlockHash = bytes
-
-_ROOT_HASH = b"inferd-prefix-root"
-
-
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra: str | None = None) -> BlockHash:
-    """sha256 over (parent hash, token ids, extra keys): stable across processes, unlike hash()."""
-    h = hashlib.sha256(parent or _ROOT_HASH)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra:
-        h.update(b"\x00salt:" + extra.encode())
-    return h.digest()
-
-
-def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, salt: str | None = None
-) -> list[BlockHash]:
-    """Extend `hashes` (in place, and return it) to cover every full block of `token_ids`."""
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[-1] if hashes else None
-        # the salt goes into the first block only: the chain carries it to every later block
-        hashes.append(
-            hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt if i == 0 else None)
-        )
-    return hashes
 
 
 @dataclass(eq=False)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferd.engine.kv_cache import BlockPool, KVCacheManager, hash_block_tokens
+from inferd.engine.kv_cache import BlockPool, KVCacheManager
+from inferd.prefix_hash import hash_block_tokens
 from inferd.request import Request
 from inferd.sampling import SamplingParams
 
@@ -73,7 +74,7 @@ def test_hit_is_checked_against_stored_tokens():
 
 
 def test_hash_is_stable_across_processes():
-    code = "from inferd.engine.kv_cache import hash_block_tokens as h; print(h(h(None, [1, 2]), [3, 4], 's').hex())"
+    code = "from inferd.prefix_hash import hash_block_tokens as h; print(h(h(None, [1, 2]), [3, 4], 's').hex())"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout for _ in range(2)}
     assert len(outs) == 1
     assert outs.pop().strip() == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4], "s").hex()

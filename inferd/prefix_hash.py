@@ -1,0 +1,45 @@
+"""The prefix cache's block keys: one chained hash, shared by the engine and anything that predicts its hits.
+
+Every full block of `block_size` tokens is keyed by sha256(parent key, its token ids, and the
+request's `cache_salt` in the first block only), so a key names the block's whole prefix and two
+tenants with different salts never share a block. The gateway's prefix-affinity index hashes with these
+same functions, so what it predicts is what the engine's cache holds. Plain hashlib: stable across
+processes and machines, unlike `hash()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+_ROOT_HASH = b"inferd-prefix-root"
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
+    """The key of one block: sha256 over (parent key, token ids as little-endian int64, salt)."""
+    h = hashlib.sha256(parent or _ROOT_HASH)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if salt:
+        h.update(b"\x00salt:" + salt.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, salt: str | None = None
+) -> list[BlockHash]:
+    """Extend `hashes` (in place, and return it) to cover every full block of `token_ids`."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        # the salt goes into the first block only: the chain carries it to every later block
+        hashes.append(
+            hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt if i == 0 else None)
+        )
+    return hashes
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[BlockHash]:
+    """The keys of every full block of a prompt."""
+    return extend_block_hashes([], token_ids, block_size, salt)
