@@ -75,7 +75,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
 
     def _pick_decode_kernel(self, backend: str):
-        if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.float32:
+        if backend == "torch" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return None
         from inferd.models.cpu_kernels import paged_decode_kernel
 

@@ -65,7 +65,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
     block_size: int
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    #: the native kernel reading K/V in place (CPU, fp32), or None for the PyTorch reference
+    #: the native kernel reading K/V in place (CPU, fp32 or bf16), or None for the PyTorch reference
     decode_kernel: Callable | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     _prefill_masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder (g++ and ninja).
 
-The build is cached per CPU (it is compiled with -march=native), so only the first start on a
+The build is cached per CPU and source (it is compiled with -march=native), so only the first start on a
 machine pays the ~1 minute compile. If anything about the build fails, inferd logs why and falls
 back to the PyTorch reference attention, which gives the same results, only slower.
 """
@@ -29,6 +29,11 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256((flags + model).encode()).hexdigest()[:10]
 
 
+def _source_hash() -> str:
+    """In the module's name, so two checkouts with different kernel sources never load each other's build."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+
+
 @functools.cache
 def paged_decode_kernel() -> Callable | None:
     """The compiled `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)`."""
@@ -38,7 +43,7 @@ def paged_decode_kernel() -> Callable | None:
         from torch.utils.cpp_extension import load
 
         module = load(
-            name=f"inferd_paged_decode_{_cpu_fingerprint()}",
+            name=f"inferd_paged_decode_{_cpu_fingerprint()}_{_source_hash()}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             verbose=False,

@@ -52,6 +52,17 @@ def test_kernel_matches_reference(heads, kv_heads, window, softcap):
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+def test_bf16_kernel_matches_the_fp32_reference_on_the_same_values(window):
+    case = _case(7, 4, 2)
+    rounded = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in case]
+    ref = _run(None, [t.float() if t.is_floating_point() else t for t in rounded], window, 20.0)
+    got = _run(paged_decode_kernel(), rounded, window, 20.0)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), ref, atol=2e-2, rtol=1e-2)  # only the output's rounding to bf16 differs
+
+
 def test_reference_decode_groups_trim_the_window():
     case = _case(0, 4, 1)
     tables, mask = DecodeGroup(0, 7, case[5], case[6], 4).view(8)
