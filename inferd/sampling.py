@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from inferd.errors import InvalidRequestError
 
 _EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -88,9 +89,10 @@ class SamplingParams:
                 "stop_token_ids must be non-negative integers",
             ),
             (
-                self.seed is None or isinstance(self.seed, int),
+                # torch seeds a generator with at most 64 bits; the n copies take seed, seed + 1, ...
+                self.seed is None or (isinstance(self.seed, int) and _INT64_MIN <= self.seed <= _INT64_MAX),
                 "seed",
-                f"seed must be an integer, got {self.seed!r}",
+                f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}",
             ),
         ]
         for ok, param, message in checks:
