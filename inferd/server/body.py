@@ -9,6 +9,8 @@ only floats, and the (rare) surrogate escape is looked for in the raw bytes befo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import re
@@ -96,7 +98,13 @@ class CheckedRoute(APIRoute):
 
 class BodyLimit:
     """ASGI middleware: a body over `max_bytes` gets 413 before the app sees it, from Content-Length at once,
-    or as soon as a chunked body passes the limit. The body is read here and replayed to the app."""
+    or as soon as a chunked body passes the limit. The body is read here and replayed to the app.
+
+    After the 413 the rest of the body is read and dropped (a bounded amount, for a bounded time), as nginx
+    does: a client still sending would otherwise get a connection reset instead of the answer."""
+
+    DISCARD_BYTES = 256 << 20
+    DISCARD_SECONDS = 10.0
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -105,9 +113,10 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.max_bytes:
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
+            return await self._too_large(scope, receive, send, headers)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -116,12 +125,14 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await self._too_large(scope, receive, send)
+                if not message.get("more_body", False):
+                    receive = _nothing_left
+                return await self._too_large(scope, receive, send, headers)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, headers: dict) -> None:
         err = APIError(
             413,
             f"the request body is larger than this server takes ({self.max_bytes} bytes; --max-request-body)",
@@ -129,6 +140,22 @@ class BodyLimit:
             headers={"Connection": "close"},
         )
         await error_response(err)(scope, receive, send)
+        if headers.get(b"expect", b"").lower() != b"100-continue":  # such a client sends no body after a 413
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_discard(receive, self.DISCARD_BYTES), self.DISCARD_SECONDS)
+
+
+async def _discard(receive: Receive, limit: int) -> None:
+    dropped = 0
+    while dropped < limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))
+
+
+async def _nothing_left() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
