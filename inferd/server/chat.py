@@ -30,7 +30,7 @@ from inferd.server.streams import ClientDisconnected, final_outputs, iterate, su
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
     params = chat_params(req)
-    prompt = await state.apply_chat_template(
+    prompt = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
     )
     request_id = new_id("chatcmpl")

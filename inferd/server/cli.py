@@ -38,8 +38,8 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--max-request-body",
-        default="4MiB",
-        help="largest request body, e.g. 4MiB; larger ones get 413 before they are read (0: no limit)",
+        default="2MiB",
+        help="largest request body, e.g. 8MiB; larger ones get 413 before they are read (0: no limit)",
     )
     p.add_argument(
         "--max-prompt-chars",

@@ -34,7 +34,10 @@ async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[st
     for i, text in enumerate(texts):
         if text is not None:
             state.check_length(text, "prompt" if len(items) == 1 else f"prompt.{i}")
-    ids = [await state.encode_async(p) if isinstance(p, str) else list(p) for p in items]
+    ids = []
+    for i, p in enumerate(items):
+        ids.append(await state.encode_async(p) if isinstance(p, str) else p)
+        state.check_prompt_tokens(ids[-1], "prompt" if len(items) == 1 else f"prompt.{i}")
     return ids, texts
 
 

@@ -24,7 +24,7 @@ from inferd.server.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BODY = 4 << 20
+DEFAULT_MAX_REQUEST_BODY = 2 << 20  # a token-id list this long parses in ~30 ms
 _THREAD_CHARS = 2048  # shorter texts tokenize in microseconds: a thread hop would cost more than it saves
 
 
@@ -132,6 +132,17 @@ class ServerState:
                 code="prompt_too_long",
             )
 
+    def check_prompt_tokens(self, token_ids: list[int], param: str = "prompt") -> None:
+        """The engine's own length check, done here too so that a long prompt is refused before it is copied
+        to the engine (whose step thread would hold the GIL while it looks through it)."""
+        if len(token_ids) >= self.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt has {len(token_ids)} tokens but the context is {self.max_model_len} tokens and must "
+                "leave room for at least one output token; shorten the prompt or raise --max-model-len",
+                param=param,
+            )
+
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.check_length(text, param)
         try:
@@ -179,6 +190,12 @@ class ServerState:
         if not isinstance(text, str):  # chat_template_kwargs can ask the template for other things than text
             raise APIError(400, "chat_template_kwargs must leave the template rendering text", param="messages")
         return await self.encode_async(text, add_special_tokens=False, param="messages")
+
+    async def chat_prompt(self, messages: list[ChatMessage], *args) -> list[int]:
+        """apply_chat_template, refused here already when it cannot fit the context."""
+        ids = await self.apply_chat_template(messages, *args)
+        self.check_prompt_tokens(ids, "messages")
+        return ids
 
     def _render(self, conversation: list[dict], add_generation_prompt: bool, continue_final: bool, kwargs) -> str:
         try:
