@@ -45,8 +45,20 @@ def _errors(*statuses: int) -> dict:
 
 
 def _sse(model) -> dict:
-    """A 200 that is JSON, or a text/event-stream of `model` chunks when the request asks to stream."""
-    return {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": model.__name__}}
+    """A 200 that is JSON, or a text/event-stream when the request asks to stream (its events: see _sse_event)."""
+    return {200: {"content": {"text/event-stream": {"schema": _sse_event(model)}}, "description": "OK"}}
+
+
+def _sse_event(model) -> dict:
+    """One server-sent event (OpenAPI 3.1 reads `schema` as describing each event): its data is a `model` chunk,
+    an error body (an error after the stream began) or the closing [DONE]."""
+    ref = "#/components/schemas/{}"
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [{"$ref": ref.format(model.__name__)}, {"$ref": ref.format("ErrorResponse")}]},
+    }
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -83,7 +95,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             raise APIError(503, "the model is still loading", "server_error", code="loading")
         return state
 
-    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"model": HealthResponse}})
+    @app.head("/health", operation_id="health_head", responses={503: {"model": HealthResponse}})
+    @app.get("/health", operation_id="health", responses={503: {"model": HealthResponse}})
     async def health() -> HealthResponse:
         if async_engine.dead is not None:
             return JSONResponse({"status": "error", "error": str(async_engine.dead)}, status_code=500)
@@ -155,8 +168,14 @@ def _precise_openapi(app: FastAPI) -> None:
             for path in schema.get("paths", {}).values():
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            # the stream chunk models appear only inside event schemas, which FastAPI does not look into
+            for model in (CompletionResponse, ChatCompletionChunk, ErrorResponse):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components.setdefault(model.__name__, body)
             app.openapi_schema = schema
         return app.openapi_schema
 
