@@ -116,11 +116,11 @@ def test_operation(api_schema, fuzz_server, method, path, mode):
 
 
 @pytest.mark.timeout(300)
-def test_schemathesis_coverage_phase(fuzz_server):
+def test_schemathesis_coverage_phase(fuzz_server, tmp_path):
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", fuzz_server.url + "/openapi.json", "--phases", "coverage",
            "--exclude-checks", "negative_data_rejection,positive_data_acceptance", "--request-timeout", "30",
            "--workers", "1", "--no-color"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)  # its cache goes there
     assert run.returncode == 0 and "No issues found" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
     fuzz_server.wait_idle()
 
