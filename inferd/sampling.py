@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from inferd.errors import InvalidRequestError
 
 _EPS = 1e-5
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -88,9 +89,11 @@ class SamplingParams:
                 "stop_token_ids must be non-negative integers",
             ),
             (
-                self.seed is None or isinstance(self.seed, int),
+                # what torch's generator takes; the server keeps to int64 (as vLLM does), so its n copies
+                # (seed, seed + 1, ...) stay in range
+                self.seed is None or (isinstance(self.seed, int) and _SEED_MIN <= self.seed <= _SEED_MAX),
                 "seed",
-                f"seed must be an integer, got {self.seed!r}",
+                f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
             ),
         ]
         for ok, param, message in checks:

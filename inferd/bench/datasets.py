@@ -3,6 +3,9 @@
 A dataset hands out requests with `take(count)`; the runner calls it in a fixed order (warm-ups, then each
 sweep level), so the same seed gives the same requests, and no two requests of a run share a prompt:
 vLLM and llama.cpp cache repeated prompts, and a benchmark that repeats itself measures the cache.
+Redrawing a repeated prompt is bounded: when the settings allow too few distinct prompts (a tiny
+--random-input-len), or the tokenizer gives the same tokens for every text, the run stops with an error
+that says so, instead of drawing forever.
 """
 
 from __future__ import annotations
@@ -71,22 +74,59 @@ def random_text(tok: Tokenizer, num_tokens: int, rng: np.random.Generator) -> tu
     ids: list[int] = []
     while len(ids) < num_tokens:
         words = rng.choice(WORDS, size=num_tokens - len(ids) + 1)
-        ids += tok.encode((" " if ids else "") + " ".join(words))
+        more = tok.encode((" " if ids else "") + " ".join(words))
+        if not more:
+            raise InferdError(f"the tokenizer ({tok.name}) returned no tokens for a non-empty text")
+        ids += more
     text = tok.decode(ids[:num_tokens])
     return text, len(tok.encode(text))
 
 
 class _Distinct:
-    """Remembers every prompt handed out, so a collision can be redrawn."""
+    """Remembers every prompt handed out, so a collision can be redrawn; gives up (InferdError) after
+    MAX_REPEATS repeats in a row, or when one take() needs more than twice its count (plus MAX_REPEATS) draws."""
 
-    def __init__(self) -> None:
+    MAX_REPEATS = 100
+
+    def __init__(self, hint: str) -> None:
         self._seen: set[str] = set()
+        self._repeats = 0
+        self._hint = hint  # which setting to change when the distinct prompts run out
+
+    def budget(self, count: int) -> int:
+        """Draws one take(count) may make."""
+        return 2 * count + self.MAX_REPEATS
 
     def add(self, prompt: str) -> bool:
-        if prompt in self._seen:
-            return False
-        self._seen.add(prompt)
-        return True
+        if prompt not in self._seen:
+            self._seen.add(prompt)
+            self._repeats = 0
+            return True
+        self._repeats += 1
+        if self._repeats >= self.MAX_REPEATS:
+            self.give_up(f"{self._repeats} draws in a row repeated an earlier prompt")
+        return False
+
+    def give_up(self, why: str) -> None:
+        raise InferdError(
+            f"cannot draw enough distinct prompts: {why} ({len(self._seen)} distinct so far). "
+            f"Too few distinct prompts exist for these settings, or the tokenizer returns the same tokens for "
+            f"every text; {self._hint}"
+        )
+
+
+def _draw(distinct: _Distinct, count: int, draw) -> list[BenchRequest]:
+    """`count` requests from `draw()` (None: a repeat), within the budget of draws."""
+    out: list[BenchRequest] = []
+    for _ in range(distinct.budget(count)):
+        if len(out) == count:
+            return out
+        req = draw()
+        if req is not None:
+            out.append(req)
+    if len(out) < count:
+        distinct.give_up(f"{distinct.budget(count)} draws gave only {len(out)} of {count} new prompts")
+    return out
 
 
 class RandomDataset:
@@ -101,17 +141,16 @@ class RandomDataset:
         self.rng = np.random.default_rng(seed)
         # the server adds its special tokens (a BOS) to the prompt; leave room so usage shows input_len
         self._special = tok.num_special_tokens()
-        self._distinct = _Distinct()
+        self._distinct = _Distinct("raise --random-input-len or lower --num-prompts")
 
     def take(self, count: int) -> list[BenchRequest]:
-        out = []
-        while len(out) < count:
-            n_in = sample_len(self.rng, self.input_len, self.range_ratio)
-            n_out = sample_len(self.rng, self.output_len, self.range_ratio)
-            text, n = random_text(self.tok, max(1, n_in - self._special), self.rng)
-            if self._distinct.add(text):
-                out.append(BenchRequest(text, n + self._special, n_out))
-        return out
+        return _draw(self._distinct, count, self._draw_one)
+
+    def _draw_one(self) -> BenchRequest | None:
+        n_in = sample_len(self.rng, self.input_len, self.range_ratio)
+        n_out = sample_len(self.rng, self.output_len, self.range_ratio)
+        text, n = random_text(self.tok, max(1, n_in - self._special), self.rng)
+        return BenchRequest(text, n + self._special, n_out) if self._distinct.add(text) else None
 
 
 class SharedPrefixDataset:
@@ -138,19 +177,25 @@ class SharedPrefixDataset:
         self.default_count = num_prefixes * suffixes_per_prefix
         self.rng = np.random.default_rng(seed)
         self._special = tok.num_special_tokens()
-        self._distinct = _Distinct()
+        self._distinct = _Distinct("raise --random-input-len (the suffix length) or lower --suffixes-per-prefix")
 
     def take(self, count: int) -> list[BenchRequest]:
         n_prefix = max(1, self.prefix_len - self._special)
         prefixes = [random_text(self.tok, n_prefix, self.rng)[0] for _ in range(self.num_prefixes)]
-        out = []
-        while len(out) < count:
+        out: list[BenchRequest] = []
+
+        def draw() -> BenchRequest | None:
             prefix = prefixes[len(out) % self.num_prefixes]
             suffix, _ = random_text(self.tok, sample_len(self.rng, self.suffix_len, self.range_ratio), self.rng)
             prompt = f"{prefix} {suffix}"
-            if self._distinct.add(prompt):
-                n_out = sample_len(self.rng, self.output_len, self.range_ratio)
-                out.append(BenchRequest(prompt, len(self.tok.encode(prompt)) + self._special, n_out))
+            if not self._distinct.add(prompt):
+                return None
+            n_out = sample_len(self.rng, self.output_len, self.range_ratio)
+            req = BenchRequest(prompt, len(self.tok.encode(prompt)) + self._special, n_out)
+            out.append(req)
+            return req
+
+        _draw(self._distinct, count, draw)
         order = self.rng.permutation(len(out))
         return [out[i] for i in order]
 
@@ -187,7 +232,7 @@ class ShareGPTDataset:
         self._pairs = [pairs[i] for i in rng.permutation(len(pairs))]
         self._next = 0
         self.tok, self.output_len, self.path = tok, output_len, str(path)
-        self._distinct = _Distinct()
+        self._distinct = _Distinct(f"{path} has too few distinct prompts; lower --num-prompts")
 
     def take(self, count: int) -> list[BenchRequest]:
         out: list[BenchRequest] = []

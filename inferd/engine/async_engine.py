@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from inferd.engine.engine import Engine, EngineStats
-from inferd.errors import InferdError
+from inferd.errors import InferdError, InvalidRequestError
 from inferd.outputs import RequestOutput
 from inferd.sampling import SamplingParams
 
@@ -103,7 +103,7 @@ class AsyncEngine:
         self.accepting = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
-        self._num_pending = 0  # submitted, not yet taken in by the step thread (event-loop side only)
+        self._num_pending = 0  # sequences submitted, not yet taken in by the step thread (event-loop side only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # step-thread side: requests the engine holds
@@ -140,11 +140,12 @@ class AsyncEngine:
 
     @property
     def num_pending(self) -> int:
-        """Requests submitted but not yet taken in by the step thread."""
+        """Sequences (each request's n) submitted but not yet taken in by the step thread."""
         return self._num_pending
 
     @property
     def num_waiting(self) -> int:
+        """Sequences waiting for the batch: the unit of max_waiting_requests, as of the metrics' gauge."""
         return self.stats.num_waiting + self._num_pending
 
     # -- requests (event loop) ---------------------------------------------------------------------
@@ -160,12 +161,12 @@ class AsyncEngine:
         Raises InvalidRequestError (as the engine does) for a request that cannot run, and
         EngineOverloadedError when the waiting queue is full or the server is draining.
         """
-        self._check_accepting()
+        self.check_admission(params.n)
         arrival = time.monotonic()
         future = self._loop.create_future()
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        self._num_pending += 1
+        self._num_pending += params.n
         prompt = prompt if isinstance(prompt, str) else list(prompt)
         self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, future))
         try:
@@ -176,7 +177,7 @@ class AsyncEngine:
                 self._inbox.put(_Abort(request_id))
             raise
         finally:
-            self._num_pending -= 1
+            self._num_pending -= params.n
         return stream
 
     async def generate(
@@ -197,15 +198,33 @@ class AsyncEngine:
         if stream is not None and not stream.finished:
             self._inbox.put(_Abort(request_id))
 
-    def _check_accepting(self) -> None:
+    def fail_all(self, error: BaseException) -> list[str]:
+        """End every request now: its stream raises `error` and the engine frees its blocks. Returns their ids."""
+        ids = list(self._streams)
+        self._fail(ids, error)
+        for rid in ids:
+            self._inbox.put(_Abort(rid))
+        return ids
+
+    def check_admission(self, num_seqs: int, param: str = "n") -> None:
+        """Raise unless `num_seqs` more sequences may wait now: InvalidRequestError if they never could
+        (more than max_waiting_requests), EngineOverloadedError if the queue is too full for them now."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine failed: {self.dead}")
         if not self.accepting:
             raise EngineOverloadedError("the server is shutting down; send the request to another replica", 5)
         limit = self.max_waiting_requests
-        if limit and self.num_waiting >= limit:
+        if not limit:
+            return
+        if num_seqs > limit:
+            raise InvalidRequestError(
+                f"this request makes {num_seqs} sequences (prompts times n) but at most {limit} may wait "
+                "(--max-waiting-requests); send fewer prompts or a lower n",
+                param=param,
+            )
+        if self.num_waiting + num_seqs > limit:
             raise EngineOverloadedError(
-                f"the server is overloaded: {self.num_waiting} requests are waiting (limit {limit}); retry later"
+                f"the server is overloaded: {self.num_waiting} sequences are waiting (limit {limit}); retry later"
             )
 
     # -- the step thread ---------------------------------------------------------------------------

@@ -189,7 +189,9 @@ class Engine:
                 [] if child_params.logprobs is not None else None,
             )
             parent.seqs.append(seq)
-            self._seqs[req.request_id] = seq
+        # register only once every copy is built: a copy that fails (e.g. its seed) leaves nothing behind
+        for seq in parent.seqs:
+            self._seqs[seq.request.request_id] = seq
         self._parents[request_id] = parent
         for seq in parent.seqs:
             self.scheduler.add(seq.request)

@@ -1,7 +1,12 @@
-"""The FastAPI app: routes, life cycle (the AsyncEngine starts and stops with it), auth, errors."""
+"""The FastAPI app: routes, life cycle (the AsyncEngine starts and stops with it), auth, limits, errors.
+
+What a client can count on for bad input (status codes, the error body, the limits) is written down in
+docs/hardening.md; the OpenAPI schema at /openapi.json declares every status a route answers with.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -12,21 +17,48 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.engine import Engine
 from inferd.server.auth import BearerAuth
+from inferd.server.body import BodyLimit, CheckedRoute
 from inferd.server.chat import create_chat_completion
 from inferd.server.completions import create_completion
 from inferd.server.errors import APIError, install_error_handlers, model_not_found
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
-from inferd.server.state import ServerSettings, ServerState
+from inferd.server.state import ServerSettings, ServerState, public_root
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse} for s in statuses}
+
+
+def _sse(model) -> dict:
+    """A 200 that is JSON, or a text/event-stream when the request asks to stream (its events: see _sse_event)."""
+    return {200: {"content": {"text/event-stream": {"schema": _sse_event(model)}}, "description": "OK"}}
+
+
+def _sse_event(model) -> dict:
+    """One server-sent event (OpenAPI 3.1 reads `schema` as describing each event): its data is a `model` chunk,
+    an error body (an error after the stream began) or the closing [DONE]."""
+    ref = "#/components/schemas/{}"
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [{"$ref": ref.format(model.__name__)}, {"$ref": ref.format("ErrorResponse")}]},
+    }
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -36,75 +68,115 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
     state = ServerState(async_engine, settings, metrics)
     created = int(time.time())
+    root = public_root(settings.model_root)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        state.loop = asyncio.get_running_loop()
         state.ready = True
         yield
         state.ready = False
         await async_engine.stop()
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = CheckedRoute
     app.state.inferd = state
     install_error_handlers(app)
+    # the outermost middleware runs first: auth answers 401 before a body is read, then the size cap
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    _precise_openapi(app)
+    auth = (401,) if settings.api_key else ()
 
     def serving() -> ServerState:
         if not state.ready:
             raise APIError(503, "the model is still loading", "server_error", code="loading")
         return state
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.head("/health", operation_id="health_head", responses={503: {"model": HealthResponse}})
+    @app.get("/health", operation_id="health", responses={503: {"model": HealthResponse}})
+    async def health() -> HealthResponse:
         if async_engine.dead is not None:
             return JSONResponse({"status": "error", "error": str(async_engine.dead)}, status_code=500)
         if not state.ready or not async_engine.accepting:
             return JSONResponse({"status": "draining" if state.ready else "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return HealthResponse(status="ok")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=created, root=settings.model_root, max_model_len=engine.max_model_len)
+        return ModelCard(id=name, created=created, root=root, max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(*auth))
     async def list_models() -> ModelList:
         return ModelList(data=[card(n) for n in settings.served_model_names])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(*auth, 404))
     async def get_model(model_id: str) -> ModelCard:
         if model_id not in settings.served_model_names:
             raise model_not_found(model_id, state.model_name)
         return card(model_id)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_sse(CompletionResponse), **_errors(400, *auth, 404, 413, 503)},
+    )
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(serving(), body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_sse(ChatCompletionChunk), **_errors(400, *auth, 404, 413, 503)},
+    )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(serving(), body, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(400, *auth, 404, 413, 503))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         st = serving()
         st.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = st.apply_chat_template(body.messages, body.add_generation_prompt)
+            tokens = await st.apply_chat_template(body.messages, body.add_generation_prompt)
         else:
-            tokens = st.encode(body.prompt, body.add_special_tokens)
+            tokens = await st.encode_async(body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=st.max_model_len, tokens=tokens)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, *auth, 404, 413, 503))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         st = serving()
         st.check_model(body.model)
-        return DetokenizeResponse(prompt=st.decode(body.tokens))
+        return DetokenizeResponse(prompt=await st.decode_async(body.tokens))
 
     return app
+
+
+def _precise_openapi(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every body; this server answers 400 with ErrorResponse instead (OpenAI's)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            # the stream chunk models appear only inside event schemas, which FastAPI does not look into
+            for model in (CompletionResponse, ChatCompletionChunk, ErrorResponse):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components.setdefault(model.__name__, body)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

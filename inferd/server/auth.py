@@ -1,4 +1,7 @@
-"""Bearer-token auth as plain ASGI middleware, so it answers 401 before the body is even read."""
+"""Bearer-token auth as plain ASGI middleware, so it answers 401 before the body is even read.
+
+The scheme is case-insensitive (RFC 9110 section 11.1): `Bearer KEY`, `bearer KEY` and `BEARER KEY` all work.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +18,13 @@ OPEN_PATHS = {"/health", "/metrics", "/ping", "/version"}
 class BearerAuth:
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(header.strip(), self.expected):
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
             err = APIError(
                 401,
                 "missing or wrong API key: send the header `Authorization: Bearer <key>`",

@@ -9,9 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from inferd.outputs import RequestOutput
-from inferd.server.errors import error_event
+from inferd.server.errors import stream_error
 from inferd.server.logprobs import chat_logprobs
-from inferd.server.params import chat_params
+from inferd.server.params import chat_params, usage_options
 from inferd.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -30,14 +30,14 @@ from inferd.server.streams import ClientDisconnected, final_outputs, iterate, su
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
     params = chat_params(req)
-    prompt = state.apply_chat_template(
+    prompt = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
     )
     request_id = new_id("chatcmpl")
     streams = await submit(state.engine, request_id, [prompt], params, req.cache_salt)
     headers = {"X-Request-Id": request_id}
     if req.stream:
-        body = _stream(state, req, request_id, streams)
+        body = _stream(state, req, request_id, streams, len(prompt))
         return SSEResponse(body, on_close=lambda: state.engine.abort(request_id), headers=headers)
     try:
         (final,) = await unless_disconnected(raw, final_outputs(state.engine, streams))
@@ -70,13 +70,22 @@ def _response(
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, req: ChatCompletionRequest, request_id: str, streams, prompt_len: int
+) -> AsyncIterator[str]:
     created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous = usage_options(req)
     exclude = None if include_usage else {"usage"}
+    generated: dict[int, int] = {}  # choice index -> tokens so far
 
     def chunk(choice: ChatChunkChoice) -> str:
-        body = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=[choice])
+        usage = None
+        if continuous:  # vLLM's continuous_usage_stats: the choice's own counts so far on every chunk
+            usage = UsageInfo()
+            usage.add(prompt_len, generated.get(choice.index, 0))
+        body = ChatCompletionChunk(
+            id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage
+        )
         return event(body, exclude)
 
     try:
@@ -86,6 +95,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
         usage = UsageInfo()
         async for _, out in iterate(state.engine, streams):
             for c in out.outputs:
+                generated[c.index] = len(c.token_ids)
                 if c.delta_text or (req.logprobs and c.delta_logprobs):
                     logprobs = (
                         chat_logprobs(c.delta_logprobs or [], state.token_text, _top_k(req)) if req.logprobs else None
@@ -108,5 +118,5 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
             body = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=[], usage=usage)
             yield event(body)
     except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it
-        yield error_event(e)
+        yield stream_error(e, request_id)
     yield DONE

@@ -24,10 +24,29 @@ def register(subparsers) -> None:
         "--api-key", default=os.environ.get("INFERD_API_KEY"), help="require `Authorization: Bearer KEY` on the API"
     )
     p.add_argument(
-        "--max-waiting-requests", type=int, default=0, help="answer 503 beyond this many waiting requests (0: no limit)"
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        help="most sequences (prompts x n) waiting for the batch: 503 beyond, 400 for a request larger than it "
+        "(0: no limit)",
     )
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM; streams still running then get an error event",
+    )
+    p.add_argument(
+        "--max-request-body",
+        default="2MiB",
+        help="largest request body, e.g. 8MiB; larger ones get 413 before they are read (0: no limit)",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longest prompt in characters, refused (400) before tokenizing "
+        "(default: max-model-len times the tokenizer's longest token, which no longer prompt can fit)",
     )
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -35,7 +54,8 @@ def register(subparsers) -> None:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn stops listening and waits for open responses on SIGTERM; we also stop taking new requests
-    on connections still open and turn /health to 503 at once, so load balancers move away."""
+    on connections still open and turn /health to 503 at once, so load balancers move away, and end the
+    streams still running at the drain deadline with an error event (see ServerState.begin_drain)."""
 
     def __init__(self, config: uvicorn.Config, on_exit):
         super().__init__(config)
@@ -47,7 +67,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from inferd.config import engine_config_from_args
+    from inferd.config import engine_config_from_args, parse_memory
     from inferd.engine.engine import Engine
     from inferd.server.app import create_app
     from inferd.server.state import ServerSettings
@@ -58,7 +78,10 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or [args.model],
         api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests,
-        model_root=str(engine.model_folder),
+        model_root=args.model,  # shown by its name, never as a local path
+        max_request_body=parse_memory(args.max_request_body),
+        max_prompt_chars=args.max_prompt_chars,
+        drain_timeout=args.drain_timeout,
     )
     app = create_app(engine, settings)
     uv_config = uvicorn.Config(
@@ -69,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.drain_timeout,
         access_log=False,
     )
-    server = _DrainingServer(uv_config, on_exit=app.state.inferd.engine.start_drain)
+    server = _DrainingServer(uv_config, on_exit=app.state.inferd.begin_drain)
     logger.info("serving %s as %s on http://%s:%d", args.model, settings.served_model_names, args.host, args.port)
     server.run()
     return 0

@@ -9,17 +9,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from inferd.outputs import RequestOutput
-from inferd.server.errors import APIError, error_event
+from inferd.server.errors import APIError, stream_error
 from inferd.server.logprobs import completion_logprobs
-from inferd.server.params import completion_params
+from inferd.server.params import completion_params, usage_options
 from inferd.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from inferd.server.sse import DONE, SSEResponse, event
 from inferd.server.state import ServerState, new_id
 from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit, unless_disconnected
 
 
-def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
-    """OpenAI's four prompt shapes (str, [str], [int], [[int]]) -> token ids and texts, one per prompt."""
+async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """OpenAI's four prompt shapes (str, [str], [int], [[int]]) -> token ids and texts, one per prompt.
+
+    Every text's length is checked before any is tokenized, so a refused request costs no tokenizing."""
     if isinstance(prompt, str):
         items = [prompt]
     elif not prompt:
@@ -28,24 +30,35 @@ def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | No
         items = [prompt]
     else:
         items = prompt
-    ids = [state.encode(p) if isinstance(p, str) else list(p) for p in items]
     texts = [p if isinstance(p, str) else None for p in items]
+    for i, text in enumerate(texts):
+        if text is not None:
+            state.check_length(text, "prompt" if len(items) == 1 else f"prompt.{i}")
+    ids = []
+    for i, p in enumerate(items):
+        ids.append(await state.encode_async(p) if isinstance(p, str) else p)
+        state.check_prompt_tokens(ids[-1], "prompt" if len(items) == 1 else f"prompt.{i}")
     return ids, texts
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
     params = completion_params(req)
-    prompt_ids, prompt_texts = _prompts(state, req.prompt)
+    prompt_ids, prompt_texts = await _prompts(state, req.prompt)
     request_id = new_id("cmpl")
     streams = await submit(state.engine, request_id, prompt_ids, params, req.cache_salt)
-    echoes = [
-        (t if t is not None else state.decode(ids)) if req.echo else ""
-        for t, ids in zip(prompt_texts, prompt_ids, strict=True)
-    ]
+    try:
+        echoes = [
+            (t if t is not None else await state.decode_async(ids)) if req.echo else ""
+            for t, ids in zip(prompt_texts, prompt_ids, strict=True)
+        ]
+    except BaseException:
+        for rid, _ in streams:
+            state.engine.abort(rid)
+        raise
     headers = {"X-Request-Id": request_id}
     if req.stream:
-        body = _stream(state, req, request_id, streams, echoes)
+        body = _stream(state, req, request_id, streams, echoes, [len(ids) for ids in prompt_ids])
         return SSEResponse(body, on_close=lambda: [state.engine.abort(rid) for rid, _ in streams], headers=headers)
     try:
         finals = await unless_disconnected(raw, final_outputs(state.engine, streams))
@@ -78,14 +91,24 @@ def _response(
 
 
 async def _stream(
-    state: ServerState, req: CompletionRequest, request_id: str, streams, echoes: list[str]
+    state: ServerState,
+    req: CompletionRequest,
+    request_id: str,
+    streams,
+    echoes: list[str],
+    prompt_lens: list[int],
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous = usage_options(req)
     exclude = None if include_usage else {"usage"}
+    generated: dict[int, int] = {}  # choice index -> tokens so far
 
     def chunk(choice: CompletionChoice) -> str:
-        body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[choice])
+        usage = None
+        if continuous:  # vLLM's continuous_usage_stats: the choice's own counts so far on every chunk
+            usage = UsageInfo()
+            usage.add(prompt_lens[choice.index // req.n], generated.get(choice.index, 0))
+        body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage)
         return event(body, exclude)
 
     offsets: dict[int, int] = {}
@@ -99,6 +122,7 @@ async def _stream(
         async for i, out in iterate(state.engine, streams):
             for c in out.outputs:
                 index = i * req.n + c.index
+                generated[index] = len(c.token_ids)
                 if c.delta_text or (req.logprobs is not None and c.delta_logprobs):
                     logprobs = None
                     if req.logprobs is not None:
@@ -116,5 +140,5 @@ async def _stream(
             body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage)
             yield event(body)
     except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it
-        yield error_event(e)
+        yield stream_error(e, request_id)
     yield DONE

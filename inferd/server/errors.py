@@ -1,4 +1,8 @@
-"""OpenAI error bodies and the exception handlers that produce them: bad input is never a 500."""
+"""OpenAI error bodies and the exception handlers that produce them: bad input is never a 500.
+
+Building an error body must never raise, whatever the client sent: every string that goes into one
+is made valid UTF-8 (a lone surrogate becomes its escape) and input echoed back is cut short.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +11,22 @@ import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from inferd.errors import InferdError
-from inferd.server.protocol import ErrorInfo, ErrorResponse
+from inferd.server.protocol import UNION_TAGS, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
+MAX_ECHO = 120  # characters of client input quoted back in an error message
 
-class APIError(Exception):
-    """An error with an HTTP status, raised by handlers."""
+
+class APIError(HTTPException):
+    """An error with an HTTP status, raised by handlers. It is an HTTPException so that FastAPI passes it
+    through unchanged when it is raised while the body is parsed."""
 
     def __init__(
         self,
@@ -30,15 +37,34 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
-        super().__init__(message)
+        super().__init__(status, message, headers)
         self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-        self.headers = headers
+        self.info = ErrorInfo(message=clean(message), type=type, param=clean(param), code=clean(code))
+
+
+class DrainTimeoutError(Exception):
+    """The server is shutting down and this request outlived --drain-timeout."""
+
+
+def clean(text: str | None) -> str | None:
+    """`text` as valid UTF-8: lone surrogates (which JSON can carry but UTF-8 cannot) become escapes."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def echo(value: object) -> str:
+    """Client input quoted in a message: valid UTF-8 and at most MAX_ECHO characters."""
+    text = clean(value if isinstance(value, str) else repr(value))
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + f"... ({len(text)} characters)"
 
 
 def model_not_found(name: str, served: str) -> APIError:
     return APIError(
-        404, f"The model `{name}` does not exist; this server serves `{served}`", param="model", code="model_not_found"
+        404,
+        f"The model `{echo(name)}` does not exist; this server serves `{served}`",
+        param="model",
+        code="model_not_found",
     )
 
 
@@ -50,6 +76,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), "server_error", code="overloaded", headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, InferdError):
         return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, DrainTimeoutError):
+        return APIError(503, str(exc), "server_error", code="drain_timeout", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError | RequestFailedError):
         return APIError(500, str(exc), "server_error", code="engine_error")
     logger.error("unhandled error", exc_info=exc)
@@ -67,15 +95,27 @@ def error_event(exc: BaseException) -> str:
     return f"data: {json.dumps({'error': err.info.model_dump()})}\n\n"
 
 
+def stream_error(exc: BaseException, request_id: str) -> str:
+    """error_event for a stream that began; a stream cut by the drain deadline gets one log line."""
+    if isinstance(exc, DrainTimeoutError):
+        logger.warning("request %s was still streaming at the drain deadline: ended with an error event", request_id)
+    return error_event(exc)
+
+
+def _param(loc: tuple) -> str | None:
+    # drop "body" and the names pydantic gives the members of a tagged union: the client never wrote them
+    return ".".join(str(x) for x in loc if x != "body" and x not in UNION_TAGS) or None
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
-    param = ".".join(loc) or None
-    details = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in errors)
-    return APIError(400, f"invalid request: {details}", param=param)
+    details = "; ".join(f"{_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors[:10])
+    if len(errors) > 10:
+        details += f"; and {len(errors) - 10} more"
+    return APIError(400, f"invalid request: {details}", param=_param(tuple(first.get("loc", ()))))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -83,15 +123,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(_validation_error(exc))
 
+    @app.exception_handler(APIError)
+    async def _on_api(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(APIError(exc.status_code, str(exc.detail or phrase), kind))
-
-    @app.exception_handler(APIError)
-    async def _on_api(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(APIError(exc.status_code, str(exc.detail or phrase), kind, headers=exc.headers))
 
     @app.exception_handler(InferdError)
     async def _on_inferd(request: Request, exc: InferdError) -> JSONResponse:

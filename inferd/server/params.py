@@ -6,12 +6,29 @@ from inferd.sampling import SamplingParams
 from inferd.server.errors import APIError
 from inferd.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
-MAX_N = 128  # each of n is a sequence in the batch; more than this is a mistake, not a workload
+
+def usage_options(req: _SamplingFields) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage on every chunk) of a stream, as vLLM reads stream_options."""
+    opts = req.stream_options
+    return (bool(opts and opts.include_usage), bool(opts and opts.include_usage and opts.continuous_usage_stats))
+
+
+def _check_stream_options(req: _SamplingFields) -> None:
+    opts = req.stream_options
+    if opts is None:
+        return
+    if not req.stream:
+        raise APIError(400, "stream_options needs stream=true", param="stream_options")
+    if opts.continuous_usage_stats and not opts.include_usage:
+        raise APIError(
+            400,
+            "stream_options.continuous_usage_stats needs include_usage=true (as in vLLM)",
+            param="stream_options.continuous_usage_stats",
+        )
 
 
 def _common(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    if req.n > MAX_N:
-        raise APIError(400, f"n must be at most {MAX_N}, got {req.n}", param="n")
+    _check_stream_options(req)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

@@ -1,56 +1,95 @@
-"""OpenAI API request and response bodies (plus vLLM's extra sampling fields), as pydantic models."""
+"""OpenAI API request and response bodies (plus vLLM's extra sampling fields), as pydantic models.
+
+The fields carry their types, ranges and enums, so the OpenAPI schema the server publishes is the contract
+clients (and the fuzzer in tests/server/test_fuzz.py) are held to. Rules that need the model or the
+tokenizer (context length, vocabulary size) are checked later, with the same 400 error body.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128  # each of n is a sequence in the batch; more than this is a mistake, not a workload
+MAX_LOGPROBS = 20
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class _Request(BaseModel):
-    # unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working
-    model_config = ConfigDict(extra="ignore")
+    # unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working;
+    # JSON has no Infinity or NaN, and a number too large for a double is no number either
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    #: usage on every chunk, as vLLM sends it (needs include_usage)
     continuous_usage_stats: bool = False
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which of OpenAI's four prompt shapes `value` is, from its first element: validating a long list against
+    every shape in turn would cost as much as the request."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "list[str]"
+        if isinstance(value[0], list):
+            return "list[list[int]]"
+    return "list[int]"
+
+
+#: names pydantic puts in an error's location for the prompt's shape; the client never wrote them
+UNION_TAGS = frozenset({"str", "list[str]", "list[int]", "list[list[int]]"})
+
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[str], Tag("list[str]"), Field(min_length=1)]
+    | Annotated[list[TokenId], Tag("list[int]"), Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Tag("list[list[int]]"), Field(min_length=1)],
+    Discriminator(_prompt_kind),
+]
 
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -67,10 +106,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -90,7 +129,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # -- responses ---------------------------------------------------------------------------------------
@@ -231,3 +270,8 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "loading", "draining", "error"]
+    error: str | None = None

@@ -1,24 +1,67 @@
-"""What every handler needs: the engine, the tokenizer, the served names, the metrics."""
+"""What every handler needs: the engine, the tokenizer, the served names, the metrics, the limits.
+
+Tokenizing and rendering chat templates can take a while for long inputs, so they run on a worker thread
+(the tokenizer releases the GIL) and the event loop keeps serving /health and running streams meanwhile.
+Text longer than `max_prompt_chars` is refused before any of that: it could never fit the context.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import logging
 import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 from inferd.engine.async_engine import AsyncEngine
 from inferd.errors import InvalidRequestError
-from inferd.server.errors import APIError, model_not_found
+from inferd.server.errors import APIError, DrainTimeoutError, echo, model_not_found
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import ChatMessage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY = 2 << 20  # a token-id list this long parses in ~30 ms
+_THREAD_CHARS = 2048  # shorter texts tokenize in microseconds: a thread hop would cost more than it saves
 
 
 @dataclass
 class ServerSettings:
     served_model_names: list[str]
     api_key: str | None = None
+    #: most sequences (prompts x n) waiting for the batch; beyond it 503, and a request with more is a 400
     max_waiting_requests: int = 0
+    #: what /v1/models shows as `root`: a model name, never a local path (see public_root)
     model_root: str | None = None
+    #: bytes; a larger body gets 413 before it is read (0: no limit)
+    max_request_body: int = DEFAULT_MAX_REQUEST_BODY
+    #: characters of one prompt (or rendered chat); None: max_model_len x the tokenizer's longest token
+    max_prompt_chars: int | None = None
+    #: seconds after SIGTERM when streams still running are ended with an error event (None: never)
+    drain_timeout: float | None = None
+
+
+def public_root(model: str | None) -> str | None:
+    """The model as /v1/models may show it: an alias or hub id as given, a local path by its last part only."""
+    if not model:
+        return None
+    path = Path(model).expanduser()
+    if path.is_absolute() or model.startswith((".", "~")) or path.exists():
+        return path.name or None
+    return model
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry: no token covers more text, so a prompt of more than
+    max_model_len times this many characters can never fit the context."""
+    try:
+        return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
+    except Exception:  # a tokenizer without a vocabulary to list: no cap from it
+        logger.warning("cannot list the tokenizer's vocabulary; prompts are not capped by length")
+        return 0
 
 
 @dataclass
@@ -27,11 +70,34 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     ready: bool = False
+    loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it runs
     _token_text: object = field(init=False, repr=False)
+    _draining: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # a token's text is asked for again and again in logprobs; the vocabulary bounds the cache
         self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
+        if self.settings.max_prompt_chars is None:
+            self.settings.max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer)
+
+    def begin_drain(self) -> None:
+        """On SIGTERM: take no new requests; streams still running at the drain deadline end with an error
+        event (so they close cleanly before uvicorn would cancel them). Safe from a signal handler or thread."""
+        self.engine.start_drain()
+        timeout = self.settings.drain_timeout
+        if self._draining or timeout is None or self.loop is None:
+            return
+        self._draining = True
+        # just before uvicorn's own deadline (which starts a little after the signal, see docs/hardening.md)
+        cut_after = max(timeout - 0.5, timeout * 0.75)
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing is left to cut
+            self.loop.call_soon_threadsafe(self.loop.call_later, cut_after, self._cut_streams, timeout)
+
+    def _cut_streams(self, timeout: float) -> None:
+        error = DrainTimeoutError(f"the server shut down; this request outlived the drain timeout ({timeout:g} s)")
+        cut = self.engine.fail_all(error)  # each stream logs its own line as it sends the error event
+        if cut:
+            logger.info("drain timeout: ending %d engine requests still running", len(cut))
 
     @property
     def tokenizer(self):
@@ -55,8 +121,41 @@ class ServerState:
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def check_length(self, text: str, param: str = "prompt") -> None:
+        limit = self.settings.max_prompt_chars
+        if limit and len(text) > limit:
+            raise APIError(
+                400,
+                f"the prompt has {len(text)} characters; this server takes at most {limit} "
+                f"(max_model_len {self.max_model_len} times the longest token; --max-prompt-chars)",
+                param=param,
+                code="prompt_too_long",
+            )
+
+    def check_prompt_tokens(self, token_ids: list[int], param: str = "prompt") -> None:
+        """The engine's own length check, done here too so that a long prompt is refused before it is copied
+        to the engine (whose step thread would hold the GIL while it looks through it)."""
+        if len(token_ids) >= self.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt has {len(token_ids)} tokens but the context is {self.max_model_len} tokens and must "
+                "leave room for at least one output token; shorten the prompt or raise --max-model-len",
+                param=param,
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_length(text, param)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # the tokenizer refuses text it cannot read: that is the input's fault
+            raise APIError(400, f"the tokenizer cannot read this text: {type(e).__name__}", param=param) from None
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """encode, on a worker thread when the text is long."""
+        self.check_length(text, param)
+        if len(text) < _THREAD_CHARS:
+            return self.encode(text, add_special_tokens, param)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens, param)
 
     def decode(self, token_ids: list[int]) -> str:
         vocab = self.engine.engine.vocab_size
@@ -65,7 +164,12 @@ class ServerState:
             raise InvalidRequestError(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
         return self.tokenizer.decode(token_ids)
 
-    def apply_chat_template(
+    async def decode_async(self, token_ids: list[int]) -> str:
+        if len(token_ids) < _THREAD_CHARS:
+            return self.decode(token_ids)
+        return await asyncio.to_thread(self.decode, token_ids)
+
+    async def apply_chat_template(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
@@ -78,17 +182,33 @@ class ServerState:
         if continue_final_message and add_generation_prompt:
             add_generation_prompt = False  # continuing the last message means no new assistant turn
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        # the template only adds text: contents already too long need no rendering to be refused
+        self.check_length("".join(m["content"] for m in conversation), "messages")
+        render = functools.partial(self._render, conversation, add_generation_prompt, continue_final_message, kwargs)
+        big = sum(len(m["content"]) for m in conversation) >= _THREAD_CHARS
+        text = await asyncio.to_thread(render) if big else render()
+        if not isinstance(text, str):  # chat_template_kwargs can ask the template for other things than text
+            raise APIError(400, "chat_template_kwargs must leave the template rendering text", param="messages")
+        return await self.encode_async(text, add_special_tokens=False, param="messages")
+
+    async def chat_prompt(self, messages: list[ChatMessage], *args) -> list[int]:
+        """apply_chat_template, refused here already when it cannot fit the context."""
+        ids = await self.apply_chat_template(messages, *args)
+        self.check_prompt_tokens(ids, "messages")
+        return ids
+
+    def _render(self, conversation: list[dict], add_generation_prompt: bool, continue_final: bool, kwargs) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
+                continue_final_message=continue_final,
                 **(kwargs or {}),
             )
         except Exception as e:  # jinja raises for conversations the template rejects (e.g. roles out of turn)
-            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
-        return self.encode(text, add_special_tokens=False)
+            message = f"the chat template rejected these messages: {echo(str(e))}"
+            raise APIError(400, message, param="messages") from None
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict:

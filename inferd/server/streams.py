@@ -23,7 +23,12 @@ class ClientDisconnected(Exception):
 async def submit(
     engine: AsyncEngine, base_id: str, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None
 ) -> list[tuple[str, RequestStream]]:
-    """Queue every prompt as one engine request; if any is refused, abort the others and raise its error."""
+    """Queue every prompt as one engine request; if any is refused, abort the others and raise its error.
+
+    The whole request is admitted or refused at once: all its sequences (prompts times n) count against
+    max_waiting_requests together, so a request that can never fit is a 400 and not a 503 to retry forever.
+    """
+    engine.check_admission(len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     results = await asyncio.gather(
         *(engine.add_request(rid, p, params, cache_salt) for rid, p in zip(ids, prompts, strict=True)),

@@ -7,6 +7,7 @@ The model name picks the behaviour:
   flaky     request 3, 6, 9 ... answer HTTP 500; request 5, 10 ... break off with an error event mid-stream
   slow      waits 30 s before the first token (for per-request timeouts)
 anything else answers 404 with OpenAI's error body.
+`FakeServer(constant_tokens=True)` answers every /tokenize with the same tokens (a broken tokenizer).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def _not_found(model) -> JSONResponse:
     return JSONResponse(body, status_code=404)
 
 
-def create_app(token_delay: float) -> FastAPI:
+def create_app(token_delay: float, constant_tokens: bool = False) -> FastAPI:
     app = FastAPI()
     counter = itertools.count(1)
+    app.state.tokenize_calls = 0
 
     @app.get("/v1/models")
     async def models():
@@ -51,7 +53,8 @@ def create_app(token_delay: float) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: dict):
-        ids = encode(body["prompt"])
+        app.state.tokenize_calls += 1
+        ids = encode("abc" if constant_tokens else body["prompt"])
         return {"tokens": ([BOS] if body.get("add_special_tokens", True) else []) + ids, "count": len(ids)}
 
     @app.post("/detokenize")
@@ -112,9 +115,10 @@ async def _stream(body: dict, model: str, n: int, prompt_tokens: int, chat: bool
 class FakeServer:
     """`with FakeServer() as url:` serves on a free port until the block ends."""
 
-    def __init__(self, token_delay: float = 0.002):
+    def __init__(self, token_delay: float = 0.002, constant_tokens: bool = False):
         self.port = free_port()
-        config = uvicorn.Config(create_app(token_delay), host="127.0.0.1", port=self.port, log_level="warning")
+        self.app = create_app(token_delay, constant_tokens)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

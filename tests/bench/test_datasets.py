@@ -114,3 +114,50 @@ def test_sharegpt_seeded_filtered_and_exhaustible(tmp_path):
         ShareGPTDataset(path, tok, seed=1).take(100)
     with pytest.raises(InferdError):
         ShareGPTDataset(tmp_path / "missing.json", tok)
+
+
+class ConstantTokenizer(CharTokenizer):
+    """A broken tokenizer: the same tokens whatever the text."""
+
+    name = "constant"
+
+    def encode(self, text):
+        return [ord(c) for c in "abc"]
+
+
+class EmptyTokenizer(CharTokenizer):
+    name = "empty"
+
+    def encode(self, text):
+        return []
+
+
+@pytest.mark.timeout(30)
+def test_too_few_distinct_short_prompts_is_an_error_not_a_hang(local_tok):
+    ds = RandomDataset(local_tok, input_len=2, output_len=4, seed=0)  # one token (plus BOS): few such texts exist
+    with pytest.raises(InferdError, match="distinct prompts.*--random-input-len"):
+        ds.take(300)
+    small = RandomDataset(local_tok, input_len=2, output_len=4, seed=0).take(5)  # a few are there
+    assert len({r.prompt for r in small}) == 5
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tok", [ConstantTokenizer(), EmptyTokenizer()], ids=["constant", "empty"])
+def test_broken_tokenizer_is_an_error_not_a_hang(tok):
+    with pytest.raises(InferdError, match="tokenizer"):
+        RandomDataset(tok, input_len=16, output_len=4).take(10)
+    with pytest.raises(InferdError, match="tokenizer"):
+        SharedPrefixDataset(tok, 8, 2, 4, 8, 4).take(8)
+
+
+def test_redraw_budget_is_bounded():
+    class Counting(CharTokenizer):
+        calls = 0
+
+        def encode(self, text):
+            Counting.calls += 1
+            return [ord(c) for c in text[:1]]  # one character: 26-ish distinct one-token prompts at most
+
+    with pytest.raises(InferdError):
+        RandomDataset(Counting(), input_len=2, output_len=4).take(1000)
+    assert Counting.calls < 10 * (2 * 1000 + 100)  # a few encodes per draw, within the draw budget

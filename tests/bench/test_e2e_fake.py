@@ -165,3 +165,29 @@ def test_request_rate_spreads_the_sends(server, tmp_path):
 def test_bad_flags_say_what_to_change(server, capsys, args, msg):
     assert bench(server, *args) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_too_few_distinct_short_prompts_exits_with_an_error(server, tmp_path_factory, capsys):
+    from tests.conftest import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(folder)
+    t0 = time.monotonic()
+    rc = main(["bench", "serve", "--base-url", server, "--model", "fake", "--no-progress", "--tokenizer-source",
+               "local", "--tokenizer", str(folder), "--random-input-len", "2", "--num-prompts", "300"])  # fmt: skip
+    assert rc == 2 and time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert "distinct prompts" in err and "--random-input-len" in err
+
+
+@pytest.mark.timeout(60)
+def test_server_tokenizer_returning_the_same_tokens_exits_with_an_error(capsys):
+    fake = FakeServer(constant_tokens=True)
+    with fake as url:
+        t0 = time.monotonic()
+        assert bench(url, n=50) == 2
+        assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert "same tokens" in err and err.startswith("error:")
+    assert fake.app.state.tokenize_calls < 5000  # bounded retries (~100 draws), not ~230k calls

@@ -56,17 +56,30 @@ class RunningServer:
         self.engine.check_idle()
 
 
-def start_server(model_dir, drain_timeout: float = 5.0, api_key: str | None = None, **engine_kwargs) -> RunningServer:
+def start_server(
+    model_dir,
+    drain_timeout: float = 5.0,
+    api_key: str | None = None,
+    settings: dict | None = None,
+    **engine_kwargs,
+) -> RunningServer:
+    """`settings`: ServerSettings fields beyond the names, the key, the waiting limit and the drain timeout."""
     kwargs = dict(max_model_len=512, kv_cache_memory=64 << 20, num_threads=2) | engine_kwargs
     max_waiting = kwargs.pop("max_waiting_requests", 0)
     engine = Engine(make_engine_config(str(model_dir), **kwargs))
-    settings = ServerSettings([MODEL_NAME, "tiny-alias"], api_key=api_key, max_waiting_requests=max_waiting)
+    settings = ServerSettings(
+        [MODEL_NAME, "tiny-alias"],
+        api_key=api_key,
+        max_waiting_requests=max_waiting,
+        drain_timeout=drain_timeout,
+        **(settings or {}),
+    )
     app = create_app(engine, settings)
     port = free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=drain_timeout
     )
-    server = _DrainingServer(config, on_exit=app.state.inferd.engine.start_drain)
+    server = _DrainingServer(config, on_exit=app.state.inferd.begin_drain)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

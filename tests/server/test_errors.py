@@ -42,9 +42,9 @@ CASES = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 100_000}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -54,7 +54,7 @@ CASES = [
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": True, "temperature": -2}, 400, "temperature"),
     ("/tokenize", {}, 400, "prompt"),
-    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
 ]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import signal
 import time
 
@@ -165,20 +168,59 @@ def test_sigterm_drains_in_flight(tiny_models):
         httpx.get(srv.url + "/health")
 
 
-def test_drain_timeout_aborts_the_rest(tiny_models):
-    srv = start_server(tiny_models["llama"], drain_timeout=0.3, max_model_len=1024, kv_cache_memory=64 << 20)
+class _Records(logging.Handler):
+    """Every record of the loggers it is attached to, whatever their propagation (uvicorn's do not reach root)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def text(self) -> str:
+        return "\n".join(f"{r.name} {r.getMessage()} {r.exc_info!r}" for r in self.records)
+
+
+@pytest.mark.timeout(60)
+def test_drain_timeout_ends_streams_with_an_error_event(tiny_models, caplog):
+    srv = start_server(tiny_models["llama"], drain_timeout=0.6, max_model_len=1024, kv_cache_memory=64 << 20)
+    records = _Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "inferd")]
+    for lg in loggers:
+        lg.addHandler(records)
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 900,
+            "ignore_eos": True, "stream": True}  # fmt: skip
     start = time.monotonic()
-    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line)
-        srv.server.handle_exit(signal.SIGTERM, None)
-        with pytest.raises(httpx.RemoteProtocolError):  # cut off at the deadline, not finished
-            for _ in lines:
-                pass
-    srv.thread.join(10)
-    assert not srv.thread.is_alive() and time.monotonic() - start < 8
+    try:
+        with contextlib.ExitStack() as stack:
+            paths = ["/v1/completions", "/v1/chat/completions", "/v1/completions"]
+            streams = [
+                stack.enter_context(httpx.stream("POST", srv.url + path, json=b, timeout=30))
+                for path, b in zip(paths, [body, chat, {**body, "prompt": [PROMPT, "Hello"]}], strict=True)
+            ]
+            assert [s.status_code for s in streams] == [200, 200, 200]
+            lines = [s.iter_lines() for s in streams]
+            for it in lines:
+                next(line for line in it if line)
+            srv.server.handle_exit(signal.SIGTERM, None)
+            rests = [[line for line in it if line] for it in lines]  # each ends by itself, cleanly
+        for rest in rests:
+            assert rest and rest[-1] == "data: [DONE]", [r[-2:] for r in rests]
+            error = json.loads(rest[-2].removeprefix("data: "))["error"]
+            assert error["code"] == "drain_timeout" and error["type"] == "server_error"
+            assert not any('"finish_reason":"length"' in line for line in rest)  # cut, not finished
+        srv.thread.join(10)
+        assert not srv.thread.is_alive() and time.monotonic() - start < 8
+    finally:
+        for lg in loggers:
+            lg.removeHandler(records)
     srv.engine.check_idle()
+    cut = [r for r in records.records if "drain deadline" in r.getMessage()]
+    assert len(cut) == 3, records.text()  # one line per stream
+    assert not [r for r in records.records if r.exc_info], records.text()  # no tracebacks
+    assert "CancelledError" not in records.text() and "Cancel" not in records.text()
 
 
 def test_serve_command_defaults():
