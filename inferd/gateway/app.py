@@ -7,6 +7,7 @@ exception to an OpenAI error body (errors.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -17,12 +18,15 @@ from inferd.gateway.errors import install_error_handlers, model_not_found
 from inferd.gateway.service import Gateway
 
 
-def create_app(gateway: Gateway) -> FastAPI:
+def create_app(gateway: Gateway, on_startup: Callable[[], None] | None = None) -> FastAPI:
+    """`on_startup` runs on the event loop once it serves (the CLI installs its SIGHUP handler there)."""
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.start()
+        if on_startup is not None:
+            on_startup()
         yield
         await gateway.stop()
 

@@ -37,7 +37,6 @@ def run_gateway(args: argparse.Namespace) -> int:
     host = args.host or config.listen.host
     port = args.port if args.port is not None else config.listen.port
     gateway = Gateway(config)
-    app = create_app(gateway)
 
     def reload() -> None:
         try:
@@ -46,10 +45,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         except Exception as e:  # a bad file keeps the running config
             logger.error("reload of %s failed, keeping the running config: %s", args.config, e)
 
-    @app.on_event("startup")
-    async def _sighup() -> None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
-
+    app = create_app(gateway, on_startup=lambda: asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload))
     level = logging.getLevelName(logging.getLogger().level).lower()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=level, access_log=False))
     logger.info("gateway on http://%s:%d: models %s", host, port, gateway.state.router.names())
