@@ -40,7 +40,7 @@ def test_config_errors_name_the_line():
         parse_config(GOOD.replace("      - pool: a", "      - pool: a\n        weight: -1"), "gw.yaml")
     with pytest.raises(ConfigError, match=r"gw.yaml:3: pools.0.replicas: .*http://"):
         parse_config(GOOD.replace("http://127.0.0.1:8001", "127.0.0.1:8001"), "gw.yaml")
-    with pytest.raises(ConfigError, match=r"gw.yaml:2: pools.0.blok_size: Extra inputs are not permitted"):
+    with pytest.raises(ConfigError, match=r"gw.yaml:3: pools.0.blok_size: Extra inputs are not permitted"):
         parse_config(GOOD.replace("  - name: a", "  - name: a\n    blok_size: 16"), "gw.yaml")
     with pytest.raises(ConfigError, match=r"unknown pool 'b'"):
         parse_config(GOOD.replace("- pool: a", "- pool: b"), "gw.yaml")
