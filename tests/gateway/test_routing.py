@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.gateway.conftest import base_config
+from tests.gateway.conftest import base_config, wait_until
 from tests.gateway.procs import replica_metrics
 
 pytestmark = pytest.mark.timeout(120)
@@ -130,3 +130,36 @@ def test_prefix_affinity_raises_replica_prefix_hit_rate_over_round_robin(replica
     # each shared prefix is prefilled once with affinity, on both replicas with round-robin
     assert rates["scored"] > 0.6, rates
     assert rates["scored"] > rates["round_robin"] + 0.1, rates
+
+
+def test_replicas_discovered_from_a_list_file_reread_on_change(replicas, gateway, logs):
+    listing = logs / "replicas.txt"
+    listing.write_text(f"# the pool's replicas\n{replicas[0].url}\n")
+    pools = [{"name": "d", "replicas_file": str(listing), "model": "tiny"}]
+    gw = gateway(base_config(pools, [{"name": "tiny", "backends": [{"pool": "d"}]}]))
+    assert _complete(gw.url, "tiny").headers["x-inferd-replica"] == replicas[0].url
+    listing.write_text(f"{replicas[1].url}\n")
+    wait_until(lambda: _complete(gw.url, "tiny").headers["x-inferd-replica"] == replicas[1].url, what="rediscovery")
+    assert {_complete(gw.url, "tiny").headers["x-inferd-replica"] for _ in range(5)} == {replicas[1].url}
+
+
+def test_gateway_metrics_use_gen_ai_names(replicas, gateway):
+    gw = gateway(base_config(_pools(replicas)[:1], [{"name": "tiny", "backends": [{"pool": "a"}]}]))
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(f"{gw.url}/v1/completions", json={**body, "stream": True}).status_code == 200
+    assert _complete(gw.url, "nope").status_code == 404
+    text = httpx.get(f"{gw.url}/metrics").text
+    rep = replicas[0].url
+    expected = [
+        f'gen_ai_client_token_usage_sum{{gen_ai_request_model="tiny",gen_ai_token_type="input",replica="{rep}",'
+        'tenant="anonymous"} 3.0',
+        f'gen_ai_client_token_usage_sum{{gen_ai_request_model="tiny",gen_ai_token_type="output",replica="{rep}",'
+        'tenant="anonymous"} 3.0',
+        f'gen_ai_server_time_to_first_token_seconds_count{{gen_ai_request_model="tiny",replica="{rep}"}} 1.0',
+        f'gen_ai_server_time_per_output_token_seconds_count{{gen_ai_request_model="tiny",replica="{rep}"}} 1.0',
+        f'inferd_gateway_requests_total{{model="tiny",replica="{rep}",status="200",tenant="anonymous"}} 1.0',
+        'inferd_gateway_rejections_total{model="nope",reason="model_not_found",tenant="anonymous"} 1.0',
+        f'inferd_gateway_routing_decisions_total{{pool="a",replica="{rep}"}} 1.0',
+    ]
+    for line in expected:
+        assert line in text, line
