@@ -113,3 +113,30 @@ def test_sighup_reload_keeps_a_stream_in_flight(replicas, gateway):
     assert events[-1] == "data: [DONE]"
     assert all("error" not in json.loads(e[6:]) for e in events[:-1])
     assert _gauge(gw.url, "inferd_gateway_replica_in_flight", replica=replicas[0].url) == 0
+
+
+def test_request_timeout_is_504_before_the_first_byte_and_an_sse_error_after(replicas, gateway):
+    pool = {"name": "a", "replicas": [replicas[1].url], "model": "tiny"}
+    gw = gateway(base_config([pool], [{"name": "tiny", "backends": [{"pool": "a"}]}], request_timeout_s=0.4))
+    aborts_before = _aborts(replicas[1].url)
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 480, "ignore_eos": True}
+    t = time.monotonic()
+    r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert time.monotonic() - t < 3
+
+    r = httpx.post(f"{gw.url}/v1/completions", json={**body, "stream": True}, timeout=30)
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e]
+    assert json.loads(events[-1][6:])["error"]["code"] == "timeout" and "data: [DONE]" not in events
+    # the gateway closed both upstream requests: the replica aborted them instead of generating on
+    wait_until(lambda: _aborts(replicas[1].url) == aborts_before + 2, timeout=5, what="two aborts on the replica")
+
+
+def _aborts(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(
+        float(x.rsplit(" ", 1)[1])
+        for x in text.splitlines()
+        if x.startswith("inferd:request_success_total") and 'finished_reason="abort"' in x
+    )
