@@ -274,7 +274,7 @@ def main() -> int:
     quick = args.quick
     args.overhead_requests = 100 if quick else 1000
     args.hidden, args.layers = (64, 2) if quick else (512, 8)
-    args.systems, args.users, args.system_words = (4, 3, 60) if quick else (16, 8, 400)
+    args.systems, args.users, args.system_words = (4, 3, 60) if quick else (12, 8, 160)
     args.concurrency, args.max_tokens = (2, 4) if quick else (4, 8)
 
     import tempfile
