@@ -73,6 +73,21 @@ def test_429_exactly_at_the_token_budget(replicas, gateway):
     assert _post(gw.url, "t", prompt=[5], max_tokens=1).status_code == 429
 
 
+def test_chat_prompts_are_counted_exactly_with_the_chat_template(replicas, gateway):
+    limit = 10_000
+    gw = gateway(_config(replicas, [_tenant("chat", tokens={"input": limit})]))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {_key('chat')}"}
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    assert r.headers["x-ratelimit-remaining-input-tokens"] == str(limit - prompt_tokens)  # reserved = real
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": True}, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert r.headers["x-ratelimit-remaining-input-tokens"] == str(limit - 2 * prompt_tokens)
+
+
 def test_settles_to_real_usage_and_strips_the_forced_usage_chunk(replicas, gateway):
     limit = 1000
     gw = gateway(_config(replicas, [_tenant("s", tokens={"total": limit})]))

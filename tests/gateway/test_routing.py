@@ -163,3 +163,23 @@ def test_gateway_metrics_use_gen_ai_names(replicas, gateway):
     ]
     for line in expected:
         assert line in text, line
+
+
+def test_fallbacks_to_another_pool_and_another_model(replicas, gateway):
+    from tests.gateway.procs import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    pools = [*_pools(replicas), {"name": "dead", "replicas": [dead], "model": "tiny"}]
+    models = [
+        {"name": "primary", "backends": [{"pool": "dead"}], "fallbacks": [{"pool": "b"}]},
+        {"name": "chain", "backends": [{"pool": "dead"}], "fallbacks": [{"model": "tiny-a"}]},
+        {"name": "tiny-a", "backends": [{"pool": "a"}]},
+        {"name": "nowhere", "backends": [{"pool": "dead"}]},
+    ]
+    gw = gateway(base_config(pools, models))
+    r = _complete(gw.url, "primary")
+    assert r.status_code == 200 and r.headers["x-inferd-replica"] == replicas[1].url
+    r = _complete(gw.url, "chain")
+    assert r.status_code == 200 and r.headers["x-inferd-replica"] == replicas[0].url
+    r = _complete(gw.url, "nowhere")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica" and "Retry-After" in r.headers
