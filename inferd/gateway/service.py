@@ -259,7 +259,7 @@ class Gateway:
         body = parse_json_body(await read_body(raw, st.config.max_body_bytes))
         info = read_request(kind, body)
         if st.router.resolve(info.model) is None:
-            self._reject(tenant, info.model, "model_not_found")
+            self._reject(tenant, "(unknown)", "model_not_found")  # a client's string is no metric label
             raise model_not_found(info.model, st.router.names())
         targets = st.router.plan(info.model)
         flight = Flight(self, tenant, info, arrived)

@@ -158,7 +158,7 @@ def test_gateway_metrics_use_gen_ai_names(replicas, gateway):
         f'gen_ai_server_time_to_first_token_seconds_count{{gen_ai_request_model="tiny",replica="{rep}"}} 1.0',
         f'gen_ai_server_time_per_output_token_seconds_count{{gen_ai_request_model="tiny",replica="{rep}"}} 1.0',
         f'inferd_gateway_requests_total{{model="tiny",replica="{rep}",status="200",tenant="anonymous"}} 1.0',
-        'inferd_gateway_rejections_total{model="nope",reason="model_not_found",tenant="anonymous"} 1.0',
+        'inferd_gateway_rejections_total{model="(unknown)",reason="model_not_found",tenant="anonymous"} 1.0',
         f'inferd_gateway_routing_decisions_total{{pool="a",replica="{rep}"}} 1.0',
     ]
     for line in expected:
