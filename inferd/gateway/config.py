@@ -197,28 +197,40 @@ class GatewayConfig(_Model):
     @model_validator(mode="after")
     def _cross_refs(self) -> GatewayConfig:
         pools = {p.name for p in self.pools}
-        if len(pools) != len(self.pools):
-            raise ValueError("pool names must be unique")
+        for i, p in enumerate(self.pools):
+            if [q.name for q in self.pools].index(p.name) != i:
+                raise RefError(("pools", i, "name"), f"pool name {p.name!r} is used twice")
         names: set[str] = set()
-        for r in self.models:
-            for n in [r.name, *r.aliases]:
+        for i, r in enumerate(self.models):
+            for j, n in enumerate([r.name, *r.aliases]):
                 if n in names:
-                    raise ValueError(f"model name or alias {n!r} is used twice")
+                    where = ("models", i, "name") if j == 0 else ("models", i, "aliases", j - 1)
+                    raise RefError(where, f"model name or alias {n!r} is used twice")
                 names.add(n)
-        for r in self.models:
-            for ref in [*r.backends, *r.fallbacks]:
-                if ref.pool is not None and ref.pool not in pools:
-                    raise ValueError(f"model {r.name!r} names unknown pool {ref.pool!r}; pools: {sorted(pools)}")
-            for f in r.fallbacks:
-                if f.model is not None and f.model not in names:
-                    raise ValueError(f"model {r.name!r} falls back to unknown model {f.model!r}")
+        for i, r in enumerate(self.models):
+            for kind, refs in (("backends", r.backends), ("fallbacks", r.fallbacks)):
+                for j, ref in enumerate(refs):
+                    if ref.pool is not None and ref.pool not in pools:
+                        msg = f"unknown pool {ref.pool!r}; pools: {sorted(pools)}"
+                        raise RefError(("models", i, kind, j, "pool"), msg)
+                    if getattr(ref, "model", None) is not None and kind == "fallbacks" and ref.model not in names:
+                        raise RefError(("models", i, kind, j, "model"), f"unknown model {ref.model!r}")
         needs_redis = self.budget_store == "redis" or self.prefix_index.store == "redis"
         if needs_redis and not self.redis_url:
             raise ValueError("`redis_url` is required when budget_store or prefix_index.store is redis")
         ids = [t.id for t in self.tenants]
-        if len(set(ids)) != len(ids):
-            raise ValueError("tenant ids must be unique")
+        for i, t in enumerate(self.tenants):
+            if ids.index(t.id) != i:
+                raise RefError(("tenants", i, "id"), f"tenant id {t.id!r} is used twice")
         return self
+
+
+class RefError(ValueError):
+    """A cross-reference error that knows where in the file it is (pydantic reports it at the top level)."""
+
+    def __init__(self, loc: tuple, message: str):
+        super().__init__(message)
+        self.loc = loc
 
 
 def _line_map(text: str) -> dict[tuple, int]:
@@ -265,7 +277,8 @@ def parse_config(text: str, source: str = "<config>") -> GatewayConfig:
         lines = _line_map(text)
         msgs = []
         for err in e.errors():
-            loc = tuple(err["loc"])
+            cause = (err.get("ctx") or {}).get("error")
+            loc = cause.loc if isinstance(cause, RefError) else tuple(err["loc"])
             line = _line_of(lines, loc)
             field = ".".join(str(x) for x in loc) or "(top level)"
             msgs.append(f"{source}:{line or 1}: {field}: {err['msg']}")

@@ -42,7 +42,7 @@ def test_config_errors_name_the_line():
         parse_config(GOOD.replace("http://127.0.0.1:8001", "127.0.0.1:8001"), "gw.yaml")
     with pytest.raises(ConfigError, match=r"gw.yaml:3: pools.0.blok_size: Extra inputs are not permitted"):
         parse_config(GOOD.replace("  - name: a", "  - name: a\n    blok_size: 16"), "gw.yaml")
-    with pytest.raises(ConfigError, match=r"unknown pool 'b'"):
+    with pytest.raises(ConfigError, match=r"gw.yaml:7: models.0.backends.0.pool: Value error, unknown pool 'b'"):
         parse_config(GOOD.replace("- pool: a", "- pool: b"), "gw.yaml")
     with pytest.raises(ConfigError, match=r"gw.yaml:\d+: not valid YAML"):
         parse_config("pools: [\n", "gw.yaml")
