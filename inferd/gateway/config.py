@@ -75,12 +75,22 @@ class PrefixIndexConfig(_Model):
     capacity_blocks: int = Field(65536, ge=1, description="blocks remembered per replica (LRU)")
 
 
+class DnsDiscovery(_Model):
+    """Replicas behind a DNS name (a Kubernetes headless service, say): every address it resolves to."""
+
+    name: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    interval_s: float = Field(5.0, gt=0, description="how often the name is resolved again")
+
+
 class PoolConfig(_Model):
     """Replicas that serve one upstream model."""
 
     name: str = Field(min_length=1)
     replicas: list[str] = Field(default_factory=list, description="base URLs, e.g. http://10.0.0.5:8000")
     replicas_file: Path | None = Field(None, description="one URL a line, re-read when it changes")
+    replicas_dns: DnsDiscovery | None = None
     model: str | None = Field(None, description="the model name sent upstream (default: the route's name)")
     api_key: str | None = None
     block_size: int = Field(16, ge=1, description="the replicas' --block-size, for prefix affinity")
@@ -91,8 +101,8 @@ class PoolConfig(_Model):
 
     @model_validator(mode="after")
     def _has_replicas(self) -> PoolConfig:
-        if not self.replicas and self.replicas_file is None:
-            raise ValueError("a pool needs `replicas` or `replicas_file`")
+        if not self.replicas and self.replicas_file is None and self.replicas_dns is None:
+            raise ValueError("a pool needs `replicas`, `replicas_file` or `replicas_dns`")
         return self
 
     @field_validator("replicas")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from typing import TYPE_CHECKING
 
 import httpx
 
-from inferd.gateway.replicas import Replica, parse_load
+from inferd.gateway.replicas import Pool, Replica, parse_load
 
 if TYPE_CHECKING:
     from inferd.gateway.service import Gateway
@@ -50,7 +51,7 @@ class Monitor:
         """One round: discovery, scrapes, and probes when due."""
         st = self.gateway.state
         for pool in st.pools.values():
-            if pool.refresh_discovery():
+            if pool.refresh_discovery() | await self._resolve(pool):
                 logger.info("pool %s: replicas now %s", pool.name, list(pool.replicas))
         replicas = [r for p in st.pools.values() for r in p.replicas.values()]
         jobs = [self._scrape(r) for r in replicas]
@@ -60,6 +61,24 @@ class Monitor:
             jobs += [self._probe(r) for r in replicas]
         await asyncio.gather(*jobs)
         self.gateway.queue.wake_all()
+
+    async def _resolve(self, pool: Pool) -> bool:
+        """Re-resolve the pool's DNS name when due; a failed lookup keeps the last answer."""
+        dns = pool.config.replicas_dns
+        now = time.monotonic()
+        if dns is None or now - pool.dns_resolved_at < dns.interval_s:
+            return False
+        pool.dns_resolved_at = now
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(dns.name, dns.port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            logger.warning(
+                "pool %s: resolving %s failed (%s); keeping %d replicas", pool.name, dns.name, e, len(pool.replicas)
+            )
+            return False
+        hosts = sorted({info[4][0] for info in infos})
+        urls = [f"{dns.scheme}://{f'[{h}]' if ':' in h else h}:{dns.port}" for h in hosts]
+        return pool.set_dns(urls)
 
     def _headers(self, replica: Replica) -> dict[str, str]:
         key = (

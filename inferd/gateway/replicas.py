@@ -88,9 +88,16 @@ class Pool:
     config: PoolConfig
     replicas: dict[str, Replica] = field(default_factory=dict)
     _file_mtime: float | None = None
+    _file_urls: list[str] = field(default_factory=list)
+    _dns_urls: list[str] = field(default_factory=list)
+    dns_resolved_at: float = float("-inf")
 
     def __post_init__(self) -> None:
-        self.sync(self.config.replicas + self._read_file())
+        self._file_urls = self._read_file()
+        self._resync()
+
+    def _resync(self) -> None:
+        self.sync(self.config.replicas + self._file_urls + self._dns_urls)
 
     @property
     def name(self) -> str:
@@ -125,11 +132,23 @@ class Pool:
         if mtime == self._file_mtime:
             return False
         before = set(self.replicas)
-        self.sync(self.config.replicas + self._read_file())
+        self._file_urls = self._read_file()
+        self._resync()
+        return set(self.replicas) != before
+
+    def set_dns(self, urls: list[str]) -> bool:
+        """The addresses the pool's DNS name resolved to; True if the replica set changed."""
+        before = set(self.replicas)
+        self._dns_urls = urls
+        self._resync()
         return set(self.replicas) != before
 
     def adopt(self, old: Pool) -> None:
         """After a config reload: keep the live state (in-flight, load, health) of replicas still here."""
+        self._dns_urls, self.dns_resolved_at = old._dns_urls, old.dns_resolved_at
+        if self.config.replicas_dns != old.config.replicas_dns:
+            self._dns_urls, self.dns_resolved_at = [], float("-inf")
+        self._resync()
         for url in self.replicas:
             if url in old.replicas:  # the same object: requests in flight there decrement its count
                 self.replicas[url] = old.replicas[url]

@@ -183,3 +183,13 @@ def test_fallbacks_to_another_pool_and_another_model(replicas, gateway):
     assert r.status_code == 200 and r.headers["x-inferd-replica"] == replicas[0].url
     r = _complete(gw.url, "nowhere")
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica" and "Retry-After" in r.headers
+
+
+def test_replicas_discovered_from_a_dns_name(replicas, gateway):
+    port = replicas[0].port
+    pools = [{"name": "d", "replicas_dns": {"name": "localhost", "port": port, "interval_s": 0.5}, "model": "tiny"}]
+    gw = gateway(base_config(pools, [{"name": "tiny", "backends": [{"pool": "d"}]}]))
+    wait_until(lambda: httpx.get(f"{gw.url}/health").status_code == 200, what="the name resolved")
+    for _ in range(3):  # localhost may also resolve to ::1, where nothing listens: that one is ejected or retried
+        r = _complete(gw.url, "tiny")
+        assert r.status_code == 200 and r.headers["x-inferd-replica"] == f"http://127.0.0.1:{port}"
