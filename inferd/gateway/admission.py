@@ -1,0 +1,72 @@
+"""The gateway's wait queue, for when every healthy replica of a pool is saturated.
+
+Waiting requests are woken whenever capacity may have freed (a request ended, a load scrape came in),
+all at once but in admission order: highest tenant priority first, then the tenant with the fewest
+requests in flight at the gateway (a fair share: one busy tenant cannot starve the others of the same
+priority), then arrival order. Picking runs without an await, so the first woken takes the first free
+slot; the others find none and wait again, keeping their place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from inferd.gateway.errors import GatewayError
+
+
+@dataclass(order=True)
+class _Waiter:
+    sort_key: tuple
+    future: asyncio.Future = field(compare=False)
+    tenant: str = field(compare=False)
+
+
+class AdmissionQueue:
+    def __init__(self, max_size: int, max_wait_s: float):
+        self.max_size = max_size
+        self.max_wait_s = max_wait_s
+        self._waiters: list[_Waiter] = []
+        self._seq = itertools.count()
+        self.in_flight: Counter[str] = Counter()  # per tenant, admitted and not finished
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def full(self) -> bool:
+        return len(self._waiters) >= self.max_size
+
+    async def wait(self, tenant: str, priority: int, seq: int | None, deadline: float) -> int:
+        """Wait to be woken (or raise 503 at the deadline); returns the waiter's place to keep on re-waiting."""
+        if seq is None:
+            if self.full():
+                raise _overloaded("the gateway's queue is full")
+            seq = next(self._seq)
+        loop = asyncio.get_running_loop()
+        w = _Waiter((-priority, seq), loop.create_future(), tenant)
+        self._waiters.append(w)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await w.future
+        except TimeoutError:
+            raise _overloaded(f"every replica stayed saturated for {self.max_wait_s:g}s") from None
+        finally:
+            if w in self._waiters:
+                self._waiters.remove(w)
+        return seq
+
+    def wake_all(self) -> None:
+        """Wake every waiter, in admission order (priority, fair share, arrival)."""
+        if not self._waiters:
+            return
+        order = sorted(self._waiters, key=lambda w: (w.sort_key[0], self.in_flight[w.tenant], w.sort_key[1]))
+        self._waiters.clear()
+        for w in order:
+            if not w.future.done():
+                w.future.set_result(None)
+
+
+def _overloaded(why: str) -> GatewayError:
+    return GatewayError(503, why, "server_error", code="overloaded", headers={"Retry-After": "1"})

@@ -1,0 +1,309 @@
+"""The gateway's YAML config as pydantic models; a validation error names the file and line at fault.
+
+The file is parsed twice: once into plain data for pydantic, once into YAML nodes to map each
+field's location (`pools.0.replicas.1`) back to the line it was written on, so `inferd gateway`
+says "gateway.yaml:12: pools.0.block_size: Input should be greater than 0" instead of a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from inferd.errors import ConfigError
+
+
+class _Model(BaseModel):
+    # a typo in a config key is an error, not a silently ignored setting
+    model_config = ConfigDict(extra="forbid")
+
+
+class Listen(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(9000, ge=0, le=65535)
+
+
+class ScrapeConfig(_Model):
+    """Load signals read from each replica's Prometheus `/metrics`."""
+
+    interval_s: float = Field(0.5, gt=0)
+    stale_after_s: float = Field(2.0, gt=0, description="older load data counts as unknown, not as idle")
+    timeout_s: float = Field(1.0, gt=0)
+
+
+class HealthConfig(_Model):
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    failures_to_eject: int = Field(2, ge=1, description="consecutive failures (probes or requests) that eject")
+    ejection_s: float = Field(5.0, ge=0, description="an ejected replica gets no traffic for this long")
+
+
+class Scorers(_Model):
+    """Weights of the weighted sum; 0 turns a scorer off."""
+
+    queue: float = Field(1.0, ge=0)
+    kv_cache: float = Field(1.0, ge=0)
+    in_flight: float = Field(1.0, ge=0)
+    prefix: float = Field(2.0, ge=0)
+
+
+class Saturation(_Model):
+    """A replica past any of these takes no new request; when all are, requests queue at the gateway."""
+
+    max_waiting: int | None = Field(None, ge=0, description="scraped queue depth")
+    max_kv_cache_usage: float | None = Field(None, gt=0, le=1)
+    max_in_flight: int | None = Field(None, ge=1, description="requests this gateway has in flight there")
+
+
+class QueueConfig(_Model):
+    max_size: int = Field(1024, ge=0)
+    max_wait_s: float = Field(30.0, gt=0)
+
+
+class RoutingConfig(_Model):
+    picker: Literal["scored", "round_robin", "random"] = "scored"
+    scorers: Scorers = Scorers()
+    saturation: Saturation = Saturation()
+    queue: QueueConfig = QueueConfig()
+
+
+class PrefixIndexConfig(_Model):
+    store: Literal["memory", "redis"] = "memory"
+    capacity_blocks: int = Field(65536, ge=1, description="blocks remembered per replica (LRU)")
+
+
+class DnsDiscovery(_Model):
+    """Replicas behind a DNS name (a Kubernetes headless service, say): every address it resolves to."""
+
+    name: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    interval_s: float = Field(5.0, gt=0, description="how often the name is resolved again")
+
+
+class PoolConfig(_Model):
+    """Replicas that serve one upstream model."""
+
+    name: str = Field(min_length=1)
+    replicas: list[str] = Field(default_factory=list, description="base URLs, e.g. http://10.0.0.5:8000")
+    replicas_file: Path | None = Field(None, description="one URL a line, re-read when it changes")
+    replicas_dns: DnsDiscovery | None = None
+    model: str | None = Field(None, description="the model name sent upstream (default: the route's name)")
+    api_key: str | None = None
+    block_size: int = Field(16, ge=1, description="the replicas' --block-size, for prefix affinity")
+    tokenizer: str = Field(
+        "replica",
+        description="'replica' (ask the replica's /tokenize), a tokenizer.json path or folder, or 'estimate'",
+    )
+
+    @model_validator(mode="after")
+    def _has_replicas(self) -> PoolConfig:
+        if not self.replicas and self.replicas_file is None and self.replicas_dns is None:
+            raise ValueError("a pool needs `replicas`, `replicas_file` or `replicas_dns`")
+        return self
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL must start with http:// or https://, got {u!r}")
+        return [u.rstrip("/") for u in urls]
+
+
+class Backend(_Model):
+    pool: str
+    weight: float = Field(1.0, ge=0)
+    model: str | None = Field(None, description="upstream model name (default: the pool's, else the route's)")
+
+
+class Fallback(_Model):
+    """Tried in order when no backend could serve: another pool, or another route by model name."""
+
+    pool: str | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Fallback:
+        if (self.pool is None) == (self.model is None):
+            raise ValueError("a fallback names exactly one of `pool` or `model`")
+        return self
+
+
+class RouteConfig(_Model):
+    name: str = Field(min_length=1)
+    aliases: list[str] = Field(default_factory=list)
+    backends: list[Backend] = Field(min_length=1)
+    fallbacks: list[Fallback] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> RouteConfig:
+        if sum(b.weight for b in self.backends) <= 0:
+            raise ValueError("the backends' weights must not all be 0")
+        return self
+
+
+class TokenLimits(_Model):
+    """Per window; unset = unlimited."""
+
+    input: int | None = Field(None, ge=0)
+    output: int | None = Field(None, ge=0)
+    total: int | None = Field(None, ge=0)
+    cost: float | None = Field(None, ge=0, description="limit on the weighted cost, see `cost`")
+
+
+class CostWeights(_Model):
+    input: float = Field(1.0, ge=0)
+    cached_input: float = Field(1.0, ge=0)
+    output: float = Field(1.0, ge=0)
+
+
+class Limits(_Model):
+    requests: int | None = Field(None, ge=0, description="requests per window")
+    tokens: TokenLimits = TokenLimits()
+    cost: CostWeights = CostWeights()
+    max_concurrent: int | None = Field(None, ge=1)
+    window_s: float = Field(60.0, gt=0, description="a window opens at a tenant's first request after the last")
+
+
+class TenantConfig(_Model):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    api_key_sha256: list[str] = Field(min_length=1, description="sha256 hex digests of the tenant's API keys")
+    priority: int = Field(0, description="higher is admitted first when requests queue")
+    isolate_cache: bool = Field(False, description="send the tenant id as cache_salt: no prefix shared with others")
+    limits: Limits = Limits()
+    default_max_tokens: int = Field(256, ge=1, description="reserved when a request sets no max_tokens")
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex(cls, digests: list[str]) -> list[str]:
+        for d in digests:
+            if len(d) != 64 or any(c not in "0123456789abcdefABCDEF" for c in d):
+                raise ValueError("api_key_sha256 holds sha256 hex digests (64 hex characters), not keys")
+        return [d.lower() for d in digests]
+
+
+class GatewayConfig(_Model):
+    listen: Listen = Listen()
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    request_timeout_s: float = Field(300.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    retries: int = Field(2, ge=0, description="other replicas tried after a connect error or a 503")
+    expose_replica_header: bool = Field(False, description="answer with `x-inferd-replica: <url>` (for debugging)")
+    scrape: ScrapeConfig = ScrapeConfig()
+    health: HealthConfig = HealthConfig()
+    routing: RoutingConfig = RoutingConfig()
+    prefix_index: PrefixIndexConfig = PrefixIndexConfig()
+    budget_store: Literal["memory", "redis"] = "memory"
+    redis_url: str | None = None
+    redis_prefix: str = "inferd-gw"
+    pools: list[PoolConfig] = Field(min_length=1)
+    models: list[RouteConfig] = Field(min_length=1)
+    tenants: list[TenantConfig] = Field(default_factory=list, description="none: no API key is asked for")
+
+    @model_validator(mode="after")
+    def _cross_refs(self) -> GatewayConfig:
+        pools = {p.name for p in self.pools}
+        for i, p in enumerate(self.pools):
+            if [q.name for q in self.pools].index(p.name) != i:
+                raise RefError(("pools", i, "name"), f"pool name {p.name!r} is used twice")
+        names: set[str] = set()
+        for i, r in enumerate(self.models):
+            for j, n in enumerate([r.name, *r.aliases]):
+                if n in names:
+                    where = ("models", i, "name") if j == 0 else ("models", i, "aliases", j - 1)
+                    raise RefError(where, f"model name or alias {n!r} is used twice")
+                names.add(n)
+        for i, r in enumerate(self.models):
+            for kind, refs in (("backends", r.backends), ("fallbacks", r.fallbacks)):
+                for j, ref in enumerate(refs):
+                    if ref.pool is not None and ref.pool not in pools:
+                        msg = f"unknown pool {ref.pool!r}; pools: {sorted(pools)}"
+                        raise RefError(("models", i, kind, j, "pool"), msg)
+                    if getattr(ref, "model", None) is not None and kind == "fallbacks" and ref.model not in names:
+                        raise RefError(("models", i, kind, j, "model"), f"unknown model {ref.model!r}")
+        needs_redis = self.budget_store == "redis" or self.prefix_index.store == "redis"
+        if needs_redis and not self.redis_url:
+            raise ValueError("`redis_url` is required when budget_store or prefix_index.store is redis")
+        ids = [t.id for t in self.tenants]
+        for i, t in enumerate(self.tenants):
+            if ids.index(t.id) != i:
+                raise RefError(("tenants", i, "id"), f"tenant id {t.id!r} is used twice")
+        return self
+
+
+class RefError(ValueError):
+    """A cross-reference error that knows where in the file it is (pydantic reports it at the top level)."""
+
+    def __init__(self, loc: tuple, message: str):
+        super().__init__(message)
+        self.loc = loc
+
+
+def _line_map(text: str) -> dict[tuple, int]:
+    """Each field's location (keys and list indexes) -> its 1-based line in the YAML text."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        lines[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                lines[(*path, k.value)] = k.start_mark.line + 1
+                walk(v, (*path, k.value))
+                lines[(*path, k.value)] = k.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, (*path, i))
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _line_of(lines: dict[tuple, int], loc: tuple) -> int | None:
+    for n in range(len(loc), -1, -1):
+        if tuple(loc[:n]) in lines:
+            return lines[tuple(loc[:n])]
+    return None
+
+
+def parse_config(text: str, source: str = "<config>") -> GatewayConfig:
+    """Validate YAML text; every error names `source:line`."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}:1: the config must be a mapping (pools:, models:, ...)")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as e:
+        lines = _line_map(text)
+        msgs = []
+        for err in e.errors():
+            cause = (err.get("ctx") or {}).get("error")
+            loc = cause.loc if isinstance(cause, RefError) else tuple(err["loc"])
+            line = _line_of(lines, loc)
+            field = ".".join(str(x) for x in loc) or "(top level)"
+            msgs.append(f"{source}:{line or 1}: {field}: {err['msg']}")
+        raise ConfigError("invalid gateway config:\n  " + "\n  ".join(msgs)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read the gateway config {path}: {e.strerror}") from None
+    cfg = parse_config(text, str(path))
+    base = path.parent
+    for pool in cfg.pools:  # relative paths are relative to the config file
+        if pool.replicas_file is not None and not pool.replicas_file.is_absolute():
+            pool.replicas_file = base / pool.replicas_file
+    return cfg

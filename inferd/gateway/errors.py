@@ -1,0 +1,120 @@
+"""OpenAI error bodies for everything the gateway refuses: `{"error": {"message", "type", "param", "code"}}`.
+
+The gateway cannot import `inferd.server` (it must run without the engine), so it has its own small
+error type. Its handlers turn every exception into one of these bodies; an unexpected exception is the
+only 500, and bad input never reaches one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def sse_event(self) -> bytes:
+        """The error as one SSE event, for a stream that already began (no retry is possible then)."""
+        return f"data: {json.dumps(self.body())}\n\n".encode()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
+
+
+def model_not_found(name: object, known: list[str]) -> GatewayError:
+    return GatewayError(
+        404,
+        f"The model `{name}` does not exist; this gateway serves {sorted(known)}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def no_replica(model: str, why: str) -> GatewayError:
+    return GatewayError(
+        503, f"no replica could serve `{model}`: {why}", "server_error", code="no_replica", headers={"Retry-After": "1"}
+    )
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The request body as a JSON object: strict JSON (no NaN/Infinity), UTF-8, no lone surrogates."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as e:  # JSONDecodeError is a ValueError, and so is what _reject_constant raises
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    _check_strings(body, "")
+    return body
+
+
+def _check_strings(value: object, path: str) -> None:
+    """Reject lone surrogates (valid JSON escapes, but no text encodes them) and non-finite floats."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)", param=path or None) from None
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise bad_request("numbers must be finite", param=path or None)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, path)
+            _check_strings(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{path}[{i}]")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def _on_gateway(request: Request, exc: GatewayError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return GatewayError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _on_any(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error", exc_info=exc)
+        return GatewayError(500, "internal gateway error; see the gateway log", "server_error").response()

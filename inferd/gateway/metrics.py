@@ -1,0 +1,115 @@
+"""The gateway's Prometheus metrics, under OpenTelemetry's `gen_ai.*` names where they exist.
+
+OpenTelemetry's GenAI semantic conventions name `gen_ai.client.token.usage` (tokens per request, by
+`gen_ai.token.type`), `gen_ai.client.operation.duration`, `gen_ai.server.time_to_first_token` and
+`gen_ai.server.time_per_output_token`; in Prometheus the dots become underscores. What they do not
+cover (rejections, routing, retries, replica state) is under `inferd_gateway_*`. Every request
+metric carries the tenant, the model the client asked for and, where one was picked, the replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304]
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160]
+TPOT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5]
+
+
+class _StateCollector(Collector):
+    """Replica and queue gauges, read from the gateway's live state at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], tuple[list, int]]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        replicas, queued = self.snapshot()
+        labels = ["pool", "replica"]
+        in_flight = GaugeMetricFamily(
+            "inferd_gateway_replica_in_flight", "Requests in flight, per replica.", labels=labels
+        )
+        healthy = GaugeMetricFamily("inferd_gateway_replica_healthy", "1 if the replica takes traffic.", labels=labels)
+        for r, available in replicas:
+            in_flight.add_metric([r.pool, r.url], r.in_flight)
+            healthy.add_metric([r.pool, r.url], 1.0 if available else 0.0)
+        yield in_flight
+        yield healthy
+        q = GaugeMetricFamily("inferd_gateway_queue_size", "Requests waiting at the gateway for a replica.")
+        q.add_metric([], queued)
+        yield q
+
+
+class GatewayMetrics:
+    def __init__(self, snapshot: Callable[[], tuple[list, int]]):
+        self.registry = r = CollectorRegistry()
+        req = ["tenant", "model", "replica"]
+        self.requests = Counter(
+            "inferd_gateway_requests", "Requests answered, by status code.", [*req, "status"], registry=r
+        )
+        self.tokens = Histogram(
+            "gen_ai_client_token_usage",
+            "Tokens per request, by type (input, output).",
+            ["tenant", "gen_ai_request_model", "replica", "gen_ai_token_type"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "gen_ai_client_operation_duration_seconds",
+            "Request duration at the gateway, arrival to last byte.",
+            ["tenant", "gen_ai_request_model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "Arrival at the gateway to the first streamed token sent on.",
+            ["gen_ai_request_model", "replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Mean time per output token after the first, per streamed request.",
+            ["gen_ai_request_model", "replica"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.upstream_latency = Histogram(
+            "inferd_gateway_upstream_latency_seconds",
+            "Request sent upstream to response headers received.",
+            ["replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "inferd_gateway_rejections",
+            "Requests refused before any engine work, by reason.",
+            ["tenant", "model", "reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "inferd_gateway_upstream_errors",
+            "Upstream failures, by kind.",
+            ["tenant", "model", "replica", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "inferd_gateway_retries", "Requests sent again to another replica.", ["model"], registry=r
+        )
+        self.routing = Counter(
+            "inferd_gateway_routing_decisions",
+            "Replicas picked, per pool and replica.",
+            ["pool", "replica"],
+            registry=r,
+        )
+        self.prefix_blocks = Counter(
+            "inferd_gateway_prefix_affinity_blocks",
+            "Full prompt blocks routed, by whether the picked replica held them (hit) or not (miss).",
+            ["pool", "result"],
+            registry=r,
+        )
+        r.register(_StateCollector(snapshot))

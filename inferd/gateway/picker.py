@@ -1,0 +1,116 @@
+"""Picking a replica, as llm-d's endpoint picker does: filters, then a weighted sum of scorers, then a pick.
+
+Filters drop replicas that cannot take the request (unhealthy or ejected, already tried, saturated).
+Each scorer maps a replica to [0, 1], higher is better; unknown load (never scraped, or stale) scores
+0, never as idle. The picker takes the best weighted sum and breaks ties at random. Picking has no
+await in it and raises the winner's in-flight count before returning, so the next request of a burst
+already sees this one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from inferd.gateway.config import RoutingConfig, Saturation
+from inferd.gateway.replicas import Load, Replica
+
+
+@dataclass
+class Candidate:
+    replica: Replica
+    load: Load | None  # None: unknown
+    prefix: float = 0.0  # matched fraction of the request's full blocks
+
+
+class AllSaturated(Exception):
+    """Healthy replicas exist but every one is saturated: the request should wait at the gateway."""
+
+
+def saturated(c: Candidate, s: Saturation) -> bool:
+    if s.max_in_flight is not None and c.replica.in_flight >= s.max_in_flight:
+        return True
+    if c.load is None:
+        return False
+    if s.max_waiting is not None and c.load.waiting > s.max_waiting:
+        return True
+    return s.max_kv_cache_usage is not None and c.load.kv_usage >= s.max_kv_cache_usage
+
+
+def score_queue(c: Candidate) -> float:
+    return 0.0 if c.load is None else 1.0 / (1.0 + c.load.waiting)
+
+
+def score_kv_cache(c: Candidate) -> float:
+    return 0.0 if c.load is None else max(0.0, 1.0 - c.load.kv_usage)
+
+
+def score_in_flight(c: Candidate) -> float:
+    return 1.0 / (1.0 + c.replica.in_flight)
+
+
+def score_prefix(c: Candidate) -> float:
+    return c.prefix
+
+
+SCORERS: dict[str, Callable[[Candidate], float]] = {
+    "queue": score_queue,
+    "kv_cache": score_kv_cache,
+    "in_flight": score_in_flight,
+    "prefix": score_prefix,
+}
+
+
+@dataclass
+class Pick:
+    replica: Replica
+    scores: dict[str, float]
+
+    def release(self) -> None:
+        self.replica.in_flight -= 1
+
+
+class Picker:
+    def __init__(self, routing: RoutingConfig, stale_after_s: float, rng: random.Random | None = None):
+        self.routing = routing
+        self.stale_after_s = stale_after_s
+        self.rng = rng or random.Random()
+        self._rr = itertools.count()
+
+    def candidates(self, replicas: list[Replica], exclude: set[str], prefix: dict[str, float]) -> list[Candidate]:
+        now = time.monotonic()
+        return [
+            Candidate(r, r.fresh_load(now, self.stale_after_s), prefix.get(r.url, 0.0))
+            for r in replicas
+            if r.available(now) and r.url not in exclude
+        ]
+
+    def pick(self, cands: list[Candidate]) -> Pick | None:
+        """The best candidate, counted in flight; None if there is none; AllSaturated if all are full."""
+        if not cands:
+            return None
+        open_ = [c for c in cands if not saturated(c, self.routing.saturation)]
+        if not open_:
+            raise AllSaturated()
+        chosen, scores = self._choose(open_)
+        chosen.replica.in_flight += 1  # before returning: the next pick sees it
+        return Pick(chosen.replica, scores)
+
+    def _choose(self, cands: list[Candidate]) -> tuple[Candidate, dict[str, float]]:
+        mode = self.routing.picker
+        if mode == "round_robin":
+            ordered = sorted(cands, key=lambda c: c.replica.url)
+            return ordered[next(self._rr) % len(ordered)], {}
+        if mode == "random":
+            return self.rng.choice(cands), {}
+        weights = self.routing.scorers.model_dump()
+        scored = []
+        for c in cands:
+            parts = {name: fn(c) for name, fn in SCORERS.items() if weights[name] > 0}
+            scored.append((sum(weights[n] * v for n, v in parts.items()), c, parts))
+        best = max(s for s, _, _ in scored)
+        ties = [(c, parts) for s, c, parts in scored if s >= best - 1e-9]
+        return self.rng.choice(ties)

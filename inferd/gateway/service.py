@@ -1,0 +1,472 @@
+"""The gateway's request path, composed from the small managers: auth → body → route → budget → pick → proxy.
+
+`Gateway` owns what lives as long as the process (the HTTP client, the budget store, the prefix index,
+the wait queue, the metrics, the monitor task); `GatewayState` is everything built from one config
+(pools, routes, tenants, picker, tokenizers) and is swapped whole on reload, so a request keeps the
+state it started with and in-flight streams are never dropped. Pools keep their replicas' live state
+(in-flight counts, load, health) across a reload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+
+from inferd.gateway.admission import AdmissionQueue
+from inferd.gateway.budget import (
+    DIMENSIONS,
+    Decision,
+    MemoryBudgetStore,
+    RedisBudgetStore,
+    amount_vector,
+    limit_vector,
+    rate_limit_headers,
+)
+from inferd.gateway.config import GatewayConfig, TenantConfig
+from inferd.gateway.errors import GatewayError, bad_request, model_not_found, no_replica, parse_json_body
+from inferd.gateway.metrics import GatewayMetrics
+from inferd.gateway.monitor import Monitor
+from inferd.gateway.picker import AllSaturated, Pick, Picker
+from inferd.gateway.prefix import MemoryPrefixIndex, RedisPrefixIndex
+from inferd.gateway.proxy import (
+    ClosingStream,
+    Retry,
+    SSEFilter,
+    Upstream,
+    Usage,
+    open_upstream,
+    parse_usage,
+    passed_headers,
+    relay_events,
+)
+from inferd.gateway.replicas import Pool
+from inferd.gateway.routes import ModelRouter, Target
+from inferd.gateway.tokens import PoolTokenizer, PromptTokens
+from inferd.prefix_hash import block_hashes
+
+logger = logging.getLogger(__name__)
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ANONYMOUS = "anonymous"
+
+
+def key_digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass
+class GatewayState:
+    """Everything built from one config; replaced whole on reload."""
+
+    config: GatewayConfig
+    pools: dict[str, Pool]
+    router: ModelRouter
+    picker: Picker
+    tenants: dict[str, TenantConfig]  # sha256 of an API key -> tenant
+    tokenizers: dict[str, PoolTokenizer]
+
+    @classmethod
+    def build(cls, config: GatewayConfig, client: httpx.AsyncClient, old: GatewayState | None) -> GatewayState:
+        pools = {p.name: Pool(p) for p in config.pools}
+        if old is not None:
+            for name, pool in pools.items():
+                if name in old.pools:
+                    pool.adopt(old.pools[name])
+        tenants = {d: t for t in config.tenants for d in t.api_key_sha256}
+        tokenizers = {p.name: PoolTokenizer(p.tokenizer, client, p.api_key) for p in config.pools}
+        picker = Picker(config.routing, config.scrape.stale_after_s)
+        return cls(config, pools, ModelRouter(config, pools), picker, tenants, tokenizers)
+
+    def authenticate(self, authorization: str | None) -> TenantConfig | None:
+        """The caller's tenant; None when the gateway has no tenants (open access)."""
+        if not self.tenants:
+            return None
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        tenant = self.tenants.get(key_digest(key.strip())) if scheme.lower() == "bearer" and key.strip() else None
+        if tenant is None:
+            raise GatewayError(
+                401,
+                "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return tenant
+
+
+@dataclass
+class RequestInfo:
+    """What the gateway reads from a request body; the rest goes upstream untouched."""
+
+    kind: str
+    model: str
+    stream: bool
+    client_wants_usage: bool
+    max_tokens: int | None
+    n: int
+    num_prompts: int
+
+
+def _int_field(body: dict, name: str, minimum: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise bad_request(f"`{name}` must be an integer >= {minimum}", param=name)
+    return v
+
+
+def read_request(kind: str, body: dict) -> RequestInfo:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a string", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("`stream` must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad_request("`stream_options` must be an object", param="stream_options")
+    max_tokens = _int_field(body, "max_tokens", 0)
+    if kind == "chat":
+        max_tokens = _int_field(body, "max_completion_tokens", 0) or max_tokens
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("`messages` must be a non-empty list of message objects", param="messages")
+        num_prompts = 1
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise bad_request("`prompt` is required: a string, a list of strings or token ids", param="prompt")
+        num_prompts = len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
+    n = _int_field(body, "n", 1) or 1
+    wants_usage = bool(opts and opts.get("include_usage"))
+    return RequestInfo(kind, model, stream, wants_usage, max_tokens, n, num_prompts)
+
+
+@dataclass
+class Flight:
+    """One admitted request: what must be given back, once, however it ends."""
+
+    gateway: Gateway
+    tenant: TenantConfig | None
+    info: RequestInfo
+    arrived: float
+    decision: Decision | None = None
+    reserved: list[float] | None = None
+    pick: Pick | None = None
+    first_at: float | None = None
+    done: bool = False
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tenant_id(self) -> str:
+        return self.tenant.id if self.tenant else ANONYMOUS
+
+    @property
+    def replica_label(self) -> str:
+        return self.pick.replica.url if self.pick else ""
+
+    def picked(self, pick: Pick) -> None:
+        self.pick = pick
+        self.gateway.queue.in_flight[self.tenant_id] += 1
+
+    def release_pick(self) -> None:
+        if self.pick is not None:
+            self.pick.release()
+            self.gateway.queue.in_flight[self.tenant_id] -= 1
+            self.pick = None
+            self.gateway.queue.wake_all()
+
+    async def finish(self, status: int, usage: Usage | None, keep_reservation: bool = False) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, g = self.gateway.metrics, self.gateway
+        replica = self.replica_label
+        m.requests.labels(self.tenant_id, self.info.model, replica, str(status)).inc()
+        m.duration.labels(self.tenant_id, self.info.model).observe(time.monotonic() - self.arrived)
+        if usage is not None:
+            m.tokens.labels(self.tenant_id, self.info.model, replica, "input").observe(usage.prompt)
+            m.tokens.labels(self.tenant_id, self.info.model, replica, "output").observe(usage.completion)
+            if self.first_at is not None and usage.completion > 1:
+                tpot = (time.monotonic() - self.first_at) / (usage.completion - 1)
+                m.tpot.labels(self.info.model, replica).observe(tpot)
+        self.release_pick()
+        if self.decision is not None and self.tenant is not None:
+            await g.settle(self, usage, status, keep_reservation)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, redis=None):
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.redis = redis
+        if (
+            redis is None
+            and config.redis_url
+            and (config.budget_store == "redis" or config.prefix_index.store == "redis")
+        ):
+            import redis.asyncio as aioredis
+
+            self.redis = aioredis.from_url(config.redis_url)
+        self.state = GatewayState.build(config, self.client, None)
+        self.budgets = (
+            RedisBudgetStore(self.redis, config.redis_prefix) if config.budget_store == "redis" else MemoryBudgetStore()
+        )
+        cap = config.prefix_index.capacity_blocks
+        self.prefix_index = (
+            RedisPrefixIndex(self.redis, config.redis_prefix, cap)
+            if config.prefix_index.store == "redis"
+            else MemoryPrefixIndex(cap)
+        )
+        self.queue = AdmissionQueue(config.routing.queue.max_size, config.routing.queue.max_wait_s)
+        self.metrics = GatewayMetrics(self._snapshot)
+        self.monitor = Monitor(self)
+
+    def _snapshot(self) -> tuple[list, int]:
+        now = time.monotonic()
+        reps = [(r, r.available(now)) for p in self.state.pools.values() for r in p.replicas.values()]
+        return reps, len(self.queue)
+
+    async def start(self) -> None:
+        self.monitor.start()
+
+    async def stop(self) -> None:
+        await self.monitor.stop()
+        await self.client.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    def reload(self, config: GatewayConfig) -> None:
+        """Swap in a new config; requests in flight keep the state they started with."""
+        self.state = GatewayState.build(config, self.client, self.state)
+        self.queue.max_size, self.queue.max_wait_s = config.routing.queue.max_size, config.routing.queue.max_wait_s
+        self.queue.wake_all()
+
+    # -- the request path ----------------------------------------------------------------------------
+    async def handle(self, kind: str, raw: Request) -> Response:
+        arrived = time.monotonic()
+        st = self.state
+        tenant = st.authenticate(raw.headers.get("authorization"))
+        body = parse_json_body(await read_body(raw, st.config.max_body_bytes))
+        info = read_request(kind, body)
+        if st.router.resolve(info.model) is None:
+            self._reject(tenant, "(unknown)", "model_not_found")  # a client's string is no metric label
+            raise model_not_found(info.model, st.router.names())
+        targets = st.router.plan(info.model)
+        flight = Flight(self, tenant, info, arrived)
+        salt = self._cache_salt(tenant, body)
+        deadline = arrived + st.config.request_timeout_s
+        prompt = await self._prompt_tokens(st, targets[0], kind, body)
+        await self._reserve(flight, prompt)
+        try:
+            if info.stream:
+                body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            for target in targets:
+                resp = await self._try_pool(st, flight, target, body, prompt, salt, deadline)
+                if resp is not None:
+                    return resp
+            raise no_replica(info.model, "every replica is down, ejected or failed")
+        except BaseException as e:
+            status = e.status if isinstance(e, GatewayError) else 500
+            await flight.finish(status, None)
+            raise
+
+    def _reject(self, tenant: TenantConfig | None, model: str, reason: str) -> None:
+        self.metrics.rejections.labels(tenant.id if tenant else ANONYMOUS, model, reason).inc()
+
+    def _cache_salt(self, tenant: TenantConfig | None, body: dict) -> str | None:
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise bad_request("`cache_salt` must be a string", param="cache_salt")
+        if tenant is not None and tenant.isolate_cache:
+            salt = tenant.id if not salt else f"{tenant.id}:{salt}"
+            body["cache_salt"] = salt
+        return salt
+
+    async def _prompt_tokens(self, st: GatewayState, target: Target, kind: str, body: dict) -> PromptTokens | None:
+        """Tokenize only when something needs it: token budgets or prefix affinity."""
+        routing = st.config.routing
+        wants_prefix = routing.picker == "scored" and routing.scorers.prefix > 0
+        if not wants_prefix and not st.tenants:
+            return None
+        now = time.monotonic()
+        replica = next((r.url for r in target.pool.replicas.values() if r.available(now)), None)
+        return await st.tokenizers[target.pool.name].count(kind, body, target.model, replica)
+
+    async def _reserve(self, flight: Flight, prompt: PromptTokens | None) -> None:
+        tenant, info = flight.tenant, flight.info
+        if tenant is None:
+            return
+        limits = tenant.limits
+        output = (info.max_tokens if info.max_tokens is not None else tenant.default_max_tokens) * info.n
+        output *= info.num_prompts
+        amounts = amount_vector(limits, prompt.count if prompt else 0, output)
+        decision = await self.budgets.reserve(
+            tenant.id, limit_vector(limits), amounts, limits.window_s, limits.max_concurrent
+        )
+        headers = rate_limit_headers(decision)
+        if not decision.allowed:
+            self._reject(tenant, info.model, "budget")
+            raise _over_budget(decision, amounts, headers)
+        flight.decision, flight.reserved, flight.extra_headers = decision, amounts, headers
+
+    async def settle(self, flight: Flight, usage: Usage | None, status: int, keep: bool) -> None:
+        """Correct the reservation to what was used: the real usage, nothing if the request failed."""
+        limits = flight.tenant.limits
+        if usage is not None:
+            actual = amount_vector(limits, usage.prompt, usage.completion, usage.cached)
+        elif keep:
+            actual = flight.reserved  # a stream broke mid-way: the usage is unknown, charge what was reserved
+        else:
+            actual = [1.0] + [0.0] * (len(DIMENSIONS) - 1)  # refused or failed: the request counts, no tokens
+        deltas = [a - r for a, r in zip(actual, flight.reserved, strict=True)]
+        try:
+            await self.budgets.settle(flight.tenant.id, flight.decision.window_start, deltas)
+        except Exception:
+            logger.exception("settling tenant %s failed", flight.tenant.id)
+
+    async def _try_pool(
+        self,
+        st: GatewayState,
+        flight: Flight,
+        target: Target,
+        body: dict,
+        prompt: PromptTokens | None,
+        salt: str | None,
+        deadline: float,
+    ) -> Response | None:
+        """Up to 1 + retries replicas of one pool; None if none could serve (the next target follows)."""
+        pool = target.pool
+        hashes = block_hashes(prompt.ids, pool.config.block_size, salt) if prompt and prompt.ids else []
+        matched = await self.prefix_index.match(list(pool.replicas), hashes) if hashes else {}
+        fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}
+        payload = json.dumps({**body, "model": target.model}).encode()
+        headers = {"Content-Type": "application/json"}
+        if pool.config.api_key:
+            headers["Authorization"] = f"Bearer {pool.config.api_key}"
+        tried: set[str] = set()
+        for attempt in range(1 + st.config.retries):
+            pick = await self._pick(st, flight, pool, tried, fractions, deadline)
+            if pick is None:
+                return None
+            flight.picked(pick)
+            tried.add(pick.replica.url)
+            self.metrics.routing.labels(pool.name, pick.replica.url).inc()
+            if hashes:
+                hit = matched.get(pick.replica.url, 0)
+                self.metrics.prefix_blocks.labels(pool.name, "hit").inc(hit)
+                self.metrics.prefix_blocks.labels(pool.name, "miss").inc(len(hashes) - hit)
+                await self.prefix_index.insert(pick.replica.url, hashes)
+            url = pick.replica.url + PATHS[flight.info.kind]
+            try:
+                up = await open_upstream(self.client, url, payload, headers, flight.info.stream, deadline)
+            except Retry as r:
+                self._upstream_failed(st, flight, r)
+                if attempt < st.config.retries:
+                    self.metrics.retries.labels(flight.info.model).inc()
+                continue
+            pick.replica.record_success()
+            self.metrics.upstream_latency.labels(pick.replica.url).observe(up.headers_at - flight.arrived)
+            return await self._answer(flight, up, deadline)
+        return None
+
+    def _upstream_failed(self, st: GatewayState, flight: Flight, r: Retry) -> None:
+        replica = flight.pick.replica
+        self.metrics.errors.labels(flight.tenant_id, flight.info.model, replica.url, r.kind).inc()
+        if r.replica_failed:
+            replica.record_failure(st.config.health)
+        logger.warning("replica %s: %s; trying another", replica.url, r.kind)
+        flight.release_pick()
+
+    async def _pick(
+        self,
+        st: GatewayState,
+        flight: Flight,
+        pool: Pool,
+        tried: set[str],
+        fractions: dict[str, float],
+        deadline: float,
+    ) -> Pick | None:
+        """A replica of the pool, waiting in the gateway's queue while every one is saturated."""
+        seq = None
+        priority = flight.tenant.priority if flight.tenant else 0
+        while True:
+            cands = st.picker.candidates(list(pool.replicas.values()), tried, fractions)
+            try:
+                return st.picker.pick(cands)
+            except AllSaturated:
+                seq = await self.queue.wait(flight.tenant_id, priority, seq, deadline)
+
+    async def _answer(self, flight: Flight, up: Upstream, deadline: float) -> Response:
+        resp = up.response
+        headers = {**passed_headers(resp), **flight.extra_headers}
+        if flight.gateway.state.config.expose_replica_header:
+            headers["x-inferd-replica"] = flight.pick.replica.url
+        if up.rest is None:  # a whole body (or a non-200 answer to a stream request)
+            usage = _json_usage(resp) if resp.status_code == 200 else None
+            await flight.finish(resp.status_code, usage)
+            return Response(resp.content, status_code=resp.status_code, headers=headers)
+        sse = SSEFilter(drop_usage_chunk=not flight.info.client_wants_usage)
+        broken: list[str] = []
+
+        def on_first() -> None:
+            flight.first_at = time.monotonic()
+            self.metrics.ttft.labels(flight.info.model, flight.replica_label).observe(flight.first_at - flight.arrived)
+
+        def on_broken(kind: str) -> None:
+            broken.append(kind)
+            self.metrics.errors.labels(flight.tenant_id, flight.info.model, flight.replica_label, kind).inc()
+            if kind == "stream_broken" and flight.pick is not None:
+                flight.pick.replica.record_failure(self.state.config.health)
+
+        async def on_close() -> None:
+            await resp.aclose()
+            await flight.finish(200 if not broken else 502, sse.usage, keep_reservation=sse.usage is None)
+
+        body = relay_events(up, sse, deadline, on_first, on_broken)
+        headers.pop("content-type", None)
+        return ClosingStream(body, on_close, headers)
+
+
+def _json_usage(resp: httpx.Response) -> Usage | None:
+    try:
+        return parse_usage(json.loads(resp.content))
+    except ValueError:
+        return None
+
+
+def _over_budget(d: Decision, amounts: list[float], headers: dict[str, str]) -> GatewayError:
+    retry_after = max(1, int(d.reset_s + 0.999))
+    if d.failed is not None and d.failed < len(DIMENSIONS):
+        name = DIMENSIONS[d.failed]
+        lim, used, want = d.limits[d.failed], d.used[d.failed], amounts[d.failed]
+        msg = f"rate limit: this request needs {want:g} {name} but {max(0.0, lim - used):g} of {lim:g} remain"
+        msg += f" in this window; it resets in {d.reset_s:.1f}s"
+        code = "rate_limit_exceeded"
+    else:
+        msg = "too many concurrent requests for this API key; retry when one finishes"
+        code, retry_after = "concurrency_limit_exceeded", 1
+    return GatewayError(429, msg, "rate_limit_error", code=code, headers={**headers, "Retry-After": str(retry_after)})
+
+
+async def read_body(raw: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (by Content-Length, or while reading)."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes", code="too_large")
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"the request body is over the gateway's limit of {limit} bytes", code="too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,195 @@
+"""Routing through a real gateway process to real inferd replicas: by model and alias, weighted splits,
+streams relayed event by event, and prefix affinity measured on the replicas' own prefix cache counters."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import base_config, wait_until
+from tests.gateway.procs import replica_metrics
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _pools(replicas, **extra) -> list[dict]:
+    return [
+        {"name": "a", "replicas": [replicas[0].url], "model": "tiny", **extra},
+        {"name": "b", "replicas": [replicas[1].url], "model": "tiny", **extra},
+    ]
+
+
+def _complete(gw_url: str, model: str, **body) -> httpx.Response:
+    payload = {"model": model, "prompt": "The quick brown fox", "max_tokens": 1, **body}
+    return httpx.post(f"{gw_url}/v1/completions", json=payload, timeout=30)
+
+
+def test_routes_by_model_and_alias(replicas, gateway):
+    models = [
+        {"name": "tiny-a", "aliases": ["tiny-latest"], "backends": [{"pool": "a"}]},
+        {"name": "tiny-b", "backends": [{"pool": "b"}]},
+    ]
+    gw = gateway(base_config(_pools(replicas), models))
+    for model, replica in [("tiny-a", replicas[0]), ("tiny-latest", replicas[0]), ("tiny-b", replicas[1])]:
+        r = _complete(gw.url, model)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-inferd-replica"] == replica.url
+        body = r.json()
+        assert body["model"] == "tiny"  # the replica's answer, untouched: the upstream name
+        assert body["usage"]["completion_tokens"] == 1
+    listed = httpx.get(f"{gw.url}/v1/models").json()
+    assert {m["id"] for m in listed["data"]} == {"tiny-a", "tiny-latest", "tiny-b"}
+    r = _complete(gw.url, "no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_weighted_split_within_5_percent(replicas, gateway):
+    models = [{"name": "canary", "backends": [{"pool": "a", "weight": 3}, {"pool": "b", "weight": 1}]}]
+    gw = gateway(base_config(_pools(replicas), models))
+    n = 1000
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(8) as ex:
+
+        def one(_):
+            r = client.post(f"{gw.url}/v1/completions", json={"model": "canary", "prompt": [5, 6, 7], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            return r.headers["x-inferd-replica"]
+
+        counts = Counter(ex.map(one, range(n)))
+    share_a = counts[replicas[0].url] / n
+    assert abs(share_a - 0.75) < 0.05, counts
+
+
+def _events(text: str) -> list[str]:
+    return [e for e in text.split("\n\n") if e]
+
+
+def test_stream_relayed_untouched_and_usage_chunk_only_when_asked(replicas, gateway):
+    models = [{"name": "tiny", "backends": [{"pool": "a"}]}]
+    gw = gateway(base_config(_pools(replicas)[:1], models))
+    body = {
+        "model": "tiny",
+        "prompt": "Paged attention",
+        "max_tokens": 6,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    plain = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=30)
+    assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/event-stream")
+    events = _events(plain.text)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["choices"] for c in chunks), "the usage chunk the gateway forced on must not reach the client"
+    assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1
+
+    asked = httpx.post(f"{gw.url}/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e.removeprefix("data: ")) for e in _events(asked.text)[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+    direct = httpx.post(f"{replicas[0].url}/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+    # same shape as the replica's own stream, event for event (ids and timestamps aside)
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("id", "created")}
+    assert [strip(json.loads(e[6:])) for e in _events(direct.text)[:-1]] == [strip(c) for c in chunks]
+
+
+def _prefix_workload(seed: int, prefixes: int, users: int) -> list[str]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "cache", "block", "paged", "fox", "dog", "quick", "lazy", "12", "()"]
+    systems = [" ".join(rng.choice(words) for _ in range(70)) for _ in range(prefixes)]
+    prompts = [f"{s}\nUser {u}: {rng.choice(words)} {rng.choice(words)}?" for s in systems for u in range(users)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def _hit_rate_delta(before: list[dict], after: list[dict]) -> float:
+    """Prefix cache hit rate (tokens) over both replicas between two scrapes."""
+    delta = lambda name: sum(a[name] - b[name] for a, b in zip(after, before, strict=True))
+    return delta("inferd:prefix_cache_hits_total") / delta("inferd:prefix_cache_queries_total")
+
+
+def test_prefix_affinity_raises_replica_prefix_hit_rate_over_round_robin(replicas, gateway, tiny_llama):
+    pool = {"name": "ab", "replicas": [r.url for r in replicas], "model": "tiny", "tokenizer": str(tiny_llama)}
+    models = [{"name": "tiny", "backends": [{"pool": "ab"}]}]
+    rates = {}
+    for seed, picker in enumerate(["round_robin", "scored"]):
+        cfg = base_config([pool], models, routing={"picker": picker})
+        gw = gateway(cfg)
+        before = [replica_metrics(r.url) for r in replicas]
+        with httpx.Client(timeout=30) as client:
+            for prompt in _prefix_workload(seed, prefixes=8, users=4):
+                r = client.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+        rates[picker] = _hit_rate_delta(before, [replica_metrics(r.url) for r in replicas])
+        gw.stop()
+    print("prefix hit rates", rates)
+    # each shared prefix is prefilled once with affinity, on both replicas with round-robin
+    assert rates["scored"] > 0.6, rates
+    assert rates["scored"] > rates["round_robin"] + 0.1, rates
+
+
+def test_replicas_discovered_from_a_list_file_reread_on_change(replicas, gateway, logs):
+    listing = logs / "replicas.txt"
+    listing.write_text(f"# the pool's replicas\n{replicas[0].url}\n")
+    pools = [{"name": "d", "replicas_file": str(listing), "model": "tiny"}]
+    gw = gateway(base_config(pools, [{"name": "tiny", "backends": [{"pool": "d"}]}]))
+    assert _complete(gw.url, "tiny").headers["x-inferd-replica"] == replicas[0].url
+    listing.write_text(f"{replicas[1].url}\n")
+    wait_until(lambda: _complete(gw.url, "tiny").headers["x-inferd-replica"] == replicas[1].url, what="rediscovery")
+    assert {_complete(gw.url, "tiny").headers["x-inferd-replica"] for _ in range(5)} == {replicas[1].url}
+
+
+def test_gateway_metrics_use_gen_ai_names(replicas, gateway):
+    gw = gateway(base_config(_pools(replicas)[:1], [{"name": "tiny", "backends": [{"pool": "a"}]}]))
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(f"{gw.url}/v1/completions", json={**body, "stream": True}).status_code == 200
+    assert _complete(gw.url, "nope").status_code == 404
+    text = httpx.get(f"{gw.url}/metrics").text
+    rep = replicas[0].url
+    expected = [
+        f'gen_ai_client_token_usage_sum{{gen_ai_request_model="tiny",gen_ai_token_type="input",replica="{rep}",'
+        'tenant="anonymous"} 3.0',
+        f'gen_ai_client_token_usage_sum{{gen_ai_request_model="tiny",gen_ai_token_type="output",replica="{rep}",'
+        'tenant="anonymous"} 3.0',
+        f'gen_ai_server_time_to_first_token_seconds_count{{gen_ai_request_model="tiny",replica="{rep}"}} 1.0',
+        f'gen_ai_server_time_per_output_token_seconds_count{{gen_ai_request_model="tiny",replica="{rep}"}} 1.0',
+        f'inferd_gateway_requests_total{{model="tiny",replica="{rep}",status="200",tenant="anonymous"}} 1.0',
+        'inferd_gateway_rejections_total{model="(unknown)",reason="model_not_found",tenant="anonymous"} 1.0',
+        f'inferd_gateway_routing_decisions_total{{pool="a",replica="{rep}"}} 1.0',
+    ]
+    for line in expected:
+        assert line in text, line
+
+
+def test_fallbacks_to_another_pool_and_another_model(replicas, gateway):
+    from tests.gateway.procs import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    pools = [*_pools(replicas), {"name": "dead", "replicas": [dead], "model": "tiny"}]
+    models = [
+        {"name": "primary", "backends": [{"pool": "dead"}], "fallbacks": [{"pool": "b"}]},
+        {"name": "chain", "backends": [{"pool": "dead"}], "fallbacks": [{"model": "tiny-a"}]},
+        {"name": "tiny-a", "backends": [{"pool": "a"}]},
+        {"name": "nowhere", "backends": [{"pool": "dead"}]},
+    ]
+    gw = gateway(base_config(pools, models))
+    r = _complete(gw.url, "primary")
+    assert r.status_code == 200 and r.headers["x-inferd-replica"] == replicas[1].url
+    r = _complete(gw.url, "chain")
+    assert r.status_code == 200 and r.headers["x-inferd-replica"] == replicas[0].url
+    r = _complete(gw.url, "nowhere")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica" and "Retry-After" in r.headers
+
+
+def test_replicas_discovered_from_a_dns_name(replicas, gateway):
+    port = replicas[0].port
+    pools = [{"name": "d", "replicas_dns": {"name": "localhost", "port": port, "interval_s": 0.5}, "model": "tiny"}]
+    gw = gateway(base_config(pools, [{"name": "tiny", "backends": [{"pool": "d"}]}]))
+    wait_until(lambda: httpx.get(f"{gw.url}/health").status_code == 200, what="the name resolved")
+    for _ in range(3):  # localhost may also resolve to ::1, where nothing listens: that one is ejected or retried
+        r = _complete(gw.url, "tiny")
+        assert r.status_code == 200 and r.headers["x-inferd-replica"] == f"http://127.0.0.1:{port}"
