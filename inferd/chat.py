@@ -1,21 +1,23 @@
-"""Chat templates: one function renders a conversation to prompt token ids, for `LLM.chat` and the server."""
+"""Chat templates: one place renders a conversation to prompt text, for `LLM.chat` and the server."""
 
 from __future__ import annotations
 
 from inferd.errors import InvalidRequestError
 
+_MAX_QUOTED = 200  # characters of a template's own error message quoted back
 
-def render_chat(
+
+def chat_text(
     tokenizer,
     conversation: list[dict],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict | None = None,
-) -> list[int]:
-    """Render `conversation` ({"role", "content"} dicts) with the model's template and tokenize it.
+) -> str:
+    """Render `conversation` ({"role", "content"} dicts) with the model's chat template.
 
-    The template writes BOS itself, so the text is tokenized without special tokens. Continuing the
-    last message means no new assistant turn, so it turns `add_generation_prompt` off.
+    Continuing the last message means no new assistant turn, so it turns `add_generation_prompt` off.
+    A conversation the template refuses (roles out of turn, say) is the request's fault: InvalidRequestError.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; send a plain prompt instead", param="messages")
@@ -27,6 +29,14 @@ def render_chat(
             continue_final_message=continue_final_message,
             **(template_kwargs or {}),
         )
-    except Exception as e:  # jinja raises for conversations the template rejects (e.g. roles out of turn)
-        raise InvalidRequestError(f"the chat template rejected these messages: {e}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    except Exception as e:  # jinja raises for conversations the template rejects
+        reason = str(e)[:_MAX_QUOTED]
+        raise InvalidRequestError(f"the chat template rejected these messages: {reason}", param="messages") from None
+    if not isinstance(text, str):  # template kwargs can ask it for other things than text
+        raise InvalidRequestError("chat_template_kwargs must leave the template rendering text", param="messages")
+    return text
+
+
+def render_chat(tokenizer, conversation: list[dict], **options) -> list[int]:
+    """`chat_text`, tokenized; the template writes BOS itself, so no special tokens are added."""
+    return tokenizer.encode(chat_text(tokenizer, conversation, **options), add_special_tokens=False)

@@ -1,4 +1,9 @@
-"""Errors a user can cause. Each message says what to change."""
+"""Every error inferd raises on purpose, in one place.
+
+`InferdError` and its subclasses are caused by input or configuration: each message says what to change,
+and the server answers them with a 4xx. `ServingError` and its subclasses are not the request's fault:
+the server cannot take it now (503 with Retry-After) or could not finish it (a 5xx or an SSE error event).
+"""
 
 
 class InferdError(Exception):
@@ -22,3 +27,27 @@ class ModelLoadError(InferdError):
 
 class ConfigError(InferdError):
     """Engine settings that do not work together."""
+
+
+class ServingError(Exception):
+    """A request the server cannot serve now, or could not finish, through no fault of the request."""
+
+
+class EngineOverloadedError(ServingError):
+    """The waiting queue is full (or the server is draining): try again later."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(ServingError):
+    """The step loop failed and could not recover; requests fail with this."""
+
+
+class RequestFailedError(ServingError):
+    """A step raised while this request was in the batch; the request was aborted."""
+
+
+class DrainTimeoutError(ServingError):
+    """The server is shutting down and this request outlived --drain-timeout."""

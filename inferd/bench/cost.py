@@ -1,4 +1,4 @@
-"""Cost per million tokens (DESIGN.md): price per hour x replicas / (tokens per second x 3600) x 1e6.
+"""Cost per million tokens: price per hour x replicas / (tokens per second x 3600) x 1e6.
 
 Computed for raw throughput and for goodput (the tokens of requests that met every SLO), per million output
 tokens and per million total (input + output) tokens. No throughput means no finite cost: None.

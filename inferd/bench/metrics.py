@@ -1,4 +1,4 @@
-"""Pure functions on request timings, with vLLM's serving-benchmark definitions (see DESIGN.md).
+"""Pure functions on request timings, with vLLM's serving-benchmark definitions (as in vLLM's benchmarks/serve.py).
 
 TTFT: send -> first token chunk. TPOT: (E2EL - TTFT) / (output tokens - 1), so the first token is excluded.
 ITL: every gap between consecutive token chunks. E2EL: send -> end of stream. Goodput: requests per second

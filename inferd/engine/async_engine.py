@@ -18,27 +18,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from inferd.engine.engine import Engine, EngineStats
-from inferd.errors import InferdError, InvalidRequestError
+from inferd.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 from inferd.outputs import RequestOutput
 from inferd.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineOverloadedError(InferdError):
-    """The waiting queue is full (or the server is draining): try again later."""
-
-    def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed and could not recover; requests fail with this."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step raised while this request was in the batch; the request was aborted."""
 
 
 @dataclass

@@ -66,7 +66,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.served_model_names[0])
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
-    state = ServerState(async_engine, settings, metrics)
+    state = ServerState(async_engine, settings, metrics, engine.tokenizer, engine.max_model_len, engine.vocab_size)
     created = int(time.time())
     root = public_root(settings.model_root)
 

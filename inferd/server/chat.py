@@ -34,13 +34,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
     )
     request_id = new_id("chatcmpl")
-    streams = await submit(state.engine, request_id, [prompt], params, req.cache_salt)
+    streams = await submit(state.async_engine, request_id, [prompt], params, req.cache_salt)
     headers = {"X-Request-Id": request_id}
     if req.stream:
         body = _stream(state, req, request_id, streams, len(prompt))
-        return SSEResponse(body, on_close=lambda: state.engine.abort(request_id), headers=headers)
+        return SSEResponse(body, on_close=lambda: state.async_engine.abort(request_id), headers=headers)
     try:
-        (final,) = await unless_disconnected(raw, final_outputs(state.engine, streams))
+        (final,) = await unless_disconnected(raw, final_outputs(state.async_engine, streams))
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(_response(state, req, request_id, final).model_dump(), headers=headers)
@@ -93,7 +93,7 @@ async def _stream(
         for index in range(req.n):
             yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
         usage = UsageInfo()
-        async for _, out in iterate(state.engine, streams):
+        async for _, out in iterate(state.async_engine, streams):
             for c in out.outputs:
                 generated[c.index] = len(c.token_ids)
                 if c.delta_text or (req.logprobs and c.delta_logprobs):

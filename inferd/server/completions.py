@@ -46,7 +46,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = completion_params(req)
     prompt_ids, prompt_texts = await _prompts(state, req.prompt)
     request_id = new_id("cmpl")
-    streams = await submit(state.engine, request_id, prompt_ids, params, req.cache_salt)
+    streams = await submit(state.async_engine, request_id, prompt_ids, params, req.cache_salt)
     try:
         echoes = [
             (t if t is not None else await state.decode_async(ids)) if req.echo else ""
@@ -54,14 +54,16 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         ]
     except BaseException:
         for rid, _ in streams:
-            state.engine.abort(rid)
+            state.async_engine.abort(rid)
         raise
     headers = {"X-Request-Id": request_id}
     if req.stream:
         body = _stream(state, req, request_id, streams, echoes, [len(ids) for ids in prompt_ids])
-        return SSEResponse(body, on_close=lambda: [state.engine.abort(rid) for rid, _ in streams], headers=headers)
+        return SSEResponse(
+            body, on_close=lambda: [state.async_engine.abort(rid) for rid, _ in streams], headers=headers
+        )
     try:
-        finals = await unless_disconnected(raw, final_outputs(state.engine, streams))
+        finals = await unless_disconnected(raw, final_outputs(state.async_engine, streams))
     except ClientDisconnected:
         return Response(status_code=499)
     body = _response(state, req, request_id, finals, echoes)
@@ -119,7 +121,7 @@ async def _stream(
                 offsets[i * req.n + j] = len(echo)
                 if echo:
                     yield chunk(CompletionChoice(index=i * req.n + j, text=echo))
-        async for i, out in iterate(state.engine, streams):
+        async for i, out in iterate(state.async_engine, streams):
             for c in out.outputs:
                 index = i * req.n + c.index
                 generated[index] = len(c.token_ids)

@@ -15,8 +15,7 @@ from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferd.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
-from inferd.errors import InferdError
+from inferd.errors import DrainTimeoutError, EngineDeadError, EngineOverloadedError, InferdError, RequestFailedError
 from inferd.server.protocol import UNION_TAGS, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -40,10 +39,6 @@ class APIError(HTTPException):
         super().__init__(status, message, headers)
         self.status = status
         self.info = ErrorInfo(message=clean(message), type=type, param=clean(param), code=clean(code))
-
-
-class DrainTimeoutError(Exception):
-    """The server is shutting down and this request outlived --drain-timeout."""
 
 
 def clean(text: str | None) -> str | None:

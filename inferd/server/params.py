@@ -31,7 +31,6 @@ def _common(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) 
     _check_stream_options(req)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -44,8 +43,8 @@ def _common(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) 
         seed=req.seed,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
+        stop=req.stop,  # SamplingParams takes a string, a list or None
+        stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -15,10 +15,12 @@ import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
+from inferd.chat import chat_text
 from inferd.engine.async_engine import AsyncEngine
-from inferd.errors import InvalidRequestError
-from inferd.server.errors import APIError, DrainTimeoutError, echo, model_not_found
+from inferd.errors import DrainTimeoutError, InvalidRequestError
+from inferd.server.errors import APIError, model_not_found
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import ChatMessage
 
@@ -66,9 +68,12 @@ def longest_token_chars(tokenizer) -> int:
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    async_engine: AsyncEngine
     settings: ServerSettings
     metrics: ServerMetrics
+    tokenizer: Any  # the engine's Hugging Face tokenizer
+    max_model_len: int
+    vocab_size: int
     ready: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it runs
     _token_text: object = field(init=False, repr=False)
@@ -83,7 +88,7 @@ class ServerState:
     def begin_drain(self) -> None:
         """On SIGTERM: take no new requests; streams still running at the drain deadline end with an error
         event (so they close cleanly before uvicorn would cancel them). Safe from a signal handler or thread."""
-        self.engine.start_drain()
+        self.async_engine.start_drain()
         timeout = self.settings.drain_timeout
         if self._draining or timeout is None or self.loop is None:
             return
@@ -95,21 +100,13 @@ class ServerState:
 
     def _cut_streams(self, timeout: float) -> None:
         error = DrainTimeoutError(f"the server shut down; this request outlived the drain timeout ({timeout:g} s)")
-        cut = self.engine.fail_all(error)  # each stream logs its own line as it sends the error event
+        cut = self.async_engine.fail_all(error)  # each stream logs its own line as it sends the error event
         if cut:
             logger.info("drain timeout: ending %d engine requests still running", len(cut))
 
     @property
-    def tokenizer(self):
-        return self.engine.engine.tokenizer
-
-    @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.settings.served_model_names:
@@ -158,7 +155,7 @@ class ServerState:
         return await asyncio.to_thread(self.encode, text, add_special_tokens, param)
 
     def decode(self, token_ids: list[int]) -> str:
-        vocab = self.engine.engine.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
@@ -176,19 +173,15 @@ class ServerState:
         continue_final_message: bool = False,
         kwargs: dict | None = None,
     ) -> list[int]:
-        """Render the conversation with the model's template and tokenize it (the template adds BOS)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        if continue_final_message and add_generation_prompt:
-            add_generation_prompt = False  # continuing the last message means no new assistant turn
+        """Render the conversation with the model's template (`inferd.chat`) and tokenize it."""
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         # the template only adds text: contents already too long need no rendering to be refused
         self.check_length("".join(m["content"] for m in conversation), "messages")
-        render = functools.partial(self._render, conversation, add_generation_prompt, continue_final_message, kwargs)
+        render = functools.partial(
+            chat_text, self.tokenizer, conversation, add_generation_prompt, continue_final_message, kwargs
+        )
         big = sum(len(m["content"]) for m in conversation) >= _THREAD_CHARS
         text = await asyncio.to_thread(render) if big else render()
-        if not isinstance(text, str):  # chat_template_kwargs can ask the template for other things than text
-            raise APIError(400, "chat_template_kwargs must leave the template rendering text", param="messages")
         return await self.encode_async(text, add_special_tokens=False, param="messages")
 
     async def chat_prompt(self, messages: list[ChatMessage], *args) -> list[int]:
@@ -196,19 +189,6 @@ class ServerState:
         ids = await self.apply_chat_template(messages, *args)
         self.check_prompt_tokens(ids, "messages")
         return ids
-
-    def _render(self, conversation: list[dict], add_generation_prompt: bool, continue_final: bool, kwargs) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final,
-                **(kwargs or {}),
-            )
-        except Exception as e:  # jinja raises for conversations the template rejects (e.g. roles out of turn)
-            message = f"the chat template rejected these messages: {echo(str(e))}"
-            raise APIError(400, message, param="messages") from None
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict:

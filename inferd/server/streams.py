@@ -11,6 +11,7 @@ from fastapi import Request
 
 from inferd.engine.async_engine import AsyncEngine, RequestStream
 from inferd.outputs import RequestOutput
+from inferd.request import sub_request_id
 from inferd.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -29,7 +30,7 @@ async def submit(
     max_waiting_requests together, so a request that can never fit is a 400 and not a 503 to retry forever.
     """
     engine.check_admission(len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
-    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    ids = [base_id if len(prompts) == 1 else sub_request_id(base_id, i) for i in range(len(prompts))]
     results = await asyncio.gather(
         *(engine.add_request(rid, p, params, cache_salt) for rid, p in zip(ids, prompts, strict=True)),
         return_exceptions=True,

@@ -38,7 +38,7 @@ class RunningServer:
 
     @property
     def engine(self) -> Engine:
-        return self.state.engine.engine
+        return self.state.async_engine.engine
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -48,8 +48,8 @@ class RunningServer:
         """Until the step thread has nothing left; then the block invariant must hold."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            st = self.state.engine.stats
-            idle = not self.state.engine.num_in_flight and st.num_running == 0 and st.num_waiting == 0
+            st = self.state.async_engine.stats
+            idle = not self.state.async_engine.num_in_flight and st.num_running == 0 and st.num_waiting == 0
             if idle and not self.engine.has_unfinished_requests():
                 break
             time.sleep(0.02)

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from inferd.config import make_engine_config
-from inferd.engine.async_engine import AsyncEngine, EngineOverloadedError
+from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.engine import Engine
-from inferd.errors import InvalidRequestError
+from inferd.errors import EngineOverloadedError, InvalidRequestError
 from inferd.sampling import SamplingParams
 
 

@@ -65,7 +65,7 @@ def test_stream_disconnect_aborts(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line).startswith("data: {")
-        assert server.state.engine.num_in_flight == 1
+        assert server.state.async_engine.num_in_flight == 1
     # closing the response closed the connection: the request is aborted and its blocks are free
     server.wait_idle(timeout=5)
     after = scrape(server)
@@ -139,7 +139,7 @@ def test_overload_503(strict_server):
         next(line for line in lines if line)  # running: the only batch slot is taken
         with c.stream("POST", url + "/v1/completions", json=body) as waiting:
             assert waiting.status_code == 200  # accepted into the waiting queue (limit 1)
-            assert strict_server.state.engine.num_waiting == 1
+            assert strict_server.state.async_engine.num_waiting == 1
             r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, headers=auth)
             assert r.status_code == 503
             assert int(r.headers["Retry-After"]) >= 1
@@ -158,7 +158,7 @@ def test_sigterm_drains_in_flight(tiny_models):
         lines = r.iter_lines()
         next(line for line in lines if line)
         srv.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
-        assert not srv.state.engine.accepting
+        assert not srv.state.async_engine.accepting
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
     srv.thread.join(10)
