@@ -11,6 +11,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,24 @@ def _source_hash() -> str:
     return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
 
 
+_STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a process that died
+
+
+def _remove_stale_lock(name: str) -> None:
+    """torch's build lock is a plain file: a build killed midway (Ctrl-C on the first start) leaves it behind,
+    and every later start would wait on it forever. Remove one that no live build can still hold."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > _STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def paged_decode_kernel() -> Callable | None:
     """The compiled `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)`."""
@@ -42,8 +61,10 @@ def paged_decode_kernel() -> Callable | None:
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"inferd_paged_decode_{_cpu_fingerprint()}_{_source_hash()}"
+        _remove_stale_lock(name)
         module = load(
-            name=f"inferd_paged_decode_{_cpu_fingerprint()}_{_source_hash()}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             verbose=False,
