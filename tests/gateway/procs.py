@@ -19,13 +19,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.net import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

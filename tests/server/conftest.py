@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -15,14 +14,9 @@ from inferd.engine.engine import Engine
 from inferd.server.app import create_app
 from inferd.server.cli import _DrainingServer
 from inferd.server.state import ServerSettings
+from tests.net import free_port
 
 MODEL_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
