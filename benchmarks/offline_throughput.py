@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--hf-runs", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="inferd's dtype")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-kernel", "torch"])
     ap.add_argument("--quick", action="store_true", help="16 requests, one run each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="offline_throughput")
@@ -126,7 +128,8 @@ def main() -> None:
     prompts, outputs = make_workload(args.num_requests, args.seed)
     llm = LLM(
         args.model,
-        dtype="float32",
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
         max_model_len=1024,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -146,7 +149,8 @@ def main() -> None:
             "total_output_tokens": sum(outputs),
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "dtype": "float32",
+            "dtype": args.dtype,
+            "attention_backend": args.attention_backend,
             "cpu_linear": args.cpu_linear,
         },
         "machine": info,
