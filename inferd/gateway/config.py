@@ -47,6 +47,9 @@ class Scorers(_Model):
     queue: float = Field(1.0, ge=0)
     kv_cache: float = Field(1.0, ge=0)
     in_flight: float = Field(1.0, ge=0)
+    in_flight_tokens: float = Field(
+        0.0, ge=0, description="prompt + max_tokens in flight: long requests weigh more than short ones"
+    )
     prefix: float = Field(2.0, ge=0)
 
 

@@ -52,6 +52,13 @@ def score_in_flight(c: Candidate) -> float:
     return 1.0 / (1.0 + c.replica.in_flight)
 
 
+TOKEN_UNIT = 1024  # in-flight tokens at which the token scorer halves
+
+
+def score_in_flight_tokens(c: Candidate) -> float:
+    return 1.0 / (1.0 + c.replica.in_flight_tokens / TOKEN_UNIT)
+
+
 def score_prefix(c: Candidate) -> float:
     return c.prefix
 
@@ -60,6 +67,7 @@ SCORERS: dict[str, Callable[[Candidate], float]] = {
     "queue": score_queue,
     "kv_cache": score_kv_cache,
     "in_flight": score_in_flight,
+    "in_flight_tokens": score_in_flight_tokens,
     "prefix": score_prefix,
 }
 
@@ -68,9 +76,11 @@ SCORERS: dict[str, Callable[[Candidate], float]] = {
 class Pick:
     replica: Replica
     scores: dict[str, float]
+    tokens: int = 0  # what this request added to the replica's in-flight tokens
 
     def release(self) -> None:
         self.replica.in_flight -= 1
+        self.replica.in_flight_tokens -= self.tokens
 
 
 class Picker:
@@ -88,8 +98,9 @@ class Picker:
             if r.available(now) and r.url not in exclude
         ]
 
-    def pick(self, cands: list[Candidate]) -> Pick | None:
-        """The best candidate, counted in flight; None if there is none; AllSaturated if all are full."""
+    def pick(self, cands: list[Candidate], tokens: int = 0) -> Pick | None:
+        """The best candidate, counted in flight (with the request's `tokens`); None if there is none;
+        AllSaturated if all are full."""
         if not cands:
             return None
         open_ = [c for c in cands if not saturated(c, self.routing.saturation)]
@@ -97,7 +108,8 @@ class Picker:
             raise AllSaturated()
         chosen, scores = self._choose(open_)
         chosen.replica.in_flight += 1  # before returning: the next pick sees it
-        return Pick(chosen.replica, scores)
+        chosen.replica.in_flight_tokens += tokens
+        return Pick(chosen.replica, scores, tokens)
 
     def _choose(self, cands: list[Candidate]) -> tuple[Candidate, dict[str, float]]:
         mode = self.routing.picker

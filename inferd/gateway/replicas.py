@@ -56,6 +56,7 @@ class Replica:
     url: str
     pool: str
     in_flight: int = 0
+    in_flight_tokens: int = 0  # prompt + expected output tokens of the requests in flight there
     load: Load | None = None
     healthy: bool = True  # until a probe or a request says otherwise
     failures: int = 0

@@ -160,6 +160,7 @@ class Flight:
     decision: Decision | None = None
     reserved: list[float] | None = None
     pick: Pick | None = None
+    expected_tokens: int = 0  # prompt + max_tokens (times n and prompts): its weight on a replica
     first_at: float | None = None
     done: bool = False
     extra_headers: dict[str, str] = field(default_factory=dict)
@@ -353,6 +354,9 @@ class Gateway:
         headers = {"Content-Type": "application/json"}
         if pool.config.api_key:
             headers["Authorization"] = f"Bearer {pool.config.api_key}"
+        info = flight.info
+        output = (info.max_tokens or 0) * info.n * info.num_prompts
+        flight.expected_tokens = (prompt.count if prompt else 0) + output
         tried: set[str] = set()
         for attempt in range(1 + st.config.retries):
             pick = await self._pick(st, flight, pool, tried, fractions, deadline)
@@ -402,7 +406,7 @@ class Gateway:
         while True:
             cands = st.picker.candidates(list(pool.replicas.values()), tried, fractions)
             try:
-                return st.picker.pick(cands)
+                return st.picker.pick(cands, flight.expected_tokens)
             except AllSaturated:
                 seq = await self.queue.wait(flight.tenant_id, priority, seq, deadline)
 

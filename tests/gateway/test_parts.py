@@ -64,6 +64,22 @@ def test_a_burst_spreads_because_the_pick_counts_in_flight_before_returning():
     assert all(r.in_flight == 0 for r in pool.replicas.values())
 
 
+def test_in_flight_tokens_send_a_short_request_away_from_a_long_one():
+    pool = _pool(2)
+    a, b = pool.replicas.values()
+    a.load = b.load = Load(at=time.monotonic())
+    routing = RoutingConfig(scorers={"queue": 0, "kv_cache": 0, "in_flight": 0, "in_flight_tokens": 1, "prefix": 0})
+    picker = Picker(routing, stale_after_s=5, rng=random.Random(0))
+    cands = lambda: picker.candidates([a, b], set(), {})  # noqa: E731
+    long = picker.pick(cands(), tokens=8000)
+    short = [picker.pick(cands(), tokens=100) for _ in range(3)]  # each lands beside the others, not the long one
+    assert {p.replica for p in short} == {a, b} - {long.replica}
+    assert long.replica.in_flight_tokens == 8000
+    for p in [long, *short]:
+        p.release()
+    assert a.in_flight_tokens == b.in_flight_tokens == 0 and a.in_flight == b.in_flight == 0
+
+
 def test_unknown_load_is_not_idle_and_saturation_raises():
     pool = _pool(2)
     fresh, stale = pool.replicas.values()
