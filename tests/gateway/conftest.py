@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import build_tiny_model
-from tests.gateway.procs import Proc, start_gateway, start_replica, wait_http
+from tests.gateway.procs import Proc, redis_binary, start_gateway, start_redis, start_replica, wait_http
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +51,16 @@ def gateway(logs) -> Iterator[Callable[[dict], Proc]]:
     yield start
     for p in started:
         p.stop()
+
+
+@pytest.fixture
+def redis_proc(logs) -> Iterator[Proc]:
+    """A real redis-server on a free loopback port, for the stores that several gateways share."""
+    if redis_binary() is None:
+        pytest.skip("redis-server not found on PATH: run `bash scripts/system-deps.sh` (Debian package redis-server)")
+    proc = start_redis(logs)
+    yield proc
+    proc.stop()
 
 
 def base_config(pools: list[dict], models: list[dict], **extra) -> dict:

@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import base_config
-from tests.gateway.procs import redis_binary, start_redis
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,15 +120,6 @@ def test_request_and_concurrency_limits(replicas, gateway):
         assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency_limit_exceeded"
         assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
     assert _post(gw.url, "c").status_code == 200
-
-
-@pytest.fixture
-def redis_proc(logs):
-    if redis_binary() is None:
-        pytest.skip("redis-server not found on PATH: run `bash scripts/system-deps.sh` (Debian package redis-server)")
-    proc = start_redis(logs)
-    yield proc
-    proc.stop()
 
 
 def test_two_gateways_share_one_budget_through_redis(replicas, gateway, redis_proc):

@@ -132,6 +132,27 @@ def test_prefix_affinity_raises_replica_prefix_hit_rate_over_round_robin(replica
     assert rates["scored"] > rates["round_robin"] + 0.1, rates
 
 
+def test_two_gateways_share_the_prefix_index_through_redis(replicas, gateway, redis_proc):
+    """A prefix sent through one gateway is found by the other: both read the same index in redis-server."""
+    pool = {"name": "ab", "replicas": [r.url for r in replicas], "model": "tiny"}
+    only_prefix = {"queue": 0, "kv_cache": 0, "in_flight": 0, "in_flight_tokens": 0, "prefix": 1}
+    cfg = base_config(
+        [pool],
+        [{"name": "tiny", "backends": [{"pool": "ab"}]}],
+        routing={"scorers": only_prefix},
+        prefix_index={"store": "redis"},
+        redis_url=f"redis://127.0.0.1:{redis_proc.port}/0",
+    )
+    a, b = gateway(cfg), gateway(cfg)
+    rng = random.Random(7)
+    for _ in range(6):  # without the shared index, b would pick at random: all six right by luck is 1 in 64
+        prefix = [rng.randrange(3, 300) for _ in range(48)]  # three full blocks of 16
+        first = _complete(a.url, "tiny", prompt=prefix + [5])
+        again = _complete(b.url, "tiny", prompt=prefix + [6, 7])
+        assert first.status_code == again.status_code == 200, (first.text, again.text)
+        assert again.headers["x-inferd-replica"] == first.headers["x-inferd-replica"]
+
+
 def test_replicas_discovered_from_a_list_file_reread_on_change(replicas, gateway, logs):
     listing = logs / "replicas.txt"
     listing.write_text(f"# the pool's replicas\n{replicas[0].url}\n")
