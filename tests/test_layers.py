@@ -15,6 +15,7 @@ FORBIDDEN = {
     "inferd.sampling": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.outputs": {"inferd."},
     "inferd.prefix_hash": {"inferd."},
+    "inferd.strict_json": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.request": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.chat": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferd import strict_json
+from inferd.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -66,42 +68,18 @@ def no_replica(model: str, why: str) -> GatewayError:
     )
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
 def parse_json_body(raw: bytes) -> dict:
-    """The request body as a JSON object: strict JSON (no NaN/Infinity), UTF-8, no lone surrogates."""
+    """The request body as a JSON object, read strictly (`inferd.strict_json`: UTF-8, finite numbers, no lone
+    surrogates), as the server reads it."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as e:  # JSONDecodeError is a ValueError, and so is what _reject_constant raises
+        body = strict_json.loads(raw)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param=e.param) from None
+    except ValueError as e:  # json.JSONDecodeError
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    _check_strings(body, "")
     return body
-
-
-def _check_strings(value: object, path: str) -> None:
-    """Reject lone surrogates (valid JSON escapes, but no text encodes them) and non-finite floats."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad_request("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)", param=path or None) from None
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise bad_request("numbers must be finite", param=path or None)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_strings(k, path)
-            _check_strings(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_strings(v, f"{path}[{i}]")
 
 
 def install_error_handlers(app: FastAPI) -> None:

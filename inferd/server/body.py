@@ -1,80 +1,29 @@
-"""Reading a request body: a size cap before any work, and JSON that Python accepts but no client should send.
+"""Reading a request body: a size cap before any work, and strict JSON (`inferd.strict_json`).
 
-Python's `json` reads `NaN`, `Infinity` and `1e309` as floats and `"\\ud800"` as a string holding a lone
-surrogate. Neither is valid input: non-finite numbers are not JSON numbers, and a lone surrogate is not
-text (the tokenizer cannot read it, and no UTF-8 response can carry it back). Both get a 400 that names the
-field, before any handler runs. The checks cost nothing on ordinary bodies: the parser's number hooks see
-only floats, and the (rare) surrogate escape is looked for in the raw bytes before the parsed body is walked.
+Non-finite numbers and lone surrogates get a 400 that names the field, before any handler runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
-import re
 from typing import Any
 
 from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from inferd import strict_json
+from inferd.errors import InvalidRequestError
 from inferd.server.errors import APIError, error_response
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def find_invalid(value: Any, path: tuple = ()) -> tuple[str, str] | None:
-    """(dotted path, what) of the first lone surrogate or non-finite number in parsed JSON, or None."""
-    stack = [(value, path)]
-    while stack:
-        v, p = stack.pop()
-        t = type(v)
-        if t is str:
-            if not v.isascii() and _has_surrogate(v):
-                return ".".join(map(str, p)), "a lone surrogate (text that is not valid Unicode)"
-        elif t is float:
-            if not math.isfinite(v):
-                return ".".join(map(str, p)), f"a non-finite number ({v})"
-        elif t is list:
-            stack.extend((x, (*p, i)) for i, x in enumerate(v) if type(x) is not int)
-        elif t is dict:
-            for k, x in v.items():
-                if _has_surrogate(k):
-                    return ".".join(map(str, p)), "a key with a lone surrogate"
-                stack.append((x, (*p, k)))
-    return None
-
-
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def parse_json(body: bytes) -> Any:
     """The body as JSON; raises json.JSONDecodeError (FastAPI's 400) or APIError (400) for what it cannot take."""
-    suspect = False
-
-    def number(text: str) -> float:
-        nonlocal suspect
-        value = float(text)
-        suspect = suspect or not math.isfinite(value)
-        return value
-
     try:
-        data = json.loads(body, parse_float=number, parse_constant=number)
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
-    if suspect or _SURROGATE_ESCAPE.search(body):
-        bad = find_invalid(data)
-        if bad is not None:
-            where, what = bad
-            raise APIError(400, f"{where or 'the body'} holds {what}", param=where or None)
-    return data
+        return strict_json.loads(body)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 class CheckedRequest(Request):
