@@ -123,28 +123,28 @@ def _groups() -> dict[str | None, type]:
     return {None: EngineConfig} | {name: cls for name, cls in nested.items() if is_dataclass(cls)}
 
 
-def _settings() -> list[tuple[str | None, typing.Any]]:
-    """(group, field) for every flat setting, in declaration order."""
-    return [(group, f) for group, cls in _groups().items() for f in fields(cls) if f.metadata]
+def _settings() -> list[tuple[str | None, typing.Any, typing.Any]]:
+    """(group, field, its type without None) for every flat setting, in declaration order."""
+    out = []
+    for group, cls in _groups().items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.metadata:
+                kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+                out.append((group, f, kinds[0]))
+    return out
 
 
 def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig."""
     nested: dict[str | None, dict] = {group: {} for group in _groups()}
-    known = {f.name: group for group, f in _settings()}
+    known = {f.name: group for group, f, _ in _settings()}
     for name, value in kwargs.items():
         if name not in known:
             raise ConfigError(f"unknown engine setting {name!r}; known: {', '.join(sorted(known))}")
         nested[known[name]][name] = value
     parts = {group: cls(**nested[group]) for group, cls in _groups().items() if group is not None}
     return EngineConfig(model=model, **nested[None], **parts)
-
-
-def _flag_type(f) -> typing.Any:
-    hints = typing.get_type_hints(EngineConfig) | typing.get_type_hints(CacheConfig)
-    hints |= typing.get_type_hints(SchedulerConfig)
-    kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
-    return kinds[0]
 
 
 def _cli_reader(parse):
@@ -163,11 +163,10 @@ def _cli_reader(parse):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per setting: --max-num-seqs for max_num_seqs, --[no-]enable-prefix-caching for a bool."""
     g = parser.add_argument_group("engine")
-    for _, f in _settings():
+    for _, f, kind in _settings():
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         shown = meta["shown"] if meta["shown"] is not None else f.default
         help_text = meta["help"] if shown is None or "default" in meta["help"] else f"{meta['help']} (default: {shown})"
-        kind = _flag_type(f)
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
@@ -176,5 +175,5 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for _, f in _settings()}
+    values = {f.name: getattr(args, f.name) for _, f, _ in _settings()}
     return make_engine_config(**values)
