@@ -1,8 +1,7 @@
 """The gateway's YAML config as pydantic models; a validation error names the file and line at fault.
 
-The file is parsed twice: once into plain data for pydantic, once into YAML nodes to map each
-field's location (`pools.0.replicas.1`) back to the line it was written on, so `inferd gateway`
-says "gateway.yaml:12: pools.0.block_size: Input should be greater than 0" instead of a traceback.
+Read through `inferd.yaml_config`, so `inferd gateway` says
+"gateway.yaml:12: pools.0.block_size: Input should be greater than 0" instead of a traceback.
 """
 
 from __future__ import annotations
@@ -10,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from inferd.errors import ConfigError
+from inferd.yaml_config import RefError, parse_yaml_model, read_text
 
 
 class _Model(BaseModel):
@@ -238,73 +236,14 @@ class GatewayConfig(_Model):
         return self
 
 
-class RefError(ValueError):
-    """A cross-reference error that knows where in the file it is (pydantic reports it at the top level)."""
-
-    def __init__(self, loc: tuple, message: str):
-        super().__init__(message)
-        self.loc = loc
-
-
-def _line_map(text: str) -> dict[tuple, int]:
-    """Each field's location (keys and list indexes) -> its 1-based line in the YAML text."""
-    lines: dict[tuple, int] = {}
-
-    def walk(node: yaml.Node, path: tuple) -> None:
-        lines[path] = node.start_mark.line + 1
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                lines[(*path, k.value)] = k.start_mark.line + 1
-                walk(v, (*path, k.value))
-                lines[(*path, k.value)] = k.start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                walk(v, (*path, i))
-
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
-    if root is not None:
-        walk(root, ())
-    return lines
-
-
-def _line_of(lines: dict[tuple, int], loc: tuple) -> int | None:
-    for n in range(len(loc), -1, -1):
-        if tuple(loc[:n]) in lines:
-            return lines[tuple(loc[:n])]
-    return None
-
-
 def parse_config(text: str, source: str = "<config>") -> GatewayConfig:
     """Validate YAML text; every error names `source:line`."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}:1: the config must be a mapping (pools:, models:, ...)")
-    try:
-        return GatewayConfig.model_validate(data)
-    except ValidationError as e:
-        lines = _line_map(text)
-        msgs = []
-        for err in e.errors():
-            cause = (err.get("ctx") or {}).get("error")
-            loc = cause.loc if isinstance(cause, RefError) else tuple(err["loc"])
-            line = _line_of(lines, loc)
-            field = ".".join(str(x) for x in loc) or "(top level)"
-            msgs.append(f"{source}:{line or 1}: {field}: {err['msg']}")
-        raise ConfigError("invalid gateway config:\n  " + "\n  ".join(msgs)) from None
+    return parse_yaml_model(text, GatewayConfig, source, "gateway config")
 
 
 def load_config(path: str | Path) -> GatewayConfig:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read the gateway config {path}: {e.strerror}") from None
-    cfg = parse_config(text, str(path))
+    cfg = parse_config(read_text(path, "gateway config"), str(path))
     base = path.parent
     for pool in cfg.pools:  # relative paths are relative to the config file
         if pool.replicas_file is not None and not pool.replicas_file.is_absolute():
