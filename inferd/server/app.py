@@ -63,7 +63,7 @@ def _sse_event(model) -> dict:
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; its step thread runs while the app's lifespan does."""
-    metrics = ServerMetrics(settings.served_model_names[0])
+    metrics = ServerMetrics(settings.served_model_names[0], settings.ttft_buckets, settings.itl_buckets)
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
     state = ServerState(async_engine, settings, metrics, engine.tokenizer, engine.max_model_len, engine.vocab_size)
