@@ -29,6 +29,10 @@ FORBIDDEN = {
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
     "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.deploy": {"inferd.bench", "inferd.request"},
+    "inferd.deploy.k8s": {"inferd.engine", "inferd.models", "inferd.server"},
+    "inferd.deploy.keda": {"inferd.engine", "inferd.models", "inferd.server"},
+    "inferd.deploy.extras": {"inferd.engine", "inferd.models", "inferd.server"},
 }
 
 
