@@ -21,6 +21,7 @@ import torch
 from inferd.chat import render_chat
 from inferd.config import DEFAULT_MODEL, EngineConfig, make_engine_config
 from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
@@ -111,6 +112,7 @@ class Engine:
         self._ids = itertools.count()
         self.model_name = config.model
         self.model_folder = folder
+        self.events: StepEvents | None = None  # set by whoever wants step events (the dashboard)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -256,15 +258,19 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         runner_output = self.runner.execute(sched)
         if sched.empty:
             return []
         touched: dict[str, _Parent] = {}
-        for sampled in self.scheduler.update_from_output(sched, runner_output):
+        sampled_tokens = self.scheduler.update_from_output(sched, runner_output)
+        for sampled in sampled_tokens:
             seq = self._seqs[sampled.request.request_id]
             self._on_token(seq, sampled)
             touched[seq.request.parent_id] = self._parents[seq.request.parent_id]
+        if self.events is not None:  # the dashboard's step events (inferd/engine/events.py)
+            self.events.record(self.scheduler, sched, sampled_tokens, started)
         return [self._make_output(p) for p in touched.values()]
 
     def _on_token(self, seq: _Sequence, sampled: SampledToken) -> None:
