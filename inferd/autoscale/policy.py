@@ -13,8 +13,9 @@ replica meets its latency targets:
 - at most `max_scale_up_step` added and `max_scale_down_step` removed per decision, and no removal
   within `cooldown_s` of the last change;
 - replicas still loading their model are part of the current count (never added twice) but never
-  capacity: latency signals scale by the ready replicas only, and the desired count never drops below
-  the loading ones, so a replica that is starting is never scaled away.
+  capacity: latency signals scale by the ready replicas only, and nothing is scaled down while one is
+  loading (it was started for a reason; removing a ready one instead would leave less capacity than
+  either decision wanted), so a replica that is starting is never scaled away.
 
 Time comes in with the signals (`Signals.at`), so the simulator drives the same object with simulated
 time and the tests with synthetic series. `inferd up`, the simulator and `inferd autoscale` (the
@@ -154,6 +155,8 @@ class PoolAutoscaler:
         if rec < current:
             if rec == 0 and self._floor(now) == 0 and p.scale_to_zero_after_s is not None:
                 return 0, f"idle for {p.scale_to_zero_after_s:g}s: scale to zero"
+            if s.loading:
+                return current, "scale-down held: a replica is still loading"
             down = max(self._window(now, p.scale_down_stabilization_s))
             if down >= current:
                 return current, "scale-down held by the stabilisation window"

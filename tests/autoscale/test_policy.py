@@ -74,9 +74,10 @@ def test_a_loading_replica_is_never_capacity_nor_removed():
     # one ready replica at twice its TTFT target, one loading: 2 wanted, 2 there -> nothing added
     d = scaler.decide(Signals(at=0, ready=1, loading=1, ttft_p95_s=2.0))
     assert (d.current, d.desired) == (2, 2)
-    # idle, with two replicas still loading: the loading ones stay
+    # idle, with two replicas still loading: nothing is removed, neither they nor the ready one
     d = scaler.decide(Signals(at=1, ready=1, loading=2, ttft_p95_s=0.1))
-    assert d.recommendation == 1 and d.desired == 2
+    assert d.recommendation == 1 and d.desired == 3 and "loading" in d.reason
+    assert scaler.decide(Signals(at=2, ready=3, ttft_p95_s=0.1)).desired == 2  # once they are ready
 
 
 def test_zero_after_idle_and_back_on_the_first_request():
