@@ -48,6 +48,12 @@ def register(subparsers) -> None:
         help="longest prompt in characters, refused (400) before tokenizing "
         "(default: max-model-len times the tokenizer's longest token, which no longer prompt can fit)",
     )
+    p.add_argument(
+        "--metrics-names",
+        choices=["inferd", "vllm"],
+        default="inferd",
+        help="vllm: /metrics also exposes every metric under vLLM's vllm: names (llm-d's picker, KEDA, dashboards)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -82,6 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body=parse_memory(args.max_request_body),
         max_prompt_chars=args.max_prompt_chars,
         drain_timeout=args.drain_timeout,
+        metrics_names=args.metrics_names,
     )
     app = create_app(engine, settings)
     uv_config = uvicorn.Config(
