@@ -48,7 +48,7 @@ class K8sOptions:
     model_cache_pvc: str | None = None  # a PersistentVolumeClaim for the model cache (default: emptyDir)
     cache_size: str = "20Gi"  # emptyDir size limit when no PVC is given
     drain_timeout_s: int = 30  # inferd serve --drain-timeout; the pod's grace period adds a margin
-    vllm_metric_names: bool = False  # replicas also export vllm:* names (llm-d's picker, vLLM dashboards)
+    vllm_metric_names: bool = True  # replicas also export vllm:* names (llm-d's picker, vLLM dashboards)
     inference_gateway: str = "inference-gateway"  # the Gateway (API) the HTTPRoute attaches to
     gateway_replicas: int | None = None  # default: 2 when the gateway shares state through Redis, else 1
 

@@ -56,6 +56,12 @@ def register(subparsers) -> None:
             help=f"{kind.upper()} histogram bounds in seconds, e.g. 0.4,0.45,0.5,0.55 (default: vLLM's); "
             "fine around an SLO, quantiles estimated from the histogram are close (docs/autoscaling.md)",
         )
+    p.add_argument(
+        "--metrics-names",
+        choices=["inferd", "vllm"],
+        default="inferd",
+        help="vllm: /metrics also exposes every metric under vLLM's vllm: names (llm-d's picker, KEDA, dashboards)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -101,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         ttft_buckets=args.ttft_buckets,
         itl_buckets=args.itl_buckets,
+        metrics_names=args.metrics_names,
     )
     app = create_app(engine, settings)
     uv_config = uvicorn.Config(
