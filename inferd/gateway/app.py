@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from inferd.gateway.dashboard import install_dashboard
 from inferd.gateway.errors import install_error_handlers, model_not_found
 from inferd.gateway.service import Gateway
 
@@ -33,6 +34,7 @@ def create_app(gateway: Gateway, on_startup: Callable[[], None] | None = None) -
     app = FastAPI(title="inferd gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway
     install_error_handlers(app)
+    install_dashboard(app, gateway)  # GET /dashboard: the fleet page (dashboard.py)
 
     @app.get("/health")
     async def health() -> Response:

@@ -20,6 +20,7 @@ from inferd.server.auth import BearerAuth
 from inferd.server.body import BodyLimit, CheckedRoute
 from inferd.server.chat import create_chat_completion
 from inferd.server.completions import create_completion
+from inferd.server.dashboard import DashboardHub, install_dashboard
 from inferd.server.errors import APIError, install_error_handlers, model_not_found
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import (
@@ -69,16 +70,19 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
     state = ServerState(async_engine, settings, metrics, engine.tokenizer, engine.max_model_len, engine.vocab_size)
+    dashboard = DashboardHub(engine, async_engine, settings.served_model_names[0])
     created = int(time.time())
     root = public_root(settings.model_root)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        dashboard.start()
         state.loop = asyncio.get_running_loop()
         state.ready = True
         yield
         state.ready = False
+        await dashboard.stop()
         await async_engine.stop()
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)
@@ -90,6 +94,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     _precise_openapi(app)
+    install_dashboard(app, dashboard)
     auth = (401,) if settings.api_key else ()
 
     def serving() -> ServerState:

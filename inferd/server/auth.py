@@ -12,7 +12,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from inferd.server.errors import APIError, error_response
 
 # endpoints that stay open: probes and scrapers carry no key
-OPEN_PATHS = {"/health", "/metrics", "/ping", "/version"}
+OPEN_PATHS = {"/health", "/metrics", "/ping", "/version", "/dashboard"}
+# the dashboard's page and script hold no data; its event stream (/dashboard/events) needs the key
+OPEN_PREFIXES = ("/dashboard/static/",)
 
 
 class BearerAuth:
@@ -21,7 +23,12 @@ class BearerAuth:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+        if (
+            scope["type"] != "http"
+            or scope["method"] == "OPTIONS"
+            or scope["path"] in OPEN_PATHS
+            or scope["path"].startswith(OPEN_PREFIXES)
+        ):
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):

@@ -1,0 +1,107 @@
+"""The dashboard in a real browser: headless Chromium (the system's) driven by Playwright, against a real
+`inferd serve` process with a tiny model behind --api-key.
+
+The page must load without console errors, a prompt sent from the playground must stream text, and the KV
+grid and the batch view must change while it runs and go back to idle after. Screenshots are written to the
+test's tmp dir (kept by pytest) as artefacts; set INFERD_DASHBOARD_SHOT=path to also write one there (how
+docs/images/dashboard.png is made).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.procs import start_replica, wait_http
+
+CHROMIUM = "/usr/bin/chromium"
+KEY = "browser-key"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_models, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("dashboard-browser")
+    # a small cache, so the playground's blocks are visible cells in the grid
+    proc = start_replica(tiny_models["llama"], log_dir, "--api-key", KEY, "--num-blocks", "1024")
+    try:
+        wait_http(proc, "/health", timeout=90)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), "Debian's chromium package is needed"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _kv_used(page) -> int:
+    return int(page.inner_text("#kv-used"))
+
+
+def test_playground_streams_and_the_views_follow_it(replica, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 1400, "height": 1150})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{replica.url}/dashboard?key={KEY}")
+    page.wait_for_function("window.dashboard.hello !== null && window.dashboard.kv !== null", timeout=20_000)
+    assert page.inner_text("#conn") == "live"
+    assert page.inner_text("#kv-total") == "1024"
+    assert _kv_used(page) == 0
+    page.screenshot(path=str(tmp_path / "dashboard-idle.png"), full_page=True)
+    steps_before = page.evaluate("window.dashboard.stepsSeen")
+
+    page.fill("#p-prompt", "Paged attention stores keys and values in fixed-size blocks. " * 6)
+    page.fill("#p-max", "300")
+    page.fill("#p-copies", "5")
+    page.fill("#p-temp", "0.8")
+    page.click("#p-send")
+    # while it runs: text streams in, the batch view shows the playground's requests, their blocks fill the grid
+    page.wait_for_function("Number(document.getElementById('p-tokens').textContent) >= 20", timeout=60_000)
+    page.wait_for_function("Number(document.getElementById('kv-used').textContent) > 0", timeout=20_000)
+    assert page.inner_text("#p-id").startswith("cmpl-")
+    assert len(page.inner_text("#p-out")) > len("Paged attention stores keys and values in fixed-size blocks. ") * 6
+    assert page.inner_text("#p-ttft").endswith(("ms", "s"))
+    running_rows = page.locator("#batch-table tbody tr").count()
+    assert running_rows >= 1
+    assert page.evaluate("window.dashboard.stepsSeen") > steps_before
+    used_while_running = _kv_used(page)
+    page.screenshot(path=str(tmp_path / "dashboard-running.png"), full_page=True)
+    shot = os.environ.get("INFERD_DASHBOARD_SHOT")
+    if shot:
+        page.wait_for_timeout(1500)  # a few more steps and a chart point or two
+        page.screenshot(path=shot, full_page=True)
+
+    # after: done, nobody owns a block, the batch view says idle
+    page.wait_for_function("document.getElementById('p-status').textContent === 'done'", timeout=120_000)
+    page.wait_for_function("Number(document.getElementById('kv-used').textContent) === 0", timeout=20_000)
+    page.wait_for_function("document.getElementById('step-line').dataset.idle === '1'", timeout=20_000)
+    assert int(page.inner_text("#kv-cached")) > 0  # the prompt's full blocks stay cached for the next one
+    assert page.locator("#batch-table tbody tr").count() == 0
+    assert used_while_running > 0
+    page.screenshot(path=str(tmp_path / "dashboard-after.png"), full_page=True)
+    assert errors == []
+    print(f"screenshots in {tmp_path}")
+
+
+def test_without_the_key_the_page_says_so(replica, browser):
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{replica.url}/dashboard")
+    page.wait_for_function("document.getElementById('conn').textContent.includes('API key')", timeout=20_000)
+    assert errors == []
