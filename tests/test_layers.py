@@ -27,6 +27,11 @@ FORBIDDEN = {
     "inferd.engine.step": {"inferd.engine.", "inferd.request", "inferd.models"},
     "inferd.server": {"inferd.bench"},
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
+    # the handoff's pieces sit below the engine (which puts them together in inferd.engine.kv_connector)
+    "inferd.disagg.params": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.disagg.leases": {"inferd."},
+    "inferd.disagg.transport": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.disagg.metrics": {"inferd."},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
 }
 
