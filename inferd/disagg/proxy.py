@@ -195,6 +195,8 @@ class Proxy:
         return self.cost.prefer_local(tokens, self.prefill.in_flight)
 
     async def forward_decode(self, path: str, body: dict, headers: dict, remote: bool) -> Response:
+        if not body.get("stream"):
+            return await self._decode_once(path, body, headers, remote)
         inst = self.decode.pick()
         inst.in_flight += 1
         t0 = time.monotonic()
@@ -215,6 +217,20 @@ class Proxy:
             headers=resp_headers,
             media_type=resp.headers.get("content-type"),
         )
+
+    async def _decode_once(self, path: str, body: dict, headers: dict, remote: bool) -> Response:
+        """A non-streaming answer, read whole first: a decode instance dying mid-answer is a clear 502."""
+        inst = self.decode.pick()
+        inst.in_flight += 1
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.post(inst.url + path, json=body, headers=headers, timeout=None)
+        except httpx.HTTPError as e:
+            return _error(502, f"the decode instance failed: {type(e).__name__}", "server_error")
+        finally:
+            inst.in_flight -= 1
+        self._measure(time.monotonic() - t0, remote, body)
+        return _passthrough(resp)
 
     async def _relay(self, resp: httpx.Response, done, t0: float, remote: bool, body: dict) -> AsyncIterator[bytes]:
         first = True
