@@ -16,6 +16,7 @@ _PLUGIN_COMMANDS = [
     "inferd.gateway.cli",
     "inferd.autoscale.cli",
     "inferd.deploy.cli",
+    "inferd.disagg.cli",
 ]
 
 

@@ -96,3 +96,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # the sequences that changed this step (all of them once finished)
     finished: bool
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict | None = None  # a prefill instance's lease on the prompt's KV blocks

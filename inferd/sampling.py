@@ -34,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: sampled token plus top-k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # disaggregated prefill/decode (docs/disaggregation.md): {"do_remote_decode": true} on a prefill
+    # instance, the prefill's signed lease on a decode instance; checked by the engine's KV connector
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         # the one place `stop` is normalised: a string, a list or None becomes a list

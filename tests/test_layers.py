@@ -29,6 +29,11 @@ FORBIDDEN = {
     "inferd.server": {"inferd.bench"},
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
     "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    # the handoff's pieces sit below the engine (which puts them together in inferd.engine.kv_connector)
+    "inferd.disagg.params": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.disagg.leases": {"inferd."},
+    "inferd.disagg.transport": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.disagg.metrics": {"inferd."},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.deploy": {"inferd.bench", "inferd.request"},
     "inferd.deploy.k8s": {"inferd.engine", "inferd.models", "inferd.server"},

@@ -217,9 +217,10 @@ class AsyncEngine:
             while True:
                 # block only when there is nothing to step; otherwise take what came in and go on
                 block = not self.engine.has_unfinished_requests()
-                if not self._take_inbox(block):
+                if not self._take_inbox(block, self.engine.idle_timeout()):
                     return
                 if not self.engine.has_unfinished_requests():
+                    self.engine.housekeeping()  # blocks lent to other processes expire even while idle
                     self._publish([])
                     continue
                 try:
@@ -248,10 +249,10 @@ class AsyncEngine:
             if isinstance(item, _Add):
                 self._call_loop(_resolve, item.future, error)
 
-    def _take_inbox(self, block: bool) -> bool:
+    def _take_inbox(self, block: bool, timeout: float | None = None) -> bool:
         """Apply queued adds and aborts; False when asked to stop."""
         try:
-            item = self._inbox.get() if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         replies: list[tuple[asyncio.Future, BaseException | None]] = []

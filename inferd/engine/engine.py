@@ -109,6 +109,23 @@ class Engine:
         self.model_name = config.model
         self.model_folder = folder
         self.events: StepEvents | None = None  # set by whoever wants step events (the dashboard)
+        self.kv_connector = None  # disaggregated prefill/decode (attach_kv_connector)
+
+    def attach_kv_connector(self, connector) -> None:
+        """Plug in a KV connector (inferd.engine.kv_connector) before the first step."""
+        self.kv_connector = connector
+        self.runner.kv_caches = connector.register_kv_caches(self.runner.kv_caches)
+        self.runner.kv_connector = connector
+        self.scheduler.connector = connector
+
+    def housekeeping(self) -> None:
+        """Free blocks lent out through the KV connector whose borrowers are done or whose time ran out."""
+        if self.kv_connector is not None:
+            self.kv_connector.housekeeping(self.kv)
+
+    def idle_timeout(self) -> float | None:
+        """How long the engine loop may sleep while idle (None: until a request comes)."""
+        return 0.1 if self.kv_connector is not None and self.kv_connector.needs_wakeup else None
 
     # -- set-up ------------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -188,6 +205,13 @@ class Engine:
             )
             parent.seqs.append(seq)
         # register only once every copy is built: a copy that fails (e.g. its seed) leaves nothing behind
+        if self.kv_connector is not None:
+            self.kv_connector.add_request(request_id, params.kv_transfer_params, token_ids, cache_salt, params.n)
+        elif params.kv_transfer_params is not None:
+            raise InvalidRequestError(
+                "kv_transfer_params need a disaggregated server (inferd serve --role prefill or decode)",
+                param="kv_transfer_params",
+            )
         for seq in parent.seqs:
             self._seqs[seq.request.request_id] = seq
         self._parents[request_id] = parent
@@ -257,7 +281,7 @@ class Engine:
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         runner_output = self.runner.execute(sched)
-        if sched.empty:
+        if sched.empty and not (runner_output.finished_loading or runner_output.failed_loading):
             return []
         touched: dict[str, _Parent] = {}
         sampled_tokens = self.scheduler.update_from_output(sched, runner_output)
@@ -320,6 +344,7 @@ class Engine:
             outputs,
             finished,
             self._metrics(parent) if finished else None,
+            self.kv_connector.take_transfer_params(parent.request_id) if finished and self.kv_connector else None,
         )
 
     @staticmethod

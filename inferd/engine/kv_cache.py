@@ -232,6 +232,27 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i], tokens)
         self._num_hashed[request.request_id] = num_full
 
+    # -- blocks filled or read from outside (inferd.engine.kv_connector) --------------------------------
+    def allocate_for_load(self, request: Request, computed: ComputedBlocks, num_external_tokens: int) -> bool:
+        """Blocks for a prefix hit plus tokens a KV connector will load. The loaded blocks enter the prefix
+        cache only once the request is scheduled after the load succeeded (by allocate_slots)."""
+        num_new = self.blocks_needed(computed.num_tokens + num_external_tokens) - len(computed.blocks)
+        num_reclaimed = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        if num_new > self.pool.num_free_blocks - num_reclaimed:
+            return False
+        self.pool.touch(computed.blocks)
+        self.req_blocks[request.request_id] = list(computed.blocks) + self.pool.allocate(max(num_new, 0))
+        return True
+
+    def hand_over(self, request: Request) -> list[Block]:
+        """Forget a finished request but keep its block references; the caller frees them (release_blocks)."""
+        self._num_hashed.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)
+        return self.req_blocks.pop(request.request_id, [])
+
+    def release_blocks(self, blocks: list[Block]) -> None:
+        self.pool.free(reversed(blocks))
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)

@@ -73,6 +73,7 @@ class ModelRunner:
         self.decode_kernel = self._pick_decode_kernel(attention_backend)
         self.sampler = Sampler(device, seed)
         self.requests: dict[str, CachedRequest] = {}
+        self.kv_connector = None  # loads K/V from outside before a step (Engine.attach_kv_connector)
 
     def _pick_decode_kernel(self, backend: str):
         if backend == "torch" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
@@ -93,8 +94,21 @@ class ModelRunner:
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Apply the step record to the runner's state, run one forward pass, sample."""
+        """Apply the step record to the runner's state, load K/V from outside, run one forward pass, sample."""
         self.update_states(sched)
+        finished, failed = self._load_kv(sched)
+        out = self._compute(sched)
+        out.finished_loading, out.failed_loading = finished, failed
+        return out
+
+    def _load_kv(self, sched: SchedulerOutput) -> tuple[list[str], list[str]]:
+        """The connector's loads of this step (requests not computed before their next step)."""
+        if self.kv_connector is None or sched.kv_connector_metadata is None:
+            return [], []
+        result = self.kv_connector.start_load_kv(sched.kv_connector_metadata)
+        return result.finished, result.failed
+
+    def _compute(self, sched: SchedulerOutput) -> RunnerOutput:
         if sched.empty:
             return RunnerOutput()
         step = self.prepare(sched)

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from inferd.config import SchedulerConfig
-from inferd.engine.kv_cache import KVCacheManager
+from inferd.engine.kv_cache import ComputedBlocks, KVCacheManager
 from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.outputs import TokenLogprobs
 from inferd.request import Request, RequestStatus
@@ -64,6 +64,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # for the next step record: the runner drops their state
+        # K/V from outside (inferd.engine.kv_connector): requests whose blocks are being loaded this step,
+        # with their computed tokens once loaded
+        self.connector = None
+        self.loading: dict[str, tuple[Request, int]] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -77,10 +81,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
+        if self.connector is not None:
+            self.connector.housekeeping(self.kv)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:  # under KV pressure, admit nothing new this step
             self._schedule_waiting(out, budget)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
 
     def _chunk(self, remaining: int, budget: int) -> int:
@@ -120,18 +128,28 @@ class Scheduler:
         )
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
+            # a request holding blocks already had its K/V loaded by the KV connector
+            loaded = self.kv.num_blocks_of(request.request_id) > 0
             # waiting requests (new or preempted) have nothing computed: all they reuse comes from the cache
-            computed = self.kv.find_computed_blocks(request)
-            n = self._chunk(request.num_tokens - computed.num_tokens, budget)
+            computed = ComputedBlocks() if loaded else self.kv.find_computed_blocks(request)
+            if not loaded and self.connector is not None:
+                started = self._start_load(request, computed)
+                if started is not None:
+                    if not started:
+                        break
+                    continue
+            start = request.num_computed_tokens if loaded else computed.num_tokens
+            n = self._chunk(request.num_tokens - start, budget)
             if not self.kv.allocate_slots(request, n, computed):
                 break
-            self.kv.record_lookup(request, computed)
+            if not loaded:
+                self.kv.record_lookup(request, computed)
             self.waiting.popleft()
-            request.num_computed_tokens = computed.num_tokens
+            request.num_computed_tokens = start
             if request.status == RequestStatus.WAITING:  # new to the runner; a preempted one it still knows
-                request.num_cached_tokens = computed.num_tokens
+                request.num_cached_tokens = start
                 out.new_requests.append(
                     NewRequest(request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids)
                 )
@@ -139,8 +157,34 @@ class Scheduler:
                 request.times.first_scheduled = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(self._chunk_record(request, computed.num_tokens, n, 0))
+            out.chunks.append(self._chunk_record(request, start, n, 0))
             budget -= n
+
+    def _start_load(self, request: Request, computed: ComputedBlocks) -> bool | None:
+        """Allocate blocks for K/V the connector can load: True if started, False if no room, None if none."""
+        num_external = self.connector.get_num_new_matched_tokens(request, computed.num_tokens)
+        if num_external <= 0:
+            return None
+        if not self.kv.allocate_for_load(request, computed, num_external):
+            return False
+        self.kv.record_lookup(request, computed)
+        self.waiting.popleft()
+        block_ids = self.kv.block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, computed.num_tokens, num_external)
+        self.loading[request.request_id] = (request, computed.num_tokens + num_external)
+        return True
+
+    def _finish_loads(self, out: RunnerOutput) -> None:
+        """Loaded requests wait (first in line) to compute the rest; failed ones recompute from scratch."""
+        for request_id in out.failed_loading:
+            request, _ = self.loading.pop(request_id)
+            self.kv.free(request)  # the blocks being loaded were never entered in the prefix cache
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+        for request_id in reversed(out.finished_loading):
+            request, num_tokens = self.loading.pop(request_id)
+            request.num_computed_tokens = num_tokens
+            self.waiting.appendleft(request)
 
     def _chunk_record(self, request: Request, start: int, n: int, num_known_blocks: int) -> ScheduledChunk:
         """The step record of `request`: its next n tokens from `start`, and the blocks the runner lacks."""
@@ -158,6 +202,8 @@ class Scheduler:
     # -- progress ----------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[SampledToken]:
         """Move every scheduled request forward by what the step computed and sampled."""
+        if out.finished_loading or out.failed_loading:
+            self._finish_loads(out)
         for chunk in sched.chunks:
             self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens
         now = time.monotonic()
@@ -187,5 +233,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.loading.pop(request.request_id, None)
+        if self.connector is None or not self.connector.request_finished(request, self.kv):
+            self.kv.free(request)
         self._finished_ids.append(request.request_id)

@@ -16,6 +16,7 @@ its own per-request state (block table, sampling state) and updates it from thes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferd.outputs import TokenLogprobs
 from inferd.sampling import SamplingParams
@@ -55,6 +56,7 @@ class SchedulerOutput:
     new_requests: list[NewRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
+    kv_connector_metadata: Any = None  # what a KV connector loads before this step (inferd.engine.kv_connector)
 
     @property
     def empty(self) -> bool:
@@ -69,3 +71,6 @@ class RunnerOutput:
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # requests whose K/V the KV connector loaded (or failed to load) before this step
+    finished_loading: list[str] = field(default_factory=list)
+    failed_loading: list[str] = field(default_factory=list)

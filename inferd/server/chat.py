@@ -43,7 +43,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         (final,) = await unless_disconnected(raw, final_outputs(state.async_engine, streams))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(state, req, request_id, final).model_dump(), headers=headers)
+    body = _response(state, req, request_id, final)
+    return JSONResponse(
+        body.model_dump(exclude=None if body.kv_transfer_params else {"kv_transfer_params"}), headers=headers
+    )
 
 
 def _top_k(req: ChatCompletionRequest) -> int:
@@ -67,7 +70,9 @@ def _response(
         )
     usage = UsageInfo()
     usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
-    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+    return ChatCompletionResponse(
+        id=request_id, model=state.model_name, choices=choices, usage=usage, kv_transfer_params=out.kv_transfer_params
+    )
 
 
 async def _stream(

@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 def register(subparsers) -> None:
     from inferd.config import add_engine_args
+    from inferd.disagg.cli import add_serve_args
 
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API (default: the default model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -63,6 +64,7 @@ def register(subparsers) -> None:
         help="vllm: /metrics also exposes every metric under vLLM's vllm: names (llm-d's picker, KEDA, dashboards)",
     )
     add_engine_args(p)
+    add_serve_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -91,12 +93,14 @@ class _DrainingServer(uvicorn.Server):
 
 def run_serve(args: argparse.Namespace) -> int:
     from inferd.config import engine_config_from_args, parse_memory
+    from inferd.disagg.cli import make_connector, register_metrics
     from inferd.engine.engine import Engine
     from inferd.server.app import create_app
     from inferd.server.state import ServerSettings
 
     config = engine_config_from_args(args)
     engine = Engine(config)  # load first: the port opens (and /health answers 200) only once the model is ready
+    connector = make_connector(args, engine)  # --role prefill|decode: the KV handoff (docs/disaggregation.md)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
         api_key=args.api_key,
@@ -110,6 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_names=args.metrics_names,
     )
     app = create_app(engine, settings)
+    register_metrics(app, connector)
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -120,5 +125,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server = _DrainingServer(uv_config, on_exit=app.state.inferd.begin_drain)
     logger.info("serving %s as %s on http://%s:%d", args.model, settings.served_model_names, args.host, args.port)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if connector is not None:
+            connector.close()
     return 0

@@ -67,7 +67,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     except ClientDisconnected:
         return Response(status_code=499)
     body = _response(state, req, request_id, finals, echoes)
-    return JSONResponse(body.model_dump(), headers=headers)
+    return JSONResponse(
+        body.model_dump(exclude=None if body.kv_transfer_params else {"kv_transfer_params"}), headers=headers
+    )
 
 
 def _response(
@@ -89,7 +91,10 @@ def _response(
                     stop_reason=c.stop_reason,
                 )
             )
-    return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+    kv = finals[0].kv_transfer_params if len(finals) == 1 else None
+    return CompletionResponse(
+        id=request_id, model=state.model_name, choices=choices, usage=usage, kv_transfer_params=kv
+    )
 
 
 async def _stream(
@@ -102,7 +107,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage, continuous = usage_options(req)
-    exclude = None if include_usage else {"usage"}
+    exclude = {"kv_transfer_params"} if include_usage else {"usage", "kv_transfer_params"}
     generated: dict[int, int] = {}  # choice index -> tokens so far
 
     def chunk(choice: CompletionChoice) -> str:
@@ -140,7 +145,7 @@ async def _stream(
                 usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         if include_usage:
             body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage)
-            yield event(body)
+            yield event(body, {"kv_transfer_params"})
     except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it
         yield stream_error(e, request_id)
     yield DONE

@@ -49,6 +49,7 @@ def _common(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) 
         logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        kv_transfer_params=req.kv_transfer_params,
     )
 
 

@@ -1,0 +1,133 @@
+"""CLI of disaggregated serving: the `inferd serve --role ...` flags and `inferd disagg proxy`.
+
+Nothing heavy is imported at parser-building time; the engine and the proxy app load inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+SECRET_ENV = "INFERD_KV_SECRET"
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags `inferd serve` takes for a prefill or decode role (docs/disaggregation.md)."""
+    g = p.add_argument_group("disaggregated prefill/decode")
+    g.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="both: prefill and decode here (default); prefill: compute prompts and lend their KV blocks; "
+        "decode: pull prompt KV from prefill instances and generate",
+    )
+    g.add_argument(
+        "--kv-secret",
+        default=os.environ.get(SECRET_ENV),
+        help=f"shared secret of the KV transfer channel and of signed leases (default: ${SECRET_ENV})",
+    )
+    g.add_argument("--kv-host", default="127.0.0.1", help="prefill: address the KV transfer channel listens on")
+    g.add_argument("--kv-port", type=int, default=0, help="prefill: port of the KV transfer channel (0: any free)")
+    g.add_argument(
+        "--kv-advertise-host",
+        default=None,
+        help="prefill: host decode instances reach the channel at (default --kv-host)",
+    )
+    g.add_argument(
+        "--kv-peers",
+        nargs="+",
+        default=[],
+        help="decode: the prefill instances' KV channels (host:port) it may pull from; others are refused (400)",
+    )
+    g.add_argument("--kv-lease-ttl", type=float, default=30.0, help="prefill: seconds a lease pins its blocks")
+    g.add_argument(
+        "--kv-transport",
+        choices=["auto", "shm", "tcp"],
+        default="auto",
+        help="auto: shared memory when the prefill instance is on this host, else TCP",
+    )
+
+
+def make_connector(args: argparse.Namespace, engine):
+    """The engine's KV connector for --role prefill or decode (None for both), already attached."""
+    if args.role == "both":
+        return None
+    from inferd.engine.kv_connector import DisaggConnector, DisaggSettings
+    from inferd.errors import ConfigError
+
+    if not args.kv_secret:
+        raise ConfigError(f"--role {args.role} needs --kv-secret (or ${SECRET_ENV}), the same on every instance")
+    if args.role == "decode" and not args.kv_peers:
+        raise ConfigError("--role decode needs --kv-peers: the prefill instances' KV channels it may pull from")
+    settings = DisaggSettings(
+        role=args.role,
+        secret=args.kv_secret.encode(),
+        peers=frozenset(args.kv_peers),
+        lease_ttl=args.kv_lease_ttl,
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        advertise_host=args.kv_advertise_host,
+        transport=args.kv_transport,
+    )
+    connector = DisaggConnector(settings, engine.kv.block_size)
+    engine.attach_kv_connector(connector)
+    return connector
+
+
+def register_metrics(app, connector) -> None:
+    """The handoff's metrics on the server's /metrics."""
+    if connector is None:
+        return
+    from inferd.disagg.metrics import DisaggCollector
+    from inferd.engine.kv_connector import TRANSFER_BUCKETS
+
+    state = app.state.inferd
+    served = connector._server  # noqa: SLF001
+    state.metrics.registry.register(
+        DisaggCollector(
+            state.model_name, lambda: connector.stats, TRANSFER_BUCKETS, lambda: served.stats if served else None
+        )
+    )
+
+
+# -- inferd disagg proxy -----------------------------------------------------------------------------
+def register(subparsers) -> None:
+    p = subparsers.add_parser("disagg", help="disaggregated prefill/decode serving")
+    sub = p.add_subparsers(dest="disagg_command", required=True)
+    proxy = sub.add_parser("proxy", help="an OpenAI front that prefills on one pool and decodes on another")
+    proxy.add_argument("--prefill", nargs="+", required=True, help="prefill instances' base URLs")
+    proxy.add_argument("--decode", nargs="+", required=True, help="decode instances' base URLs")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--api-key", default=os.environ.get("INFERD_API_KEY"), help="sent to the instances as a bearer")
+    proxy.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds before a prefill counts as failed")
+    proxy.add_argument(
+        "--decider",
+        choices=["always", "cost"],
+        default="always",
+        help="always: every request prefills remotely; cost: prefill on the decode instance when that is predicted "
+        "faster (uncached prompt tokens / prefill rate vs transfer time + prefill queue wait)",
+    )
+    proxy.set_defaults(func=run_proxy)
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inferd.disagg.proxy import ProxySettings, create_app
+
+    settings = ProxySettings(
+        prefill=list(args.prefill),
+        decode=list(args.decode),
+        api_key=args.api_key,
+        prefill_timeout=args.prefill_timeout,
+        decider=args.decider,
+    )
+    app = create_app(settings)
+    level = logging.getLevelName(logging.getLogger().level).lower()
+    logger.info("disagg proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=False)).run()
+    return 0

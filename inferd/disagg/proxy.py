@@ -1,0 +1,331 @@
+"""`inferd disagg proxy`: one OpenAI endpoint in front of a prefill pool and a decode pool.
+
+Each completion or chat request goes first to the least-loaded prefill instance as a one-token,
+non-streaming request with `kv_transfer_params: {"do_remote_decode": true}`; its answer carries the
+signed lease on the prompt's blocks. The original request then goes to the least-loaded decode instance
+with those `kv_transfer_params`, and the decode's answer (a stream or one body) goes back to the client
+byte for byte, so streaming behaves exactly as the server's.
+
+Failures: a prefill that cannot be reached, answers 5xx or times out is skipped and the decode instance
+prefills itself (a *local prefill*); a 4xx from the prefill instance is the client's error and goes back
+unchanged. A decode instance that cannot be reached answers 502 with an OpenAI error body.
+
+With `--decider cost` the proxy predicts, per request, whether prefilling on the decode instance is
+faster than the handoff: the prompt's tokens over the decode pool's measured prefill rate against the
+prefill pool's queue wait plus its prefill time plus the measured transfer overhead (all running
+averages of what the proxy saw).
+
+This module runs beside any server speaking the protocol: it imports no engine, model or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from inferd import strict_json
+from inferd.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+
+
+@dataclass
+class ProxySettings:
+    prefill: list[str]
+    decode: list[str]
+    api_key: str | None = None
+    prefill_timeout: float = 60.0
+    decider: str = "always"  # always | cost
+
+
+@dataclass
+class Instance:
+    url: str
+    in_flight: int = 0
+    picks: int = 0
+
+
+class Pool:
+    """Least-loaded choice: fewest requests in flight, then the least picked."""
+
+    def __init__(self, urls: list[str]):
+        self.instances = [Instance(u.rstrip("/")) for u in urls]
+
+    def pick(self) -> Instance:
+        inst = min(self.instances, key=lambda i: (i.in_flight, i.picks))
+        inst.picks += 1
+        return inst
+
+    @property
+    def in_flight(self) -> int:
+        return sum(i.in_flight for i in self.instances)
+
+
+@dataclass
+class Ewma:
+    value: float | None = None
+    alpha: float = 0.2
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclass
+class CostModel:
+    """Running measurements for the cost-based decider (seconds per token, seconds per request)."""
+
+    remote_prefill_per_token: Ewma = field(default_factory=Ewma)  # prefill round trip / prompt tokens
+    local_prefill_per_token: Ewma = field(default_factory=Ewma)  # decode TTFT of local prefills / prompt tokens
+    handoff_overhead: Ewma = field(default_factory=Ewma)  # decode TTFT after a remote prefill
+
+    def prefer_local(self, prompt_tokens: int, prefill_queue: int) -> bool:
+        """Local when predicted faster; with no measurement yet, remote (which measures it)."""
+        local, remote = self.local_prefill_per_token.value, self.remote_prefill_per_token.value
+        if local is None or remote is None or self.handoff_overhead.value is None:
+            return False
+        remote_time = (prefill_queue + 1) * remote * prompt_tokens + self.handoff_overhead.value
+        return local * prompt_tokens < remote_time
+
+
+class ProxyMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("inferd:disagg_proxy_requests", "Requests by endpoint.", ["endpoint"], registry=r)
+        self.prefills = Counter(
+            "inferd:disagg_proxy_prefills", "Prefills by where they ran and why.", ["where", "reason"], registry=r
+        )
+        self.prefill_seconds = Histogram(
+            "inferd:disagg_proxy_prefill_seconds", "Round trip of the remote prefill.", registry=r
+        )
+
+
+class Proxy:
+    def __init__(self, settings: ProxySettings):
+        self.settings = settings
+        self.prefill = Pool(settings.prefill)
+        self.decode = Pool(settings.decode)
+        self.metrics = ProxyMetrics()
+        self.cost = CostModel()
+        self.client: httpx.AsyncClient | None = None
+
+    def headers(self, raw: Request) -> dict[str, str]:
+        out = {"content-type": "application/json"}
+        auth = f"Bearer {self.settings.api_key}" if self.settings.api_key else raw.headers.get("authorization")
+        if auth:
+            out["authorization"] = auth
+        return out
+
+    # -- the two legs --------------------------------------------------------------------------------
+    async def remote_prefill(self, path: str, body: dict, headers: dict) -> tuple[dict | None, Response | None, str]:
+        """(kv_transfer_params, None, "") on success; (None, response, "") for a 4xx to pass through;
+        (None, None, reason) when the decode instance should prefill itself."""
+        inst = self.prefill.pick()
+        inst.in_flight += 1
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.post(
+                inst.url + path, json=_prefill_body(body), headers=headers, timeout=self.settings.prefill_timeout
+            )
+        except httpx.TimeoutException:
+            return None, None, "prefill_timeout"
+        except httpx.HTTPError as e:
+            logger.warning("prefill instance %s failed: %s; prefilling on the decode instance", inst.url, e)
+            return None, None, "prefill_unreachable"
+        finally:
+            inst.in_flight -= 1
+        elapsed = time.monotonic() - t0
+        if resp.status_code >= 500:
+            logger.warning(
+                "prefill instance %s answered %d; prefilling on the decode instance", inst.url, resp.status_code
+            )
+            return None, None, f"prefill_{resp.status_code}"
+        if resp.status_code != 200:
+            return None, _passthrough(resp), ""
+        try:
+            answer = resp.json()
+        except ValueError:
+            return None, None, "prefill_bad_answer"
+        kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(kv, dict):
+            return None, None, "prefill_no_params"
+        self.metrics.prefill_seconds.observe(elapsed)
+        prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens") or 0
+        if prompt_tokens:
+            self.cost.remote_prefill_per_token.add(elapsed / prompt_tokens)
+        return kv, None, ""
+
+    async def handle(self, path: str, raw: Request) -> Response:
+        self.metrics.requests.labels(path).inc()
+        try:
+            body = strict_json.loads(await raw.body())
+        except (InvalidRequestError, ValueError) as e:
+            return _error(400, f"the body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        headers = self.headers(raw)
+        kv, early, reason = None, None, "cost"
+        if not self._decide_local(body):
+            kv, early, reason = await self.remote_prefill(path, body, headers)
+            if early is not None:
+                return early
+        self.metrics.prefills.labels("remote" if kv else "local", reason or "handoff").inc()
+        decode_body = {**body, "kv_transfer_params": kv}
+        if kv is None:
+            decode_body.pop("kv_transfer_params")
+        return await self.forward_decode(path, decode_body, headers, remote=kv is not None)
+
+    def _decide_local(self, body: dict) -> bool:
+        if self.settings.decider != "cost":
+            return False
+        tokens = _rough_prompt_tokens(body)
+        return self.cost.prefer_local(tokens, self.prefill.in_flight)
+
+    async def forward_decode(self, path: str, body: dict, headers: dict, remote: bool) -> Response:
+        if not body.get("stream"):
+            return await self._decode_once(path, body, headers, remote)
+        inst = self.decode.pick()
+        inst.in_flight += 1
+        t0 = time.monotonic()
+        request = self.client.build_request("POST", inst.url + path, json=body, headers=headers, timeout=None)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            inst.in_flight -= 1
+            return _error(502, f"the decode instance failed: {type(e).__name__}", "server_error")
+
+        def done() -> None:
+            inst.in_flight -= 1
+
+        resp_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+        return StreamingResponse(
+            self._relay(resp, done, t0, remote, body),
+            status_code=resp.status_code,
+            headers=resp_headers,
+            media_type=resp.headers.get("content-type"),
+        )
+
+    async def _decode_once(self, path: str, body: dict, headers: dict, remote: bool) -> Response:
+        """A non-streaming answer, read whole first: a decode instance dying mid-answer is a clear 502."""
+        inst = self.decode.pick()
+        inst.in_flight += 1
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.post(inst.url + path, json=body, headers=headers, timeout=None)
+        except httpx.HTTPError as e:
+            return _error(502, f"the decode instance failed: {type(e).__name__}", "server_error")
+        finally:
+            inst.in_flight -= 1
+        self._measure(time.monotonic() - t0, remote, body)
+        return _passthrough(resp)
+
+    async def _relay(self, resp: httpx.Response, done, t0: float, remote: bool, body: dict) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for chunk in resp.aiter_raw():
+                if first:
+                    first = False
+                    self._measure(time.monotonic() - t0, remote, body)
+                yield chunk
+        except httpx.HTTPError as e:  # the decode instance died mid-answer: end the stream with an error event
+            logger.warning("decode instance failed mid-answer: %s", e)
+            if "text/event-stream" in resp.headers.get("content-type", ""):
+                error = {"error": {"message": "the decode instance failed mid-stream", "type": "server_error"}}
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            done()
+            await resp.aclose()
+
+    def _measure(self, ttfb: float, remote: bool, body: dict) -> None:
+        tokens = _rough_prompt_tokens(body)
+        if remote:
+            self.cost.handoff_overhead.add(ttfb)
+        elif tokens:
+            self.cost.local_prefill_per_token.add(ttfb / tokens)
+
+    async def models(self, raw: Request) -> Response:
+        inst = self.decode.pick()
+        try:
+            resp = await self.client.get(inst.url + "/v1/models", headers=self.headers(raw), timeout=10)
+        except httpx.HTTPError as e:
+            return _error(502, f"the decode instance failed: {type(e).__name__}", "server_error")
+        return _passthrough(resp)
+
+
+def _prefill_body(body: dict) -> dict:
+    """The request as a prefill: one token, no stream, no logprobs, one sequence; the lease asked for."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "kv_transfer_params")}
+    out.update(stream=False, max_tokens=1, min_tokens=0, n=1, kv_transfer_params={"do_remote_decode": True})
+    if "messages" in body:
+        out.update(max_completion_tokens=1, logprobs=False, top_logprobs=None)
+    else:
+        out.update(logprobs=None, echo=False)
+    return out
+
+
+def _rough_prompt_tokens(body: dict) -> int:
+    """About four characters a token: enough to compare costs before the prompt is tokenized."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    text = json.dumps(body.get("messages") if "messages" in body else prompt)
+    return max(1, len(text) // 4)
+
+
+def _passthrough(resp: httpx.Response) -> Response:
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+    return Response(resp.content, status_code=resp.status_code, headers=headers)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+
+
+def create_app(settings: ProxySettings) -> FastAPI:
+    proxy = Proxy(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        proxy.client = httpx.AsyncClient(limits=limits)
+        yield
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(proxy.client.aclose(), 5)
+
+    app = FastAPI(title="inferd disagg proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await proxy.handle("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        return await proxy.handle("/v1/chat/completions", raw)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> Response:
+        return await proxy.models(raw)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

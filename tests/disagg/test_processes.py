@@ -1,0 +1,282 @@
+"""Disaggregated serving with real processes on loopback: a prefill instance, a decode instance, the proxy,
+and a `--role both` instance to compare with. Started once for the module; the fault tests at the end
+kill processes (a decode of their own first, then the shared prefill) and check that every request ends
+and that both sides end with every block free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gateway.procs import Proc, replica_metrics, spawn, start_replica, wait_http
+from tests.net import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+SECRET = "disagg-test-secret"
+LEASE_TTL = 6.0
+SMALL = ("--num-blocks", "512")  # 8192 tokens: a small cache (and shared memory segment) per process
+
+
+@dataclass
+class Cluster:
+    prefill: Proc
+    decode: Proc
+    both: Proc
+    proxy: Proc
+    kv_port: int
+    model: Path
+    logs: Path
+
+
+def _prefill(model: Path, logs: Path, kv_port: int) -> Proc:
+    return start_replica(
+        model,
+        logs,
+        "--role",
+        "prefill",
+        "--kv-secret",
+        SECRET,
+        "--kv-port",
+        str(kv_port),
+        "--kv-lease-ttl",
+        str(LEASE_TTL),
+    )
+
+
+def _decode(model: Path, logs: Path, kv_port: int, *extra: str) -> Proc:
+    return start_replica(
+        model, logs, *SMALL, "--role", "decode", "--kv-secret", SECRET, "--kv-peers", f"127.0.0.1:{kv_port}", *extra
+    )
+
+
+def _proxy(logs: Path, prefill: list[str], decode: list[str]) -> Proc:
+    port = free_port()
+    argv = [sys.executable, "-m", "inferd.cli", "--log-level", "WARNING", "disagg", "proxy", "--port", str(port)]
+    argv += ["--prefill", *prefill, "--decode", *decode, "--prefill-timeout", "20"]
+    return spawn("proxy", argv, port, logs)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_models) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("disagg-logs")
+    model = tiny_models["llama"]
+    kv_port = free_port()
+    procs = [_prefill(model, logs, kv_port), _decode(model, logs, kv_port), start_replica(model, logs, *SMALL)]
+    procs.append(_proxy(logs, [procs[0].url], [procs[1].url]))
+    try:
+        for p in procs:
+            wait_http(p, "/health", timeout=180)
+        yield Cluster(*procs, kv_port=kv_port, model=model, logs=logs)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % 370 for i in range(n)]
+
+
+def _completion(url: str, body: dict, timeout: float = 120) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", **body}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_text(url: str, path: str, body: dict) -> str:
+    text = []
+    with httpx.stream("POST", url + path, json={"model": "tiny", **body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for c in event["choices"]:
+                text.append(c.get("text") or c.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def _metric(proc: Proc, name: str) -> float:
+    return replica_metrics(proc.url).get(name, 0.0)
+
+
+def _wait_idle(proc: Proc, timeout: float = 20.0) -> None:
+    """Every block free: no running request, no lease."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = replica_metrics(proc.url)
+        busy = m.get("inferd:kv_cache_usage_perc", 0) + m.get("inferd:kv_leases_active", 0)
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, f"{proc.name} still holds blocks: {busy}"
+        time.sleep(0.1)
+
+
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+def test_greedy_outputs_through_the_proxy_equal_a_both_instance(cluster: Cluster):
+    before = _metric(cluster.decode, "inferd:remote_prefills_total")
+    lengths = [1, 5, 16, 17, 31, 48, 100, 200]
+    for n in lengths:
+        body = {"prompt": _prompt(n, n), **GREEDY}
+        got = _completion(cluster.proxy.url, body)["choices"][0]["text"]
+        assert got == _completion(cluster.both.url, body)["choices"][0]["text"], n
+    assert _metric(cluster.decode, "inferd:remote_prefills_total") - before == len(lengths) - 1  # 1 token: no K/V
+    assert _metric(cluster.decode, "inferd:kv_transfer_blocks_total") > 0
+    assert _metric(cluster.prefill, "inferd:kv_leases_created_total") >= len(lengths)
+    _wait_idle(cluster.decode)
+    _wait_idle(cluster.prefill)
+
+
+def test_streaming_and_chat_through_the_proxy(cluster: Cluster):
+    body = {"prompt": _prompt(40, 1), **GREEDY}
+    want = _completion(cluster.both.url, body)["choices"][0]["text"]
+    assert _stream_text(cluster.proxy.url, "/v1/completions", body) == want
+    chat = {"messages": [{"role": "user", "content": "Paged attention stores keys in blocks. " * 4}], **GREEDY}
+    r = httpx.post(cluster.both.url + "/v1/chat/completions", json={"model": "tiny", **chat}, timeout=120)
+    want_chat = r.json()["choices"][0]["message"]["content"]
+    r = httpx.post(cluster.proxy.url + "/v1/chat/completions", json={"model": "tiny", **chat}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want_chat
+    assert _stream_text(cluster.proxy.url, "/v1/chat/completions", chat) == want_chat
+
+
+def test_concurrent_requests_through_the_proxy(cluster: Cluster):
+    bodies = [{"prompt": _prompt(20 + 9 * i, 100 + i), **GREEDY} for i in range(8)]
+    want = [_completion(cluster.both.url, b)["choices"][0]["text"] for b in bodies]
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            rs = await asyncio.gather(
+                *(client.post(cluster.proxy.url + "/v1/completions", json={"model": "tiny", **b}) for b in bodies)
+            )
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    assert asyncio.run(run()) == want
+    _wait_idle(cluster.decode)
+    _wait_idle(cluster.prefill)
+
+
+def test_prefix_hits_on_the_decode_side_pull_fewer_blocks(cluster: Cluster):
+    shared = _prompt(64, 7)
+    blocks = lambda: _metric(cluster.decode, "inferd:kv_transfer_blocks_total")  # noqa: E731
+    hits = lambda: _metric(cluster.decode, "inferd:kv_transfer_blocks_prefix_hit_total")  # noqa: E731
+    b0, h0 = blocks(), hits()
+    _completion(cluster.proxy.url, {"prompt": shared + _prompt(20, 8), **GREEDY})
+    assert blocks() - b0 == 6 and hits() == h0  # 84 tokens, all but the last: 6 blocks
+    _completion(cluster.proxy.url, {"prompt": shared + _prompt(30, 9), **GREEDY})
+    assert hits() - h0 == 4  # the 64 shared tokens were already in the decode side's cache
+    assert blocks() - b0 == 6 + 2  # 94 tokens, all but the last: 6 blocks, 4 of them cached
+
+
+def test_bad_transfer_params_are_refused_and_touch_nothing(cluster: Cluster):
+    prompt = _prompt(40, 11)
+    lease = _completion(
+        cluster.prefill.url, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    kv = lease["kv_transfer_params"]
+    _wait_idle(cluster.decode)
+    for bad in [{**kv, "peer": "10.1.2.3:80"}, {**kv, "block_ids": [0]}, {"x": 1}, {**kv, "signature": "0" * 64}]:
+        r = httpx.post(cluster.decode.url + "/v1/completions", json={"prompt": prompt, "kv_transfer_params": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    r = httpx.post(cluster.both.url + "/v1/completions", json={"prompt": prompt, "kv_transfer_params": kv})
+    assert r.status_code == 400
+    assert _metric(cluster.decode, "inferd:kv_cache_usage_perc") == 0
+    # the genuine lease, used directly, gives the same tokens as the both instance
+    got = _completion(cluster.decode.url, {"prompt": prompt, "kv_transfer_params": kv, **GREEDY})
+    assert (
+        got["choices"][0]["text"] == _completion(cluster.both.url, {"prompt": prompt, **GREEDY})["choices"][0]["text"]
+    )
+    _wait_idle(cluster.prefill)
+
+
+def test_a_4xx_from_the_prefill_instance_passes_through(cluster: Cluster):
+    r = httpx.post(cluster.proxy.url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]
+    r = httpx.post(cluster.proxy.url + "/v1/completions", json={"prompt": "hi", "top_p": 5}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"]
+
+
+def test_lease_expired_before_the_pull_recomputes(cluster: Cluster):
+    prompt = _prompt(50, 12)
+    lease = _completion(
+        cluster.prefill.url, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    assert _metric(cluster.prefill, "inferd:kv_leases_active") == 1
+    expiries = _metric(cluster.prefill, "inferd:kv_lease_expiries_total")
+    _wait_idle(cluster.prefill, timeout=LEASE_TTL + 5)  # freed by the engine loop's timer, with no request
+    assert _metric(cluster.prefill, "inferd:kv_lease_expiries_total") == expiries + 1
+    got = _completion(
+        cluster.decode.url, {"prompt": prompt, "kv_transfer_params": lease["kv_transfer_params"], **GREEDY}
+    )
+    assert (
+        got["choices"][0]["text"] == _completion(cluster.both.url, {"prompt": prompt, **GREEDY})["choices"][0]["text"]
+    )
+    m = replica_metrics(cluster.decode.url)
+    assert m["inferd:local_prefills_total"] >= 1
+    _wait_idle(cluster.decode)
+
+
+def test_decode_killed_mid_transfer_leaves_the_prefill_side_free(cluster: Cluster):
+    decode = _decode(cluster.model, cluster.logs, cluster.kv_port, "--kv-transport", "tcp")
+    try:
+        wait_http(decode, "/health", timeout=180)
+        prompts = [_prompt(300, 20 + i) for i in range(4)]
+        leases = [
+            _completion(
+                cluster.prefill.url, {"prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            )
+            for p in prompts
+        ]
+        assert _metric(cluster.prefill, "inferd:kv_leases_active") == 4
+
+        async def fire() -> None:
+            async with httpx.AsyncClient(timeout=30) as client:
+                tasks = [
+                    asyncio.create_task(
+                        client.post(
+                            decode.url + "/v1/completions",
+                            json={"prompt": p, "kv_transfer_params": x["kv_transfer_params"], "max_tokens": 50},
+                        )
+                    )
+                    for p, x in zip(prompts, leases, strict=True)
+                ]
+                await asyncio.sleep(0.3)
+                decode.kill()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                for r in results:  # a clear end: an answer, or a broken connection; never a hang
+                    assert isinstance(r, (httpx.Response, httpx.HTTPError)), r
+
+        asyncio.run(fire())
+    finally:
+        decode.kill()
+    _wait_idle(cluster.prefill, timeout=LEASE_TTL + 10)
+
+
+def test_prefill_killed_mid_run_requests_still_complete(cluster: Cluster):
+    bodies = [{"prompt": _prompt(60 + 10 * i, 40 + i), **GREEDY} for i in range(6)]
+    want = [_completion(cluster.both.url, b)["choices"][0]["text"] for b in bodies]
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(client.post(cluster.proxy.url + "/v1/completions", json=b)) for b in bodies]
+            await asyncio.sleep(0.2)
+            cluster.prefill.kill()
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert [r.json()["choices"][0]["text"] for r in results] == want
+    # and afterwards, with no prefill instance at all, the decode instance prefills itself
+    assert _completion(cluster.proxy.url, bodies[0])["choices"][0]["text"] == want[0]
+    proxy = replica_metrics(cluster.proxy.url)
+    assert proxy["inferd:disagg_proxy_prefills_total"] >= len(bodies) + 1
+    _wait_idle(cluster.decode)
