@@ -241,3 +241,22 @@ def test_memory_and_redis_budget_stores_agree(redis_url):
     # concurrency slots taken (the 1st and 3rd are still open)
     assert [a for a, _, _ in mem] == [True, True, True, False, False]
     assert mem[3][1] == 3 and mem[4][1] == 5
+
+
+def test_gateway_and_server_errors_share_one_body():
+    import json
+
+    from inferd.errors import error_body, error_event
+    from inferd.server.errors import APIError
+
+    args, kw = (429, "too many \ud800 requests", "rate_limit_error"), {"param": "p", "code": "c"}
+    gateway, server = GatewayError(*args, **kw), APIError(*args, **kw)
+    assert gateway.body() == server.body == error_body(*args[1:], **kw)
+    assert gateway.body()["error"] == {
+        "message": "too many \\ud800 requests",
+        "type": "rate_limit_error",
+        "param": "p",
+        "code": "c",
+    }
+    json.dumps(gateway.body(), ensure_ascii=False).encode("utf-8")  # a lone surrogate would not encode
+    assert gateway.sse_event() == error_event(server.body).encode()
