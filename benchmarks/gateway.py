@@ -1,7 +1,8 @@
 """The gateway's cost and its gain, written to benchmarks/results/gateway.json (gateway_quick.json with --quick).
 
 1. Overhead: p50/p99 latency a request gains by going through `inferd gateway` instead of straight to a
-   fast fake upstream (a separate process that answers at once), streaming and not, and the requests/s
+   fast fake upstream (a separate process that answers at once), streaming and not, the gateway's CPU
+   time per request (next to the fake upstream's, a FastAPI app that does nothing), and the requests/s
    one gateway process proxies at a given client concurrency. Target: < 2 ms added at p50.
 2. Routing gain: a shared-prefix workload (many system prompts, many users each, in random order) over
    2 real inferd replicas of a random-weight llama big enough for prefill to cost real time, with a KV
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -30,13 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, machine, write_json  # noqa: E402
-from tests.gateway.procs import (  # noqa: E402
-    replica_metrics,
-    spawn,
-    start_gateway,
-    start_replica,
-    wait_http,
-)
+from benchmarks.procs import free_port, replica_metrics, spawn, start_gateway, start_replica, wait_http  # noqa: E402
 
 
 # -- a fast fake upstream, run as `python benchmarks/gateway.py --fake-upstream PORT` -------------------
@@ -74,6 +70,13 @@ def run_fake_upstream(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux): a cost per request that a busy machine skews
+    far less than it skews latencies."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -105,8 +108,6 @@ async def _throughput(url: str, body: dict, n: int, concurrency: int) -> float:
 
 
 def overhead(args, logs: Path) -> dict:
-    from tests.gateway.procs import free_port
-
     port = free_port()
     fake = spawn("fake", [sys.executable, __file__, "--fake-upstream", str(port)], port, logs)
     try:
@@ -116,7 +117,7 @@ def overhead(args, logs: Path) -> dict:
             "models": [{"name": "fake", "backends": [{"pool": "f"}]}],
             "routing": {"scorers": {"prefix": 0}},
         }
-        gw, _ = start_gateway(cfg, logs)
+        gw = start_gateway(cfg, logs)
         out = {}
         try:
             for stream in (False, True):
@@ -124,7 +125,11 @@ def overhead(args, logs: Path) -> dict:
                 asyncio.run(_latencies(fake.url + "/v1/completions", body, 50))  # warm both paths
                 asyncio.run(_latencies(gw.url + "/v1/completions", body, 50))
                 direct = asyncio.run(_latencies(fake.url + "/v1/completions", body, args.overhead_requests))
+                cpu = cpu_seconds(gw.popen.pid), cpu_seconds(fake.popen.pid)
                 via = asyncio.run(_latencies(gw.url + "/v1/completions", body, args.overhead_requests))
+                gw_cpu, up_cpu = (
+                    1000 * (cpu_seconds(p.popen.pid) - c) / len(via) for p, c in zip((gw, fake), cpu, strict=True)
+                )
                 rps = asyncio.run(_throughput(gw.url + "/v1/completions", body, args.overhead_requests * 2, 32))
                 rps_direct = asyncio.run(
                     _throughput(fake.url + "/v1/completions", body, args.overhead_requests * 2, 32)
@@ -134,6 +139,8 @@ def overhead(args, logs: Path) -> dict:
                     "gateway_p50_ms": 1000 * pct(via, 0.5),
                     "added_p50_ms": 1000 * (pct(via, 0.5) - pct(direct, 0.5)),
                     "added_p99_ms": 1000 * (pct(via, 0.99) - pct(direct, 0.99)),
+                    "gateway_cpu_ms_per_request": gw_cpu,
+                    "upstream_cpu_ms_per_request": up_cpu,
                     "gateway_requests_per_s_c32": rps,
                     "direct_requests_per_s_c32": rps_direct,
                 }
@@ -145,11 +152,29 @@ def overhead(args, logs: Path) -> dict:
 
 
 # -- routing gain --------------------------------------------------------------------------------------
+# what the benchmark model's byte-level BPE tokenizer is trained on (the weights are random anyway)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "Question: What is the capital of France?\nAnswer: Paris. ",
+    "Paged attention stores keys and values in fixed-size blocks. ",
+    "Continuous batching lets requests join and leave every step. ",
+    "def add(a, b):\n    return a + b\n",
+    "1234567890 + - * / = ( ) [ ] { } < > ! ? , . ; : ' \" ",
+]
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(_CORPUS * 20, vocab_size=vocab_size, special_tokens=["<pad>", "<eos>", "<bos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
 def build_model(folder: Path, hidden: int, layers: int) -> Path:
     import torch
     import transformers as tf
-
-    from tests.conftest import build_tokenizer
 
     if (folder / "config.json").exists():
         return folder
@@ -168,7 +193,7 @@ def build_model(folder: Path, hidden: int, layers: int) -> Path:
         architectures=["LlamaForCausalLM"],
     )
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
-    build_tokenizer().save_pretrained(folder)
+    build_tokenizer(cfg.vocab_size).save_pretrained(folder)
     return folder
 
 
@@ -232,7 +257,7 @@ def routing_gain(args, logs: Path) -> dict:
                 "routing": routing,
                 "scrape": {"interval_s": 0.2},
             }
-            gw, _ = start_gateway(cfg, logs)
+            gw = start_gateway(cfg, logs)
             try:
                 prompts = workload(100 + seed, args.systems, args.users, args.system_words)
                 asyncio.run(_ttfts(gw.url + "/v1/completions", prompts[:2], 1, 1))  # warm-up

@@ -1,10 +1,28 @@
-"""Chat templates: one place renders a conversation to prompt text, for `LLM.chat` and the server."""
+"""Chat templates: one place renders a conversation to prompt text, for `LLM.chat`, the server, and the
+gateway (which renders locally to predict the engine's prefix cache keys for chat requests)."""
 
 from __future__ import annotations
 
 from inferd.errors import InvalidRequestError
 
 _MAX_QUOTED = 200  # characters of a template's own error message quoted back
+
+
+def message_dict(role: str, content: str | list | None, name: str | None, index: int) -> dict:
+    """One OpenAI chat message as the template gets it: text parts joined by newlines, other parts refused."""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"messages[{index}]: only text content parts are supported", param=f"messages.{index}.content"
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    out = {"role": role, "content": content or ""}
+    if name:
+        out["name"] = name
+    return out
 
 
 def chat_text(

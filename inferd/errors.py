@@ -3,7 +3,11 @@
 `InferdError` and its subclasses are caused by input or configuration: each message says what to change,
 and the server answers them with a 4xx. `ServingError` and its subclasses are not the request's fault:
 the server cannot take it now (503 with Retry-After) or could not finish it (a 5xx or an SSE error event).
+
+`error_body` and `error_event` build the OpenAI error body that the server and the gateway both send.
 """
+
+import json
 
 
 class InferdError(Exception):
@@ -51,3 +55,23 @@ class RequestFailedError(ServingError):
 
 class DrainTimeoutError(ServingError):
     """The server is shutting down and this request outlived --drain-timeout."""
+
+
+def clean(text: str | None) -> str | None:
+    """`text` as valid UTF-8: lone surrogates (which JSON can carry but UTF-8 cannot) become escapes."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
+    """OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`; building it never raises,
+    whatever the client sent (every string is made valid UTF-8)."""
+    return {"error": {"message": clean(message), "type": type, "param": clean(param), "code": clean(code)}}
+
+
+def error_event(body: dict) -> str:
+    """An error body as one SSE event, for a stream that already began (as vLLM and OpenAI send it)."""
+    return f"data: {json.dumps(body)}\n\n"

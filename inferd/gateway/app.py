@@ -64,12 +64,15 @@ def create_app(gateway: Gateway, on_startup: Callable[[], None] | None = None) -
             raise model_not_found(model_id, gateway.state.router.names())
         return card(model_id)
 
-    @app.post("/v1/completions")
+    # plain Starlette routes: the gateway reads its own bodies, so FastAPI's per-request parameter solving
+    # would be pure cost on the proxied path
     async def completions(raw: Request) -> Response:
         return await gateway.handle("completions", raw)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await gateway.handle("chat", raw)
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     return app

@@ -1,13 +1,13 @@
 """OpenAI error bodies for everything the gateway refuses: `{"error": {"message", "type", "param", "code"}}`.
 
 The gateway cannot import `inferd.server` (it must run without the engine), so it has its own small
-error type. Its handlers turn every exception into one of these bodies; an unexpected exception is the
-only 500, and bad input never reaches one.
+error type; the body itself is built by `inferd.errors.error_body`, as the server's is. Its handlers turn
+every exception into one of these bodies; an unexpected exception is the only 500, and bad input never
+reaches one.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd import strict_json
-from inferd.errors import InvalidRequestError
+from inferd.errors import InvalidRequestError, error_body, error_event
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +39,14 @@ class GatewayError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     def sse_event(self) -> bytes:
         """The error as one SSE event, for a stream that already began (no retry is possible then)."""
-        return f"data: {json.dumps(self.body())}\n\n".encode()
+        return error_event(self.body()).encode()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:

@@ -20,6 +20,26 @@ LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1, 2.5,
 TPOT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5]
 
 
+class _Memo:
+    """`labels(*values)` remembered: prometheus_client takes a lock and checks the values on every call, a
+    dozen times per request here. Children are never removed, so a remembered one stays the registered one."""
+
+    def labels(self, *values: str):
+        memo = self.__dict__.setdefault("_memo", {})
+        child = memo.get(values)
+        if child is None:
+            child = memo[values] = super().labels(*values)
+        return child
+
+
+class _Counter(_Memo, Counter):
+    pass
+
+
+class _Histogram(_Memo, Histogram):
+    pass
+
+
 class _StateCollector(Collector):
     """Replica and queue gauges, read from the gateway's live state at scrape time."""
 
@@ -47,66 +67,66 @@ class GatewayMetrics:
     def __init__(self, snapshot: Callable[[], tuple[list, int]]):
         self.registry = r = CollectorRegistry()
         req = ["tenant", "model", "replica"]
-        self.requests = Counter(
+        self.requests = _Counter(
             "inferd_gateway_requests", "Requests answered, by status code.", [*req, "status"], registry=r
         )
-        self.tokens = Histogram(
+        self.tokens = _Histogram(
             "gen_ai_client_token_usage",
             "Tokens per request, by type (input, output).",
             ["tenant", "gen_ai_request_model", "replica", "gen_ai_token_type"],
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
-        self.duration = Histogram(
+        self.duration = _Histogram(
             "gen_ai_client_operation_duration_seconds",
             "Request duration at the gateway, arrival to last byte.",
             ["tenant", "gen_ai_request_model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = _Histogram(
             "gen_ai_server_time_to_first_token_seconds",
             "Arrival at the gateway to the first streamed token sent on.",
             ["gen_ai_request_model", "replica"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.tpot = Histogram(
+        self.tpot = _Histogram(
             "gen_ai_server_time_per_output_token_seconds",
             "Mean time per output token after the first, per streamed request.",
             ["gen_ai_request_model", "replica"],
             buckets=TPOT_BUCKETS,
             registry=r,
         )
-        self.upstream_latency = Histogram(
+        self.upstream_latency = _Histogram(
             "inferd_gateway_upstream_latency_seconds",
             "Request sent upstream to response headers received.",
             ["replica"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.rejections = Counter(
+        self.rejections = _Counter(
             "inferd_gateway_rejections",
             "Requests refused before any engine work, by reason.",
             ["tenant", "model", "reason"],
             registry=r,
         )
-        self.errors = Counter(
+        self.errors = _Counter(
             "inferd_gateway_upstream_errors",
             "Upstream failures, by kind.",
             ["tenant", "model", "replica", "kind"],
             registry=r,
         )
-        self.retries = Counter(
+        self.retries = _Counter(
             "inferd_gateway_retries", "Requests sent again to another replica.", ["model"], registry=r
         )
-        self.routing = Counter(
+        self.routing = _Counter(
             "inferd_gateway_routing_decisions",
             "Replicas picked, per pool and replica.",
             ["pool", "replica"],
             registry=r,
         )
-        self.prefix_blocks = Counter(
+        self.prefix_blocks = _Counter(
             "inferd_gateway_prefix_affinity_blocks",
             "Full prompt blocks routed, by whether the picked replica held them (hit) or not (miss).",
             ["pool", "result"],

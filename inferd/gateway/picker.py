@@ -89,6 +89,8 @@ class Picker:
         self.stale_after_s = stale_after_s
         self.rng = rng or random.Random()
         self._rr = itertools.count()
+        # the scorers that count, read once (a config is never changed in place: a reload builds a new Picker)
+        self.weights = {n: w for n, w in routing.scorers.model_dump().items() if w > 0}
 
     def candidates(self, replicas: list[Replica], exclude: set[str], prefix: dict[str, float]) -> list[Candidate]:
         now = time.monotonic()
@@ -118,10 +120,10 @@ class Picker:
             return ordered[next(self._rr) % len(ordered)], {}
         if mode == "random":
             return self.rng.choice(cands), {}
-        weights = self.routing.scorers.model_dump()
+        weights = self.weights
         scored = []
         for c in cands:
-            parts = {name: fn(c) for name, fn in SCORERS.items() if weights[name] > 0}
+            parts = {name: SCORERS[name](c) for name in weights}
             scored.append((sum(weights[n] * v for n, v in parts.items()), c, parts))
         best = max(s for s, _, _ in scored)
         ties = [(c, parts) for s, c, parts in scored if s >= best - 1e-9]

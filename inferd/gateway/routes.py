@@ -41,8 +41,10 @@ class ModelRouter:
             return []
         seen = _seen | {route.name}
         backends = [b for b in route.backends if b.weight > 0]
-        first = self.rng.choices(backends, weights=[b.weight for b in backends])[0]
+        first = backends[0] if len(backends) == 1 else self.rng.choices(backends, [b.weight for b in backends])[0]
         targets = [self._target(route, first)]
+        if not route.fallbacks:
+            return targets
         for fb in route.fallbacks:
             if fb.pool is not None:
                 pool = self.pools[fb.pool]

@@ -1,6 +1,6 @@
 """The gateway's request path, composed from the small managers: auth → body → route → budget → pick → proxy.
 
-`Gateway` owns what lives as long as the process (the HTTP client, the budget store, the prefix index,
+`Gateway` owns what lives as long as the process (the HTTP clients, the budget store, the prefix index,
 the wait queue, the metrics, the monitor task); `GatewayState` is everything built from one config
 (pools, routes, tenants, picker, tokenizers) and is swapped whole on reload, so a request keeps the
 state it started with and in-flight streams are never dropped. Pools keep their replicas' live state
@@ -41,9 +41,9 @@ from inferd.gateway.proxy import (
     SSEFilter,
     Upstream,
     Usage,
+    new_session,
     open_upstream,
     parse_usage,
-    passed_headers,
     relay_events,
 )
 from inferd.gateway.replicas import Pool
@@ -209,6 +209,7 @@ class Gateway:
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
+        self._session = None  # aiohttp, for requests to replicas; made on the event loop that serves
         self.redis = redis
         if (
             redis is None
@@ -237,12 +238,21 @@ class Gateway:
         reps = [(r, r.available(now)) for p in self.state.pools.values() for r in p.replicas.values()]
         return reps, len(self.queue)
 
+    @property
+    def session(self):
+        """The request path's client (`proxy.new_session`); httpx `client` serves probes and /tokenize."""
+        if self._session is None:
+            self._session = new_session(self.state.config.connect_timeout_s)
+        return self._session
+
     async def start(self) -> None:
         self.monitor.start()
 
     async def stop(self) -> None:
         await self.monitor.stop()
         await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
         if self.redis is not None:
             await self.redis.aclose()
 
@@ -351,9 +361,7 @@ class Gateway:
         matched = await self.prefix_index.match(list(pool.replicas), hashes) if hashes else {}
         fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}
         payload = json.dumps({**body, "model": target.model}).encode()
-        headers = {"Content-Type": "application/json"}
-        if pool.config.api_key:
-            headers["Authorization"] = f"Bearer {pool.config.api_key}"
+        auth = f"Bearer {pool.config.api_key}" if pool.config.api_key else None
         info = flight.info
         output = (info.max_tokens or 0) * info.n * info.num_prompts
         flight.expected_tokens = (prompt.count if prompt else 0) + output
@@ -372,7 +380,7 @@ class Gateway:
                 await self.prefix_index.insert(pick.replica.url, hashes)
             url = pick.replica.url + PATHS[flight.info.kind]
             try:
-                up = await open_upstream(self.client, url, payload, headers, flight.info.stream, deadline)
+                up = await open_upstream(self.session, url, payload, auth, flight.info.stream, deadline)
             except Retry as r:
                 self._upstream_failed(st, flight, r)
                 if attempt < st.config.retries:
@@ -415,15 +423,14 @@ class Gateway:
                 pool = self.state.pools.get(pool.name, pool)  # a reload may have rebuilt it
 
     async def _answer(self, flight: Flight, up: Upstream, deadline: float) -> Response:
-        resp = up.response
-        headers = {**passed_headers(resp), **flight.extra_headers}
+        headers = {**up.headers(), **flight.extra_headers}
         if flight.gateway.state.config.expose_replica_header:
             headers["x-inferd-replica"] = flight.pick.replica.url
         if up.rest is None:  # a whole body (or a non-200 answer to a stream request)
-            usage = _json_usage(resp) if resp.status_code == 200 else None
-            await flight.finish(resp.status_code, usage)
-            return Response(resp.content, status_code=resp.status_code, headers=headers)
-        sse = SSEFilter(drop_usage_chunk=not flight.info.client_wants_usage)
+            usage = _json_usage(up.body) if up.status == 200 else None
+            await flight.finish(up.status, usage)
+            return Response(up.body, status_code=up.status, headers=headers)
+        sse = SSEFilter(forced_usage=not flight.info.client_wants_usage)
         broken: list[str] = []
 
         def on_first() -> None:
@@ -437,7 +444,7 @@ class Gateway:
                 flight.pick.replica.record_failure(self.state.config.health)
 
         async def on_close() -> None:
-            await resp.aclose()
+            up.close()
             await flight.finish(200 if not broken else 502, sse.usage, keep_reservation=sse.usage is None)
 
         body = relay_events(up, sse, deadline, on_first, on_broken)
@@ -445,9 +452,9 @@ class Gateway:
         return ClosingStream(body, on_close, headers)
 
 
-def _json_usage(resp: httpx.Response) -> Usage | None:
+def _json_usage(body: bytes) -> Usage | None:
     try:
-        return parse_usage(json.loads(resp.content))
+        return parse_usage(json.loads(body))
     except ValueError:
         return None
 

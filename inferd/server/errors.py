@@ -6,7 +6,6 @@ is made valid UTF-8 (a lone surrogate becomes its escape) and input echoed back 
 
 from __future__ import annotations
 
-import json
 import logging
 from http import HTTPStatus
 
@@ -15,8 +14,17 @@ from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferd.errors import DrainTimeoutError, EngineDeadError, EngineOverloadedError, InferdError, RequestFailedError
-from inferd.server.protocol import UNION_TAGS, ErrorInfo, ErrorResponse
+from inferd.errors import (
+    DrainTimeoutError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InferdError,
+    RequestFailedError,
+    clean,
+    error_body,
+)
+from inferd.errors import error_event as sse_error_event
+from inferd.server.protocol import UNION_TAGS
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +46,7 @@ class APIError(HTTPException):
     ):
         super().__init__(status, message, headers)
         self.status = status
-        self.info = ErrorInfo(message=clean(message), type=type, param=clean(param), code=clean(code))
-
-
-def clean(text: str | None) -> str | None:
-    """`text` as valid UTF-8: lone surrogates (which JSON can carry but UTF-8 cannot) become escapes."""
-    if text is None or text.isascii():
-        return text
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+        self.body = error_body(message, type, param, code)  # the same body as the gateway's (inferd.errors)
 
 
 def echo(value: object) -> str:
@@ -81,13 +82,13 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def error_response(exc: BaseException) -> JSONResponse:
     err = to_api_error(exc)
-    return JSONResponse(ErrorResponse(error=err.info).model_dump(), status_code=err.status, headers=err.headers)
+    return JSONResponse(err.body, status_code=err.status, headers=err.headers)
 
 
 def error_event(exc: BaseException) -> str:
     """An error after a stream has begun: one SSE event with the error body (as vLLM sends it)."""
     err = to_api_error(exc)
-    return f"data: {json.dumps({'error': err.info.model_dump()})}\n\n"
+    return sse_error_event(err.body)
 
 
 def stream_error(exc: BaseException, request_id: str) -> str:

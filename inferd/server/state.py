@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from inferd.chat import chat_text
+from inferd.chat import chat_text, message_dict
 from inferd.engine.async_engine import AsyncEngine
 from inferd.errors import DrainTimeoutError, InvalidRequestError
 from inferd.server.errors import APIError, model_not_found
@@ -197,20 +197,7 @@ class ServerState:
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict:
-    content = m.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(
-                    400, f"messages[{i}]: only text content parts are supported", param=f"messages.{i}.content"
-                )
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    out = {"role": m.role, "content": content or ""}
-    if m.name:
-        out["name"] = m.name
-    return out
+    return message_dict(m.role, m.content, m.name, i)
 
 
 def new_id(prefix: str) -> str:

@@ -140,15 +140,17 @@ def test_queue_full_and_timeout_are_503():
     asyncio.run(run())
 
 
-def test_sse_filter_keeps_bytes_and_drops_only_the_forced_usage_chunk():
-    chunk = b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
+def test_sse_filter_keeps_bytes_and_takes_back_only_what_forced_usage_added():
+    chunk = b'data: {"choices":[{"text":"a, \\"usage\\":null"}],"usage":null}\n\n'
+    bare = b'data: {"choices":[{"text":"a, \\"usage\\":null"}]}\n\n'  # as sent without include_usage
+    spaced = b'data: {"usage": null, "choices": [{"text": "b"}]}\n\n'
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
     done = b"data: [DONE]\n\n"
-    stream = chunk + chunk + usage + done
-    for drop in (True, False):
-        f = SSEFilter(drop_usage_chunk=drop)
+    stream = chunk + spaced + chunk + usage + done
+    for forced in (True, False):
+        f = SSEFilter(forced_usage=forced)
         out = b"".join(f.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + f.tail()
-        assert out == (chunk + chunk + done if drop else stream)
+        assert out == (bare + b'data: {"choices": [{"text": "b"}]}\n\n' + bare + done if forced else stream)
         assert (f.usage.prompt, f.usage.completion) == (3, 2)
 
 
@@ -239,3 +241,22 @@ def test_memory_and_redis_budget_stores_agree(redis_url):
     # concurrency slots taken (the 1st and 3rd are still open)
     assert [a for a, _, _ in mem] == [True, True, True, False, False]
     assert mem[3][1] == 3 and mem[4][1] == 5
+
+
+def test_gateway_and_server_errors_share_one_body():
+    import json
+
+    from inferd.errors import error_body, error_event
+    from inferd.server.errors import APIError
+
+    args, kw = (429, "too many \ud800 requests", "rate_limit_error"), {"param": "p", "code": "c"}
+    gateway, server = GatewayError(*args, **kw), APIError(*args, **kw)
+    assert gateway.body() == server.body == error_body(*args[1:], **kw)
+    assert gateway.body()["error"] == {
+        "message": "too many \\ud800 requests",
+        "type": "rate_limit_error",
+        "param": "p",
+        "code": "c",
+    }
+    json.dumps(gateway.body(), ensure_ascii=False).encode("utf-8")  # a lone surrogate would not encode
+    assert gateway.sse_event() == error_event(server.body).encode()

@@ -85,15 +85,18 @@ def test_stream_relayed_untouched_and_usage_chunk_only_when_asked(replicas, gate
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(c["choices"] for c in chunks), "the usage chunk the gateway forced on must not reach the client"
+    assert not any("usage" in c for c in chunks), "the usage field the gateway forced on must not reach the client"
     assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1
+    # same shape as the replica's own stream, event for event (ids and timestamps aside)
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("id", "created")}
+    direct = httpx.post(f"{replicas[0].url}/v1/completions", json=body, timeout=30)
+    assert [strip(json.loads(e[6:])) for e in _events(direct.text)[:-1]] == [strip(c) for c in chunks]
 
     asked = httpx.post(f"{gw.url}/v1/completions", json={**body, "stream_options": {"include_usage": True}})
     chunks = [json.loads(e.removeprefix("data: ")) for e in _events(asked.text)[:-1]]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
     direct = httpx.post(f"{replicas[0].url}/v1/completions", json={**body, "stream_options": {"include_usage": True}})
-    # same shape as the replica's own stream, event for event (ids and timestamps aside)
-    strip = lambda c: {k: v for k, v in c.items() if k not in ("id", "created")}
     assert [strip(json.loads(e[6:])) for e in _events(direct.text)[:-1]] == [strip(c) for c in chunks]
 
 
@@ -214,3 +217,69 @@ def test_replicas_discovered_from_a_dns_name(replicas, gateway):
     for _ in range(3):  # localhost may also resolve to ::1, where nothing listens: that one is ejected or retried
         r = _complete(gw.url, "tiny")
         assert r.status_code == 200 and r.headers["x-inferd-replica"] == f"http://127.0.0.1:{port}"
+
+
+_SYSTEM = "You are a careful assistant. Paged attention stores keys and values in fixed-size blocks. " * 2
+_CHATS = [
+    {"messages": [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "What is paged attention?"}]},
+    {
+        "messages": [
+            {"role": "system", "content": _SYSTEM},
+            {"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "parts"}]},
+            {"role": "assistant", "content": "Blocks.", "name": "bot"},
+            {"role": "user", "content": None},
+        ],
+        "add_generation_prompt": False,
+    },
+]
+
+
+def test_chat_prefix_keys_rendered_locally_equal_the_replicas(replicas, tiny_llama):
+    """A pool whose tokenizer is the model folder renders chats itself: the same ids, hence the same prefix
+    cache keys, as the replica's own /tokenize and as the prompt it actually ran, with no replica asked."""
+    import asyncio
+
+    from inferd.gateway.tokens import PoolTokenizer
+    from inferd.prefix_hash import block_hashes
+
+    tok = PoolTokenizer(str(tiny_llama), client=None)  # no client: asking a replica would fail the test
+    for body in _CHATS:
+        local = asyncio.run(tok.count("chat", body, "tiny", replica_url=None))
+        remote = httpx.post(f"{replicas[0].url}/tokenize", json={"model": "tiny", **body}, timeout=30).json()
+        assert local.exact and local.ids == remote["tokens"]
+        assert len(local.ids) >= 32  # full blocks to compare
+        for salt in (None, "tenant-a"):
+            assert block_hashes(local.ids, 16, salt) == block_hashes(remote["tokens"], 16, salt)
+    # options /tokenize does not take: compared with the prompt the replica ran
+    body = {**_CHATS[1], "continue_final_message": True, "chat_template_kwargs": {"unused": 1}}
+    body["messages"] = body["messages"][:3]
+    local = asyncio.run(tok.count("chat", body, "tiny", replica_url=None))
+    done = httpx.post(f"{replicas[0].url}/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, **body})
+    assert done.status_code == 200, done.text
+    assert local.count == done.json()["usage"]["prompt_tokens"]
+    # a message the server refuses is not refused (or guessed) by the gateway: the replica answers it
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert not asyncio.run(tok.count("chat", bad, "tiny", replica_url=None)).exact
+
+
+def test_chat_prefix_affinity_through_the_gateway(replicas, gateway, tiny_llama):
+    pools = [{"name": "p", "replicas": [r.url for r in replicas], "model": "tiny", "tokenizer": str(tiny_llama)}]
+    gw = gateway(base_config(pools, [{"name": "tiny", "backends": [{"pool": "p"}]}]))
+    picked = []
+    for i in range(4):
+        body = {
+            "model": "tiny",
+            "max_tokens": 1,
+            "messages": [*_CHATS[0]["messages"][:1], {"role": "user", "content": f"q{i}"}],
+        }
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        picked.append(r.headers["x-inferd-replica"])
+    assert len(set(picked)) == 1, picked  # the shared system prompt's blocks keep every turn on one replica
+    text = httpx.get(f"{gw.url}/metrics").text
+    hits = [
+        line
+        for line in text.splitlines()
+        if line.startswith('inferd_gateway_prefix_affinity_blocks_total{pool="p",result="hit"}')
+    ]
+    assert hits and float(hits[0].split()[-1]) >= 3 * 2, hits  # 3 later turns, each >= 2 blocks matched
