@@ -28,7 +28,7 @@ FORBIDDEN = {
     "inferd.engine.step": {"inferd.engine.", "inferd.request", "inferd.models"},
     "inferd.server": {"inferd.bench"},
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
-    "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
 }
 

@@ -27,6 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--status-every", type=float, default=5.0, help="seconds between status lines")
     p.set_defaults(func=run_up_command)
     register_sim(subparsers)
+    register_profile(subparsers)
 
 
 def run_up_command(args: argparse.Namespace) -> int:
@@ -167,4 +168,46 @@ def run_plan(args: argparse.Namespace) -> int:
     print(format_plan(result))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def register_profile(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="measure a running replica (prefill rate, decode step by batch)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the replica (not a gateway)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--prompt-lens", default="64,256,512", help="prompt lengths of the prefill runs")
+    p.add_argument("--batches", default="1,2,4,8", help="concurrencies of the decode runs")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--requests-per-point", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the replica's --max-num-seqs")
+    p.add_argument("--cold-start-s", type=float, default=30.0, help="measured start-to-ready (inferd up reports it)")
+    p.add_argument("--name", default="measured")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.set_defaults(func=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    import logging
+
+    from inferd.autoscale.measure import ProfileRun, measure_profile
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+
+    run = ProfileRun(
+        args.base_url,
+        args.model,
+        ints(args.prompt_lens),
+        ints(args.batches),
+        args.output_len,
+        args.requests_per_point,
+        args.max_num_seqs,
+        args.cold_start_s,
+        args.name,
+    )
+    profile = measure_profile(run)
+    Path(args.out).write_text(profile.to_json())
+    print(profile.to_json())
     return 0

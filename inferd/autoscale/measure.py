@@ -1,0 +1,77 @@
+"""`inferd profile`: measure one running replica with `inferd bench` runs and write a `Profile`.
+
+- prefill: one request at a time, one output token, at several prompt lengths; the slope of the median
+  TTFT against the prompt length is 1 / prefill tokens per second;
+- decode: `b` requests at a time (concurrency b, short prompts, fixed outputs with ignore_eos) for each
+  batch size b; the median TPOT is the decode step at that batch size.
+
+Cold start cannot be seen from a running server: pass what you measured (`inferd up` reports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from inferd.autoscale.profile import Profile
+from inferd.bench.client import ClientConfig, normalize_base_url
+from inferd.bench.datasets import RandomDataset
+from inferd.bench.runner import BenchConfig, preflight, run_benchmark
+from inferd.bench.tokenizers import resolve_tokenizer
+from inferd.errors import InferdError
+
+
+@dataclass
+class ProfileRun:
+    base_url: str
+    model: str | None = None
+    prompt_lens: tuple[int, ...] = (64, 256, 512)
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    output_len: int = 32
+    requests_per_point: int = 8
+    max_num_seqs: int | None = None
+    cold_start_s: float = 30.0
+    name: str = "measured"
+    api_key: str | None = None
+
+
+def _level(client: ClientConfig, tok, server, input_len: int, output_len: int, n: int, concurrency: int) -> dict:
+    cfg = BenchConfig(client=client, num_prompts=n, max_concurrency=concurrency, show_progress=False)
+    result = run_benchmark(cfg, RandomDataset(tok, input_len, output_len), tok, server)[0]
+    if not result.summary.get("completed"):
+        raise InferdError(f"no request completed at prompt {input_len}, concurrency {concurrency}")
+    return result.summary
+
+
+def measure_profile(run: ProfileRun) -> Profile:
+    base = normalize_base_url(run.base_url)
+    server = preflight(base, run.api_key)
+    model = run.model or next((m.get("id") for m in server.models if isinstance(m, dict) and m.get("id")), None)
+    if model is None:
+        raise InferdError("the server lists no models; pass --model")
+    tok = resolve_tokenizer("auto", base, model, None, run.api_key)
+    client = ClientConfig(base_url=base, model=model, ignore_eos=True, api_key=run.api_key)
+    ttfts = [
+        _level(client, tok, server, n, 1, run.requests_per_point, 1)["median_ttft_ms"] / 1000 for n in run.prompt_lens
+    ]
+    slope = (
+        float(np.polyfit(run.prompt_lens, ttfts, 1)[0]) if len(run.prompt_lens) > 1 else ttfts[0] / run.prompt_lens[0]
+    )
+    if slope <= 0:
+        raise InferdError(f"TTFT did not grow with the prompt ({ttfts}); use longer --prompt-lens")
+    steps = []
+    for b in run.batches:
+        s = _level(client, tok, server, 16, run.output_len, max(run.requests_per_point, 2 * b), b)
+        steps.append(s["median_tpot_ms"] / 1000)
+    return Profile(
+        name=run.name,
+        prefill_tokens_per_s=1.0 / slope,
+        decode_batch=list(run.batches),
+        decode_step_s=steps,
+        max_num_seqs=run.max_num_seqs or max(run.batches),
+        cold_start_s=run.cold_start_s,
+        description=f"measured: {model} at {base}",
+        source=f"inferd profile: prompts {list(run.prompt_lens)} (TTFT {[round(t, 4) for t in ttfts]} s), "
+        f"batches {list(run.batches)}, {run.output_len} output tokens",
+    )
