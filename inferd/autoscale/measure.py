@@ -1,7 +1,8 @@
 """`inferd profile`: measure one running replica with `inferd bench` runs and write a `Profile`.
 
 - prefill: one request at a time, one output token, at several prompt lengths; the slope of the median
-  TTFT against the prompt length is 1 / prefill tokens per second;
+  TTFT against the prompt length is 1 / prefill tokens per second, and what is left at length 0 after one
+  decode step is the per-request overhead (HTTP, tokenizing);
 - decode: `b` requests at a time (concurrency b, short prompts, fixed outputs with ignore_eos) for each
   batch size b; the median TPOT is the decode step at that batch size.
 
@@ -55,23 +56,32 @@ def measure_profile(run: ProfileRun) -> Profile:
     ttfts = [
         _level(client, tok, server, n, 1, run.requests_per_point, 1)["median_ttft_ms"] / 1000 for n in run.prompt_lens
     ]
-    slope = (
-        float(np.polyfit(run.prompt_lens, ttfts, 1)[0]) if len(run.prompt_lens) > 1 else ttfts[0] / run.prompt_lens[0]
-    )
-    if slope <= 0:
-        raise InferdError(f"TTFT did not grow with the prompt ({ttfts}); use longer --prompt-lens")
     steps = []
     for b in run.batches:
         s = _level(client, tok, server, 16, run.output_len, max(run.requests_per_point, 2 * b), b)
         steps.append(s["median_tpot_ms"] / 1000)
+    prefill, overhead, note = _prefill_fit(list(run.prompt_lens), ttfts, steps[0])
     return Profile(
         name=run.name,
-        prefill_tokens_per_s=1.0 / slope,
+        prefill_tokens_per_s=prefill,
+        request_overhead_s=overhead,
         decode_batch=list(run.batches),
         decode_step_s=steps,
         max_num_seqs=run.max_num_seqs or max(run.batches),
         cold_start_s=run.cold_start_s,
         description=f"measured: {model} at {base}",
         source=f"inferd profile: prompts {list(run.prompt_lens)} (TTFT {[round(t, 4) for t in ttfts]} s), "
-        f"batches {list(run.batches)}, {run.output_len} output tokens",
+        f"batches {list(run.batches)}, {run.output_len} output tokens{note}",
     )
+
+
+def _prefill_fit(lens: list[int], ttfts: list[float], step_s: float) -> tuple[float, float, str]:
+    """TTFT = overhead + one step + prompt / prefill rate, fitted; (rate, overhead, a note if it fell back).
+
+    When the TTFT does not grow with the prompt (a small model, noise), the prefill is too fast to see:
+    the rate is then bounded from below by the longest prompt over its whole TTFT, with no overhead."""
+    if len(lens) > 1:
+        slope, intercept = (float(x) for x in np.polyfit(lens, ttfts, 1))
+        if slope > 0:
+            return 1.0 / slope, max(0.0, intercept - step_s), ""
+    return lens[-1] / ttfts[-1], 0.0, " (TTFT did not grow with the prompt: prefill rate is a lower bound)"

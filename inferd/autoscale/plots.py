@@ -21,7 +21,7 @@ def plot_runs(runs: dict[str, dict[str, list[float]]], path: Path, ttft_slo_s: f
         if i == 0:  # the same arrivals for every run
             load.plot(x, tl["arrival_rate"], color="tab:gray", lw=0.8)
         reps.step(x, tl["replicas"], where="post", label=f"{name}: replicas")
-        lat.plot(x, np.asarray(tl["ttft_p95_s"], dtype=float) * 1000, lw=0.8, label=name)
+        lat.plot(x, np.asarray(tl["ttft_p95_s"], dtype=float) * 1000, lw=0.6, alpha=0.7, label=name)
     load.set_ylabel("arrivals / s")
     reps.set_ylabel("replicas")
     reps.legend(loc="upper left")
