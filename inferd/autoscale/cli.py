@@ -1,5 +1,6 @@
 """`inferd up` (a fleet on this machine, autoscaled), `inferd simulate` (a policy tried on a workload) and
-`inferd plan` (replicas and cost for SLOs at a rate)."""
+`inferd plan` (replicas and cost for SLOs at a rate), `inferd profile` (measure a replica) and
+`inferd autoscaler` (the policy's desired replicas as a gauge, for KEDA or Ray Serve)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_up_command)
     register_sim(subparsers)
     register_profile(subparsers)
+    register_gauge(subparsers)
 
 
 def run_up_command(args: argparse.Namespace) -> int:
@@ -210,4 +212,40 @@ def run_profile(args: argparse.Namespace) -> int:
     profile = measure_profile(run)
     Path(args.out).write_text(profile.to_json())
     print(profile.to_json())
+    return 0
+
+
+def register_gauge(subparsers) -> None:
+    p = subparsers.add_parser(
+        "autoscaler", help="serve the policy's desired replicas per pool (for KEDA or Ray Serve) from Prometheus"
+    )
+    p.add_argument("--config", required=True, help="fleet spec with the pools' autoscaling policies")
+    p.add_argument("--prometheus", required=True, help="Prometheus URL; replicas' series carry a `pool` label")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9100, help="where /metrics serves inferd_autoscaler_desired_replicas")
+    p.set_defaults(func=run_gauge)
+
+
+def run_gauge(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from prometheus_client import start_http_server
+
+    from inferd.autoscale.gauge import AutoscalerService
+    from inferd.autoscale.signals import PrometheusSource
+    from inferd.fleet.spec import load_fleet
+
+    spec = load_fleet(args.config)
+    window = min((p.autoscaling.window_s for _, p in spec.pools() if p.autoscaling), default=30.0)
+    service = AutoscalerService(spec, PrometheusSource(args.prometheus, window))
+    server, _ = start_http_server(args.port, addr=args.host, registry=service.fleet.registry)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"desired replicas of {sorted(service.policies)} on http://{args.host}:{args.port}/metrics", flush=True)
+    try:
+        service.run(stop)
+    finally:
+        server.shutdown()
     return 0

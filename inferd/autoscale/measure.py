@@ -35,6 +35,7 @@ class ProfileRun:
     cold_start_s: float = 30.0
     name: str = "measured"
     api_key: str | None = None
+    tokenizer_url: str | None = None  # where /tokenize is, when base_url has none (a gateway)
 
 
 def _level(client: ClientConfig, tok, server, input_len: int, output_len: int, n: int, concurrency: int) -> dict:
@@ -51,7 +52,7 @@ def measure_profile(run: ProfileRun) -> Profile:
     model = run.model or next((m.get("id") for m in server.models if isinstance(m, dict) and m.get("id")), None)
     if model is None:
         raise InferdError("the server lists no models; pass --model")
-    tok = resolve_tokenizer("auto", base, model, None, run.api_key)
+    tok = resolve_tokenizer("auto", normalize_base_url(run.tokenizer_url or base), model, None, run.api_key)
     client = ClientConfig(base_url=base, model=model, ignore_eos=True, api_key=run.api_key)
     ttfts = [
         _level(client, tok, server, n, 1, run.requests_per_point, 1)["median_ttft_ms"] / 1000 for n in run.prompt_lens
