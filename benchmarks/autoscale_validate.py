@@ -1,7 +1,8 @@
 """The simulator against a real `inferd up` run on this machine: TTFT p50/p95 and throughput (target: 20 %).
 
 1. `inferd up` a fleet of one replica (fixed, no autoscaling) of --model;
-2. `inferd profile` that replica (prefill rate, decode step by batch size up to --max-num-seqs);
+2. `inferd profile` that replica through the gateway (prefill rate, decode step by batch size up to
+   --max-num-seqs, per-request overhead including the gateway's hop);
 3. `inferd bench` through the gateway: --num-prompts requests, Poisson at --rate, fixed lengths (ignore_eos);
 4. `inferd simulate` the same arrival times (the bench's own schedule, same seed) and lengths with the
    measured profile; compare. JSON to benchmarks/results/autoscale_validation.json.
@@ -98,7 +99,9 @@ def main() -> None:
         replica = wait_replica(work / "state", gateway)
         batches = tuple(b for b in (1, 2, 4, 8, 16, 32) if b <= args.max_num_seqs)
         lens = (max(16, args.input_len // 4), args.input_len, args.input_len * 2)
-        profile = measure_profile(ProfileRun(replica, None, lens, batches, 32, 6, args.max_num_seqs, 0.0, "validate"))
+        # measured through the gateway, as the bench runs: its hop is part of every request's overhead
+        run = ProfileRun(gateway, "m", lens, batches, 32, 6, args.max_num_seqs, 0.0, "validate", tokenizer_url=replica)
+        profile = measure_profile(run)
         server = preflight(gateway, None)
         tok = resolve_tokenizer("auto", replica, "m", None, None)  # the gateway has no /tokenize
         client = ClientConfig(base_url=gateway, model="m", ignore_eos=True)
