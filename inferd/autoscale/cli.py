@@ -111,6 +111,7 @@ def register_sim(subparsers) -> None:
     q.add_argument("--rate", type=float, required=True, help="requests per second to serve")
     _workload_args(q)
     q.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    q.add_argument("--disaggregated", action="store_true", help="also size separate prefill and decode pools")
     q.add_argument("--requests", type=int, default=2000, help="requests per simulated run (more: steadier)")
     q.add_argument("--output-json", default=None)
     q.set_defaults(func=run_plan)
@@ -166,7 +167,7 @@ def run_plan(args: argparse.Namespace) -> int:
     inputs = PlanInputs(
         args.rate, slo, args.price_per_hour, args.prompt_len, args.output_len, args.burstiness, args.requests, args.seed
     )
-    result = plan(load_profile(args.profile), inputs)
+    result = plan(load_profile(args.profile), inputs, disaggregated=args.disaggregated)
     print(format_plan(result))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))

@@ -8,7 +8,8 @@ then sizes the fleet as ceil(rate / that rate) and checks the whole fleet at the
 simulator (the gateway's least-loaded routing usually does better than one replica alone; if it does
 worse, replicas are added until it passes). Prices are inputs: the cost per million tokens is price x
 replicas / tokens per hour, split between input and output tokens by the replica time spent
-prefilling and decoding.
+prefilling and decoding. With `disaggregated`, prefill and decode pools are also sized apart
+(`plan_disaggregated`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def max_rate_at_slo(profile: Profile, inputs: PlanInputs, ceiling: float, iterat
     return lo, best or trickle
 
 
-def plan(profile: Profile, inputs: PlanInputs, max_replicas: int = 1000) -> dict:
+def plan(profile: Profile, inputs: PlanInputs, max_replicas: int = 1000, disaggregated: bool = False) -> dict:
     sat = saturation(profile, inputs)
     r_sat = sat["request_throughput"]
     r_slo, at_slo = max_rate_at_slo(profile, inputs, r_sat)
@@ -106,6 +107,11 @@ def plan(profile: Profile, inputs: PlanInputs, max_replicas: int = 1000) -> dict
     out["fleet"] = {k: rep[k] for k in ("ttft_p50_s", "ttft_p95_s", "itl_p95_s", "output_token_throughput")}
     out["fleet"]["utilisation"] = inputs.rate / (n * r_sat) if r_sat else None
     out["cost_at_slo"] = _cost(inputs.price_per_hour, n, rep, rate=inputs.rate)
+    if disaggregated:
+        d = plan_disaggregated(profile, inputs)
+        if d["replicas"] is not None:
+            d["cost_at_slo"] = _cost(inputs.price_per_hour, d["replicas"], rep, rate=inputs.rate)
+        out["disaggregated"] = d
     return out
 
 
@@ -155,7 +161,48 @@ def format_plan(p: dict) -> str:
             )
             for label, c in (("raw (saturated)", p["raw_cost"]), ("at the SLOs", p["cost_at_slo"]))
         ),
-        "(input/output split by replica time spent prefilling/decoding; disaggregated prefill/decode pools are "
-        "not planned yet)",
+        "(input/output split by replica time spent prefilling/decoding)",
     ]
+    d = p.get("disaggregated")
+    if d is not None:
+        pools = d["pools"]
+        if d["replicas"] is None:
+            lines.append("disaggregated: a pool misses its SLO even at a trickle of load")
+        else:
+            lines.append(
+                f"disaggregated: {pools['prefill']['replicas']} prefill + {pools['decode']['replicas']} decode "
+                f"replicas (each within its SLO up to {pools['prefill']['max_request_rate_at_slo']:.2f} and "
+                f"{pools['decode']['max_request_rate_at_slo']:.2f} req/s), "
+                f"{money(d['cost_at_slo']['per_million_tokens'])} per million tokens at the SLOs ({d['note']})"
+            )
     return "\n".join(lines)
+
+
+def plan_disaggregated(profile: Profile, inputs: PlanInputs) -> dict:
+    """Separate prefill and decode pools, each sized on its own share of the work.
+
+    A prefill replica runs only prompts (one output token, prefill at the profile's rate): it is sized so
+    the prefill part of the TTFT meets the TTFT SLO less one decode step. A decode replica never prefills
+    (the KV cache arrives from the prefill pool; its transfer is not modelled): it is sized on the ITL SLO,
+    which prefill stalls no longer touch. Each pool is sized at the asked rate; the fleet's cost covers both.
+    """
+    from dataclasses import replace
+
+    step1 = profile.step_s(1)
+    prefill_prof = replace(profile, name=profile.name + " (prefill)", decode_step_s=[1e-6] * len(profile.decode_step_s))
+    decode_prof = replace(profile, name=profile.name + " (decode)", prefill_tokens_per_s=1e12)
+    ttft = inputs.slo.ttft_p95_s
+    p_in = replace(inputs, output_len="fixed:1", slo=SLO(ttft_p95_s=None if ttft is None else max(1e-6, ttft - step1)))
+    d_in = replace(inputs, slo=SLO(itl_p95_s=inputs.slo.itl_p95_s))
+    pools = {}
+    for role, prof, pin in (("prefill", prefill_prof, p_in), ("decode", decode_prof, d_in)):
+        sat = saturation(prof, pin)["request_throughput"]
+        r, _ = max_rate_at_slo(prof, pin, sat)
+        n = math.ceil(inputs.rate / r - 1e-9) if r > 0 else None
+        pools[role] = {"max_request_rate_at_slo": r, "saturation_request_rate": sat, "replicas": n}
+    total = (
+        None
+        if None in (pools["prefill"]["replicas"], pools["decode"]["replicas"])
+        else (pools["prefill"]["replicas"] + pools["decode"]["replicas"])
+    )
+    return {"pools": pools, "replicas": total, "note": "KV cache transfer between the pools is not modelled"}

@@ -160,3 +160,23 @@ def test_simulate_and_plan_from_the_command_line(tmp_path, capsys):
     )
     assert "replicas" in capsys.readouterr().out
     assert main(["plan", "--profile", "example-cpu-gemma3-270m", "--rate", "2", "--price-per-hour", "1"]) == 2
+
+
+def test_the_disaggregated_plan_sizes_prefill_and_decode_pools_apart():
+    from inferd.autoscale.plan import PlanInputs, plan_disaggregated
+
+    # prefill 1000 tok/s of 100-token prompts: 10 req/s a prefill replica; decode 4 x 10 tokens at 0.04 s: 10 req/s
+    prof = profile(step=0.04, max_num_seqs=4, prefill=1000)
+    inputs = PlanInputs(
+        rate=15,
+        slo=SLO(ttft_p95_s=1.0, itl_p95_s=0.05),
+        price_per_hour=1.0,
+        prompt_len="fixed:100",
+        output_len="fixed:10",
+        requests=300,
+    )
+    d = plan_disaggregated(prof, inputs)
+    assert d["pools"]["prefill"]["saturation_request_rate"] == pytest.approx(10, rel=0.05)
+    assert d["pools"]["decode"]["saturation_request_rate"] == pytest.approx(10, rel=0.05)
+    assert d["pools"]["prefill"]["replicas"] >= 2 and d["pools"]["decode"]["replicas"] >= 2
+    assert d["replicas"] == d["pools"]["prefill"]["replicas"] + d["pools"]["decode"]["replicas"]
