@@ -34,6 +34,7 @@ FORBIDDEN = {
     "inferd.disagg.leases": {"inferd."},
     "inferd.disagg.transport": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.disagg.metrics": {"inferd."},
+    "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.deploy": {"inferd.bench", "inferd.request"},
     "inferd.deploy.k8s": {"inferd.engine", "inferd.models", "inferd.server"},

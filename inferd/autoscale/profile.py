@@ -7,7 +7,9 @@ Measured by `inferd profile` against a running replica, or written by hand. Fiel
   size, interpolated linearly between the points and extrapolated from the last two (one point: the same
   at every batch size);
 - `max_num_seqs`: the most requests running at once (the engine's --max-num-seqs);
-- `cold_start_s`: process start to ready (loading the model).
+- `cold_start_s`: process start to ready (loading the model);
+- `request_overhead_s`: latency every request pays outside the engine's steps (HTTP, tokenizing,
+  detokenizing): added to its TTFT and end time, not to the replica's busy time.
 
 The profiles shipped in `inferd/autoscale/profiles/` are examples, labelled with where their numbers
 come from; measure your own hardware with `inferd profile` before trusting a plan.
@@ -33,6 +35,7 @@ class Profile:
     decode_step_s: list[float]
     max_num_seqs: int
     cold_start_s: float = 30.0
+    request_overhead_s: float = 0.0
     description: str = ""
     source: str = ""  # measured (how, where) or example (from what)
     extra: dict = field(default_factory=dict)

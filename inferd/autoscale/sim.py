@@ -224,15 +224,15 @@ class Simulator:
         for req in rep.running:
             self.tokens[req] += steps
             if req in newcomers:
-                self.first[req] = now
-                ttft = now - self.w.arrivals[req]
+                self.first[req] = now + self.p.request_overhead_s
+                ttft = self.first[req] - self.w.arrivals[req]
                 self.recent_first.append((now, ttft, int(self.w.prompt_tokens[req])))
                 self._tl_ttfts.append(ttft)
                 itl_tokens += steps - 1
             else:
                 itl_tokens += steps
             if self.tokens[req] >= self.w.output_tokens[req]:
-                self.done[req] = now
+                self.done[req] = now + self.p.request_overhead_s
                 self.recent_done.append((now, int(self.w.prompt_tokens[req]), int(self.w.output_tokens[req])))
             else:
                 still.append(req)

@@ -186,3 +186,30 @@ def test_the_server_takes_histogram_buckets_from_its_flags():
     text = generate_latest(metrics.registry).decode()
     assert 'inferd:time_to_first_token_seconds_bucket{le="0.5",model_name="m"} 1.0' in text
     assert 'le="0.45"' in text and 'le="0.25"' not in text
+
+
+def test_the_autoscaler_service_turns_prometheus_answers_into_the_desired_replicas_gauge():
+    from inferd.autoscale.gauge import AutoscalerService
+    from inferd.fleet.spec import parse_fleet
+
+    spec = parse_fleet(
+        "models:\n  - name: m\n    pools:\n      - name: p\n        replicas: 1\n"
+        "        autoscaling: {min_replicas: 1, max_replicas: 4, targets: {waiting: 2}, interval_s: 5}\n"
+    )
+    answers = {
+        'count(up{pool="p"} == 1)': 1.0,
+        'count(up{pool="p"} == 0)': None,
+        "sum(inferd_gateway_queue_size)": 1.0,
+        'sum(inferd:num_requests_waiting{pool="p"})': 5.0,
+    }
+
+    class FakePrometheus(PrometheusSource):
+        def query(self, promql: str) -> float | None:
+            return answers.get(promql)
+
+    service = AutoscalerService(spec, FakePrometheus("http://unused", window_s=30))
+    d = service.round(100.0)["p"]
+    assert (d.current, d.desired) == (1, 3)  # (5 waiting + 1 at the gateway) / 2 per replica
+    assert service.round(101.0) == {}  # the next decision waits for the pool's interval
+    text = generate_latest(service.fleet.registry).decode()
+    assert 'inferd_autoscaler_desired_replicas{pool="p"} 3.0' in text

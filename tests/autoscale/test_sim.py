@@ -98,3 +98,85 @@ def test_example_profiles_load_and_say_they_are_examples():
         p = load_profile(name)
         assert "EXAMPLE" in p.description and p.source
         assert p.step_s(1) <= p.step_s(p.max_num_seqs)
+
+
+def test_the_plan_sizes_the_fleet_to_the_slos_and_prices_it():
+    from inferd.autoscale.plan import PlanInputs, plan
+
+    # one replica: 4 at a time, 10 tokens at 0.04 s a step -> saturates at 10 req/s
+    prof = profile(step=0.04, max_num_seqs=4, prefill=1e6)
+    inputs = PlanInputs(
+        rate=25, slo=SLO(ttft_p95_s=0.2), price_per_hour=3.5, prompt_len="fixed:1", output_len="fixed:10", requests=400
+    )
+    p = plan(prof, inputs)
+    assert p["per_replica"]["saturation_request_rate"] == pytest.approx(10, rel=0.03)
+    assert 0 < p["per_replica"]["max_request_rate_at_slo"] < 10  # queueing eats into the SLO before saturation
+    assert p["replicas"] >= 3 and p["fleet"]["ttft_p95_s"] <= 0.2
+    # raw: $3.5/h for 10 req/s x 11 tokens; at the SLO: replicas x $3.5/h for 25 req/s x 11 tokens
+    assert p["raw_cost"]["per_million_tokens"] == pytest.approx(3.5 / (10 * 11 * 3600) * 1e6, rel=0.03)
+    want = p["replicas"] * 3.5 / (25 * 11 * 3600) * 1e6
+    assert p["cost_at_slo"]["per_million_tokens"] == pytest.approx(want, rel=0.02)
+
+
+def test_simulate_and_plan_from_the_command_line(tmp_path, capsys):
+    import json
+
+    from inferd.cli import main
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "models:\n  - name: m\n    model: gemma3-270m\n    pools:\n      - name: p\n        replicas: 1\n"
+        "        autoscaling: {min_replicas: 1, max_replicas: 3, targets: {waiting: 2}, interval_s: 5}\n"
+    )
+    trace = tmp_path / "trace.csv"
+    trace.write_text("timestamp,prompt_tokens,output_tokens\n" + "".join(f"{i * 0.5},{64},{8}\n" for i in range(60)))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["simulate", "--profile", "example-cpu-gemma3-270m", "--trace", str(trace), "--policy", str(fleet)]
+    argv += ["--slo", "ttft_p95:2s", "--price-per-hour", "1", "--output-json", str(out), "--plot", str(png)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())["report"]
+    assert report["requests"] == 60 and report["finished"] == 60 and report["cost_per_million_tokens"] > 0
+    assert png.stat().st_size > 10_000
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "plan",
+                "--profile",
+                "example-cpu-gemma3-270m",
+                "--rate",
+                "2",
+                "--slo",
+                "ttft_p95:2s",
+                "--price-per-hour",
+                "1",
+                "--prompt-len",
+                "fixed:64",
+                "--output-len",
+                "fixed:16",
+            ]
+        )
+        == 0
+    )
+    assert "replicas" in capsys.readouterr().out
+    assert main(["plan", "--profile", "example-cpu-gemma3-270m", "--rate", "2", "--price-per-hour", "1"]) == 2
+
+
+def test_the_disaggregated_plan_sizes_prefill_and_decode_pools_apart():
+    from inferd.autoscale.plan import PlanInputs, plan_disaggregated
+
+    # prefill 1000 tok/s of 100-token prompts: 10 req/s a prefill replica; decode 4 x 10 tokens at 0.04 s: 10 req/s
+    prof = profile(step=0.04, max_num_seqs=4, prefill=1000)
+    inputs = PlanInputs(
+        rate=15,
+        slo=SLO(ttft_p95_s=1.0, itl_p95_s=0.05),
+        price_per_hour=1.0,
+        prompt_len="fixed:100",
+        output_len="fixed:10",
+        requests=300,
+    )
+    d = plan_disaggregated(prof, inputs)
+    assert d["pools"]["prefill"]["saturation_request_rate"] == pytest.approx(10, rel=0.05)
+    assert d["pools"]["decode"]["saturation_request_rate"] == pytest.approx(10, rel=0.05)
+    assert d["pools"]["prefill"]["replicas"] >= 2 and d["pools"]["decode"]["replicas"] >= 2
+    assert d["replicas"] == d["pools"]["prefill"]["replicas"] + d["pools"]["decode"]["replicas"]

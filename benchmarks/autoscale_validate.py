@@ -1,0 +1,140 @@
+"""The simulator against a real `inferd up` run on this machine: TTFT p50/p95 and throughput (target: 20 %).
+
+1. `inferd up` a fleet of one replica (fixed, no autoscaling) of --model;
+2. `inferd profile` that replica through the gateway (prefill rate, decode step by batch size up to
+   --max-num-seqs, per-request overhead including the gateway's hop);
+3. `inferd bench` through the gateway: --num-prompts requests, Poisson at --rate, fixed lengths (ignore_eos);
+4. `inferd simulate` the same arrival times (the bench's own schedule, same seed) and lengths with the
+   measured profile; compare. JSON to benchmarks/results/autoscale_validation.json.
+
+    python benchmarks/autoscale_validate.py --model gemma3-270m --rate 1.5 --num-prompts 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from inferd.autoscale.measure import ProfileRun, measure_profile
+from inferd.autoscale.sim import simulate
+from inferd.autoscale.workload import Workload
+from inferd.bench.arrivals import inter_arrival_times
+from inferd.bench.client import ClientConfig
+from inferd.bench.datasets import RandomDataset
+from inferd.bench.runner import BenchConfig, preflight, run_benchmark
+from inferd.bench.tokenizers import resolve_tokenizer
+
+RESULTS = Path(__file__).parent / "results"
+FLEET = """\
+models:
+  - name: m
+    model: {model}
+    engine: {engine}
+    pools:
+      - name: m-both
+        replicas: 1
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_replica(state: Path, gateway: str, timeout: float = 600) -> str:
+    deadline = time.monotonic() + timeout
+    listing = state / "m-both.replicas"
+    while time.monotonic() < deadline:
+        urls = listing.read_text().split() if listing.exists() else []
+        if urls:
+            try:
+                if httpx.get(gateway + "/health", timeout=2).status_code == 200:
+                    return urls[0]
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    raise RuntimeError("the replica did not become ready")
+
+
+def rel(sim: float, real: float) -> float:
+    return abs(sim - real) / real if real else float("inf")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--rate", type=float, default=1.5)
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", default="{}", help='more engine settings, JSON, e.g. {"attention_backend": "torch"}')
+    ap.add_argument("--out", default=str(RESULTS / "autoscale_validation.json"))
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="inferd-validate-"))
+    config = work / "fleet.yaml"
+    engine = {"max_num_seqs": args.max_num_seqs, "num_threads": args.threads} | json.loads(args.engine)
+    config.write_text(FLEET.format(model=args.model, engine=json.dumps(engine)))
+    port = free_port()
+    argv = [sys.executable, "-m", "inferd.cli", "up", "--config", str(config), "--port", str(port)]
+    argv += ["--state-dir", str(work / "state"), "--status-every", "30"]
+    up = subprocess.Popen(argv, stdout=(work / "up.log").open("wb"), stderr=subprocess.STDOUT)
+    gateway = f"http://127.0.0.1:{port}"
+    try:
+        replica = wait_replica(work / "state", gateway)
+        batches = tuple(b for b in (1, 2, 4, 8, 16, 32) if b <= args.max_num_seqs)
+        lens = (max(16, args.input_len // 4), args.input_len, args.input_len * 2)
+        # measured through the gateway, as the bench runs: its hop is part of every request's overhead
+        run = ProfileRun(gateway, "m", lens, batches, 32, 6, args.max_num_seqs, 0.0, "validate", tokenizer_url=replica)
+        profile = measure_profile(run)
+        server = preflight(gateway, None)
+        tok = resolve_tokenizer("auto", replica, "m", None, None)  # the gateway has no /tokenize
+        client = ClientConfig(base_url=gateway, model="m", ignore_eos=True)
+        cfg = BenchConfig(client=client, num_prompts=args.num_prompts, request_rate=args.rate, seed=args.seed)
+        real = run_benchmark(cfg, RandomDataset(tok, args.input_len, args.output_len, seed=args.seed), tok, server)[0]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(120)
+    # the bench's own schedule for its first level (seed + 0), the same lengths
+    t = np.cumsum(inter_arrival_times(args.num_prompts, args.rate, 1.0, np.random.default_rng(args.seed)))
+    n = args.num_prompts
+    sim = simulate(profile, Workload(t, np.full(n, args.input_len), np.full(n, args.output_len)), replicas=1).report
+    s = real.summary
+    compare = {
+        "ttft_p50_s": (sim["ttft_p50_s"], s["median_ttft_ms"] / 1000),
+        "ttft_p95_s": (sim["ttft_p95_s"], s["p95_ttft_ms"] / 1000),
+        "request_throughput": (sim["request_throughput"], s["request_throughput"]),
+        "output_throughput": (sim["output_token_throughput"], s["output_throughput"]),
+    }
+    out = {
+        "what": "inferd simulate vs a real inferd up run (one replica) on the same arrivals and lengths",
+        "args": vars(args),
+        "profile": json.loads(profile.to_json()),
+        "compare": {k: {"sim": a, "real": b, "relative_error": rel(a, b)} for k, (a, b) in compare.items()},
+        "within_20_percent": all(rel(a, b) <= 0.2 for a, b in compare.values()),
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    for k, v in out["compare"].items():
+        print(f"{k:>20}: sim {v['sim']:.4f}  real {v['real']:.4f}  ({v['relative_error']:.0%} off)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
