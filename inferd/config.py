@@ -89,7 +89,8 @@ class EngineConfig:
     tokenizer: str | None = setting(None, "tokenizer folder, if not the model's")
     dtype: str = setting(
         "auto",
-        "weights and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+        "weights, activations and KV cache dtype (auto: bfloat16 where the CPU has AVX512_BF16 or AMX, or on a "
+        "GPU with bf16; float32 elsewhere)",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     device: str = setting("auto", "auto (cuda when present), cpu, cuda, cuda:1 ...")

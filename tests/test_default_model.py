@@ -16,7 +16,7 @@ PROMPT = "Question: What is the capital of France?\nAnswer:"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=1024, kv_cache_memory=256 * 1024**2)
+    return LLM(max_model_len=1024, kv_cache_memory=256 * 1024**2, dtype="float32")
 
 
 def test_default_model_knows_paris(llm):

@@ -18,6 +18,7 @@ FORBIDDEN = {
     "inferd.strict_json": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.yaml_config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.fleet.spec": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.fleet.up": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.request": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.chat": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
@@ -27,7 +28,12 @@ FORBIDDEN = {
     "inferd.engine.step": {"inferd.engine.", "inferd.request", "inferd.models"},
     "inferd.server": {"inferd.bench"},
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
+    "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.deploy": {"inferd.bench", "inferd.request"},
+    "inferd.deploy.k8s": {"inferd.engine", "inferd.models", "inferd.server"},
+    "inferd.deploy.keda": {"inferd.engine", "inferd.models", "inferd.server"},
+    "inferd.deploy.extras": {"inferd.engine", "inferd.models", "inferd.server"},
 }
 
 

@@ -27,6 +27,7 @@ from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
 from inferd.errors import ConfigError, InvalidRequestError
 from inferd.models import loader
+from inferd.models.dtypes import resolve_dtype
 from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestTimes, TokenLogprobs
 from inferd.request import Request, RequestStatus, sub_request_id
 from inferd.sampling import SamplingParams
@@ -40,13 +41,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # this class of CPU has no fast bf16 matmul; GPUs all do
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 @dataclass
@@ -89,7 +83,9 @@ class Engine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype_choice = resolve_dtype(config.dtype, self.device)
+        self.dtype = self.dtype_choice.dtype
+        logger.info("dtype: %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         folder = loader.resolve_model(config.model)

@@ -42,12 +42,20 @@ class Load:
 def parse_load(text: str, at: float) -> Load:
     """Sum the load gauges of a Prometheus text page (one replica may serve several model names)."""
     load = Load(at=at)
+    values: dict[tuple[str, tuple], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.split(":", 1)[-1].removesuffix("_total")
             attr = _LOAD_NAMES.get(name)
-            if attr is not None and sample.name.startswith(("inferd:", "vllm:")):
-                setattr(load, attr, getattr(load, attr) + sample.value)
+            if attr is None or not sample.name.startswith(("inferd:", "vllm:")):
+                continue
+            # one value under several names (inferd: and vllm: with `--metrics-names vllm`, or vLLM's
+            # kv_cache_usage_perc next to its older gpu_cache_usage_perc) counts once, inferd's first
+            key = (attr, tuple(sorted(sample.labels.items())))
+            if key not in values or sample.name.startswith("inferd:"):
+                values[key] = sample.value
+    for (attr, _), value in values.items():
+        setattr(load, attr, getattr(load, attr) + value)
     return load
 
 

@@ -400,15 +400,19 @@ class Gateway:
         fractions: dict[str, float],
         deadline: float,
     ) -> Pick | None:
-        """A replica of the pool, waiting in the gateway's queue while every one is saturated."""
+        """A replica of the pool, waiting in the gateway's queue while every one is saturated, or while the
+        pool lists none at all (scaled to zero, or its first replica still starting: `inferd up`)."""
         seq = None
         priority = flight.tenant.priority if flight.tenant else 0
         while True:
             cands = st.picker.candidates(list(pool.replicas.values()), tried, fractions)
             try:
+                if not pool.replicas and not tried and not pool.config.replicas:  # discovered, none yet
+                    raise AllSaturated()
                 return st.picker.pick(cands, flight.expected_tokens)
             except AllSaturated:
                 seq = await self.queue.wait(flight.tenant_id, priority, seq, deadline)
+                pool = self.state.pools.get(pool.name, pool)  # a reload may have rebuilt it
 
     async def _answer(self, flight: Flight, up: Upstream, deadline: float) -> Response:
         resp = up.response

@@ -39,6 +39,7 @@ from inferd.server.protocol import (
     TokenizeResponse,
 )
 from inferd.server.state import ServerSettings, ServerState, public_root
+from inferd.server.vllm_metrics import exposition_registry
 
 
 def _errors(*statuses: int) -> dict:
@@ -64,7 +65,8 @@ def _sse_event(model) -> dict:
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; its step thread runs while the app's lifespan does."""
-    metrics = ServerMetrics(settings.served_model_names[0])
+    metrics = ServerMetrics(settings.served_model_names[0], settings.ttft_buckets, settings.itl_buckets)
+    exposed = exposition_registry(metrics.registry, settings.metrics_names)
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
     state = ServerState(async_engine, settings, metrics, engine.tokenizer, engine.max_model_len, engine.vocab_size)
@@ -111,10 +113,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=created, root=root, max_model_len=engine.max_model_len)
+        dtype = engine.dtype_choice.name
+        return ModelCard(id=name, created=created, root=root, max_model_len=engine.max_model_len, dtype=dtype)
 
     @app.get("/v1/models", responses=_errors(*auth))
     async def list_models() -> ModelList:

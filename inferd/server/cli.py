@@ -48,8 +48,31 @@ def register(subparsers) -> None:
         help="longest prompt in characters, refused (400) before tokenizing "
         "(default: max-model-len times the tokenizer's longest token, which no longer prompt can fit)",
     )
+    for kind in ("ttft", "itl"):
+        p.add_argument(
+            f"--{kind}-buckets",
+            type=_buckets,
+            default=None,
+            help=f"{kind.upper()} histogram bounds in seconds, e.g. 0.4,0.45,0.5,0.55 (default: vLLM's); "
+            "fine around an SLO, quantiles estimated from the histogram are close (docs/autoscaling.md)",
+        )
+    p.add_argument(
+        "--metrics-names",
+        choices=["inferd", "vllm"],
+        default="inferd",
+        help="vllm: /metrics also exposes every metric under vLLM's vllm: names (llm-d's picker, KEDA, dashboards)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _buckets(text: str) -> list[float]:
+    from inferd.server.metrics import parse_buckets
+
+    try:
+        return parse_buckets(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _DrainingServer(uvicorn.Server):
@@ -82,6 +105,9 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body=parse_memory(args.max_request_body),
         max_prompt_chars=args.max_prompt_chars,
         drain_timeout=args.drain_timeout,
+        ttft_buckets=args.ttft_buckets,
+        itl_buckets=args.itl_buckets,
+        metrics_names=args.metrics_names,
     )
     app = create_app(engine, settings)
     uv_config = uvicorn.Config(

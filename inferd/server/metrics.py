@@ -25,6 +25,17 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60,
 P = "inferd:"
 
 
+def parse_buckets(text: str) -> list[float]:
+    """`--ttft-buckets 0.1,0.2,0.4`: upper bounds in seconds, positive, sorted, no duplicates."""
+    try:
+        bounds = sorted({float(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"histogram buckets are seconds separated by commas, got {text!r}") from None
+    if not bounds or bounds[0] <= 0 or bounds[-1] == float("inf"):
+        raise ValueError(f"histogram buckets must be finite and positive, got {text!r}")
+    return bounds
+
+
 class _EngineStateCollector(Collector):
     """Gauges and the engine's own cumulative counters, read from the latest snapshot when scraped."""
 
@@ -56,7 +67,10 @@ class _EngineStateCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(
+        self, model_name: str, ttft_buckets: list[float] | None = None, itl_buckets: list[float] | None = None
+    ):
+        """`ttft_buckets`/`itl_buckets` replace vLLM's: finer around an SLO, a quantile read from them is closer."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
@@ -64,8 +78,12 @@ class ServerMetrics:
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(P + name, doc, lbl, registry=r, buckets=buckets).labels(model_name)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first token).", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Time to first token (arrival to first token).", ttft_buckets or TTFT_BUCKETS
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", itl_buckets or ITL_BUCKETS
+        )
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.", LATENCY_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS)

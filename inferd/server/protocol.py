@@ -244,6 +244,7 @@ class ModelCard(BaseModel):
     owned_by: str = "inferd"
     root: str | None = None
     max_model_len: int | None = None
+    dtype: str | None = None  # what the engine runs in (after --dtype auto)
 
 
 class ModelList(BaseModel):

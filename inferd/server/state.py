@@ -44,6 +44,11 @@ class ServerSettings:
     max_prompt_chars: int | None = None
     #: seconds after SIGTERM when streams still running are ended with an error event (None: never)
     drain_timeout: float | None = None
+    #: upper bounds (seconds) of the TTFT and ITL histograms; None: vLLM's
+    ttft_buckets: list[float] | None = None
+    itl_buckets: list[float] | None = None
+    #: "vllm": /metrics also exposes every metric under vLLM's `vllm:` names (see vllm_metrics.py)
+    metrics_names: str = "inferd"
 
 
 def public_root(model: str | None) -> str | None:

@@ -24,7 +24,7 @@ MODES = {
 
 
 def _llm(folder, **settings) -> LLM:
-    return LLM(str(folder), max_model_len=256, **settings)
+    return LLM(str(folder), max_model_len=256, dtype="float32", **settings)
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,8 @@ def _run_waves(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_caching_on_and_off_match_transformers(tiny_model, num_blocks):
     _, prompts = _shared_prefix_prompts()
     ref = [hf_greedy(tiny_model, tuple(p), 24).token_ids for p in prompts + [prompts[0]]]
-    on = LLM(str(tiny_model), max_model_len=128, num_blocks=num_blocks)
-    off = LLM(str(tiny_model), max_model_len=128, num_blocks=num_blocks, enable_prefix_caching=False)
+    on = LLM(str(tiny_model), max_model_len=128, dtype="float32", num_blocks=num_blocks)
+    off = LLM(str(tiny_model), max_model_len=128, dtype="float32", num_blocks=num_blocks, enable_prefix_caching=False)
     assert _run_waves(on, prompts) == ref
     assert _run_waves(off, prompts) == ref
     stats = on.engine.kv.stats
@@ -51,7 +51,7 @@ def test_caching_on_and_off_match_transformers(tiny_model, num_blocks):
 
 
 def test_whole_prompt_hit_recomputes_only_the_last_token(tiny_models):
-    llm = LLM(str(tiny_models["gemma3"]), max_model_len=128, num_blocks=64)
+    llm = LLM(str(tiny_models["gemma3"]), max_model_len=128, dtype="float32", num_blocks=64)
     prompt = list(range(3, 3 + 48))  # exactly 3 blocks
     first = llm.generate([prompt], GREEDY)[0]
     before = llm.engine.kv.stats.hits
@@ -62,7 +62,7 @@ def test_whole_prompt_hit_recomputes_only_the_last_token(tiny_models):
 
 
 def test_preempted_request_hits_its_own_blocks(tiny_models):
-    llm = LLM(str(tiny_models["qwen2"]), max_model_len=128, num_blocks=13, block_size=16)
+    llm = LLM(str(tiny_models["qwen2"]), max_model_len=128, dtype="float32", num_blocks=13, block_size=16)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (40,), generator=g).tolist() for _ in range(3)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -73,7 +73,7 @@ def test_preempted_request_hits_its_own_blocks(tiny_models):
 
 
 def test_cache_salt_keeps_tenants_apart(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), max_model_len=128, num_blocks=64)
+    llm = LLM(str(tiny_models["llama"]), max_model_len=128, dtype="float32", num_blocks=64)
     engine = llm.engine
     prompt = list(range(3, 60))
     for rid, salt in [("a", "tenant-a"), ("b", "tenant-b"), ("c", "tenant-a")]:
@@ -88,7 +88,14 @@ def test_cache_salt_keeps_tenants_apart(tiny_models):
 
 @pytest.fixture(scope="module")
 def fuzz_llm(tiny_models):
-    return LLM(str(tiny_models["gemma3"]), max_model_len=96, num_blocks=12, block_size=8, max_num_batched_tokens=32)
+    return LLM(
+        str(tiny_models["gemma3"]),
+        max_model_len=96,
+        dtype="float32",
+        num_blocks=12,
+        block_size=8,
+        max_num_batched_tokens=32,
+    )
 
 
 actions = st.lists(

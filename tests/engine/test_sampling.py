@@ -17,7 +17,7 @@ PROMPTS = prompt_set(VOCAB, lengths=(5, 12, 30, 47))
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models["qwen3"]), max_model_len=256, num_blocks=128)
+    return LLM(str(tiny_models["qwen3"]), max_model_len=256, num_blocks=128, dtype="float32")
 
 
 def _tokens(outs):

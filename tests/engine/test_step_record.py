@@ -40,7 +40,7 @@ def _record(llm: LLM) -> list[tuple[bytes, RunnerOutput]]:
 
 def test_a_runner_fed_only_step_records_reproduces_the_engine(tiny_models):
     folder = tiny_models["gemma3"]
-    llm = LLM(str(folder), max_model_len=128, num_blocks=24, block_size=8, max_num_batched_tokens=24)
+    llm = LLM(str(folder), max_model_len=128, dtype="float32", num_blocks=24, block_size=8, max_num_batched_tokens=24)
     records = _record(llm)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
@@ -67,7 +67,7 @@ def test_a_runner_fed_only_step_records_reproduces_the_engine(tiny_models):
 
 
 def test_records_carry_only_new_blocks_and_mark_a_prefix_hit_as_prefill(tiny_models):
-    llm = LLM(str(tiny_models["qwen3"]), max_model_len=256, num_blocks=64, block_size=4)
+    llm = LLM(str(tiny_models["qwen3"]), max_model_len=256, dtype="float32", num_blocks=64, block_size=4)
     records = _record(llm)
     prompt = PROMPTS[2]  # 33 tokens: 8 full blocks of 4, and one token left to compute
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -58,7 +58,7 @@ def start_server(
     **engine_kwargs,
 ) -> RunningServer:
     """`settings`: ServerSettings fields beyond the names, the key, the waiting limit and the drain timeout."""
-    kwargs = dict(max_model_len=512, kv_cache_memory=64 << 20, num_threads=2) | engine_kwargs
+    kwargs = dict(max_model_len=512, kv_cache_memory=64 << 20, num_threads=2, dtype="float32") | engine_kwargs
     max_waiting = kwargs.pop("max_waiting_requests", 0)
     engine = Engine(make_engine_config(str(model_dir), **kwargs))
     settings = ServerSettings(

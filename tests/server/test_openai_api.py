@@ -32,6 +32,7 @@ def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME, "tiny-alias"]
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["dtype"] == "float32"  # the tests pin it
     assert client.models.retrieve("tiny-alias").id == "tiny-alias"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")

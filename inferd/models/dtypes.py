@@ -1,0 +1,84 @@
+"""Which dtype a model runs in: `--dtype auto` picks bf16 where the hardware computes it natively.
+
+On a CPU with AVX512_BF16 or AMX-BF16 a bf16 matmul runs several times faster than fp32 (and the weights
+and the KV cache take half the bytes); on an AVX2-only CPU bf16 is emulated and far slower than fp32, so
+`auto` stays in fp32 there. On CUDA `auto` is bf16 where the GPU supports it, else fp16.
+
+The CPU's flags come from `cpu_flags()` (Linux /proc/cpuinfo), read once; tests replace that function
+to check the choice for another CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferd.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+NATIVE_FP16_FLAGS = ("amx_fp16", "avx512_fp16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (e.g. 'avx2', 'avx512_bf16'); empty where /proc/cpuinfo is not there."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a model runs in, and why (logged at start, shown on the server's /v1/models)."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether `device` computes bf16 natively, and the evidence."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ok, "the GPU supports bf16" if ok else "the GPU has no bf16"
+    if device.type != "cpu":
+        return False, f"no bf16 check for {device.type}"
+    flags = cpu_flags()
+    found = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if found:
+        return True, f"the CPU has {', '.join(found)}"
+    return False, f"the CPU has none of {', '.join(NATIVE_BF16_FLAGS)}"
+
+
+def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
+    """'auto' or a dtype name -> the dtype to run in; warns when bf16/fp16 would be emulated on this CPU."""
+    if name == "auto":
+        ok, why = native_bf16(device)
+        if ok:
+            return DtypeChoice(torch.bfloat16, f"auto: {why}")
+        if device.type == "cuda":
+            return DtypeChoice(torch.float16, f"auto: {why}")
+        return DtypeChoice(torch.float32, f"auto: {why}")
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16:
+        ok, why = native_bf16(device)
+        if not ok:
+            logger.warning("dtype bfloat16 asked for, but %s: bf16 is emulated and much slower than float32", why)
+    if dtype == torch.float16 and device.type == "cpu" and not any(f in cpu_flags() for f in NATIVE_FP16_FLAGS):
+        logger.warning("dtype float16 on a CPU without %s: emulated, much slower than float32", NATIVE_FP16_FLAGS)
+    return DtypeChoice(dtype, "asked for")
