@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from inferd.engine.step import SchedulerOutput
 
 if TYPE_CHECKING:
     from inferd.engine.scheduler import SampledToken, Scheduler
+
+logger = logging.getLogger(__name__)
 
 # per-block codes of a KV snapshot
 FREE = 0  # free, holding no cached data: reused first
@@ -139,6 +142,7 @@ class StepEvents:
     _last_runs: list[int] | None = field(default=None, init=False, repr=False)
     _last_owners: list[str] | None = field(default=None, init=False, repr=False)
     kv_cost_s: float = field(default=0.0, init=False)  # the last snapshot's cost
+    errors: int = field(default=0, init=False)  # records that failed (a bug), never raised into the step
 
     def record(
         self,
@@ -147,7 +151,18 @@ class StepEvents:
         sampled: Sequence[SampledToken],
         started: float,
     ) -> None:
-        """Called by the engine at the end of a step that `started` at this perf_counter time."""
+        """Called by the engine at the end of a step that `started` at this perf_counter time.
+
+        Never raises: a bug here must not fail the step (and its requests); it is logged once and counted.
+        """
+        try:
+            self._record(scheduler, sched, sampled, started)
+        except Exception:
+            self.errors += 1
+            if self.errors == 1:
+                logger.exception("step event failed; the dashboard misses this step (logged once)")
+
+    def _record(self, scheduler: Scheduler, sched: SchedulerOutput, sampled: Sequence[SampledToken], started: float):
         now = time.perf_counter()
         live = scheduler.requests
         sampled_ids = {s.request.request_id for s in sampled}

@@ -104,3 +104,12 @@ def test_no_events_without_a_sink(tiny_llama):
     llm = _llm(tiny_llama)
     assert llm.engine.events is None
     assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
+
+
+def test_a_failing_record_never_fails_the_step(tiny_llama):
+    llm = _llm(tiny_llama)
+    events = llm.engine.events = StepEvents()
+    events.ring = None  # any bug in the sink: push fails
+    out = llm.generate([[5, 6, 7]], GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == 6 and events.errors == 6
+    assert_idle(llm)
