@@ -10,7 +10,7 @@ import sys
 from inferd.errors import InferdError
 
 # subcommands that live with their own package register themselves here: module with register(subparsers)
-_PLUGIN_COMMANDS = ["inferd.server.cli", "inferd.bench.cli", "inferd.gateway.cli"]
+_PLUGIN_COMMANDS = ["inferd.server.cli", "inferd.bench.cli", "inferd.gateway.cli", "inferd.labs.cli"]
 
 
 def _add_generate(sub) -> None:

@@ -28,6 +28,7 @@ FORBIDDEN = {
     "inferd.server": {"inferd.bench"},
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.labs": {"inferd.server", "inferd.gateway"},  # it runs them as processes and talks HTTP
 }
 
 
