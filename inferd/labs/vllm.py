@@ -4,6 +4,7 @@ same prompts, same machine, one run) and says how to measure it on this machine.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -41,7 +42,7 @@ def _stored_date(path: Path) -> str:
 
 def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
     m = Measurement(settings={"stored": str(stored.relative_to(REPO)) if stored.is_relative_to(REPO) else str(stored)})
-    m.settings["vllm_installed"] = PEER_PYTHON.exists()
+    m.settings["vllm_installed"] = PEER_PYTHON.exists() or importlib.util.find_spec("vllm") is not None
     m.settings["how_to_run"] = HOW_TO_RUN
     if not stored.exists():
         raise InferdError(f"no stored vLLM result at {stored}; measure one with: {HOW_TO_RUN}")
@@ -86,7 +87,7 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     installed = (
-        "vLLM is installed here (~/.cache/inferd-peers/vllm), so you can measure it on this machine"
+        "vLLM is installed here, so you can measure it on this machine"
         if s["vllm_installed"]
         else "vLLM is not installed here; to measure it on this machine (a download and 3-5 minutes of start-up)"
     )
