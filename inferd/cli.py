@@ -17,6 +17,7 @@ _PLUGIN_COMMANDS = [
     "inferd.autoscale.cli",
     "inferd.deploy.cli",
     "inferd.disagg.cli",
+    "inferd.labs.cli",
 ]
 
 

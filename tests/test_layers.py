@@ -28,7 +28,6 @@ FORBIDDEN = {
     "inferd.engine.step": {"inferd.engine.", "inferd.request", "inferd.models"},
     "inferd.server": {"inferd.bench"},
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
-    "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     # the handoff's pieces sit below the engine (which puts them together in inferd.engine.kv_connector)
     "inferd.disagg.params": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.disagg.leases": {"inferd."},
@@ -40,6 +39,7 @@ FORBIDDEN = {
     "inferd.deploy.k8s": {"inferd.engine", "inferd.models", "inferd.server"},
     "inferd.deploy.keda": {"inferd.engine", "inferd.models", "inferd.server"},
     "inferd.deploy.extras": {"inferd.engine", "inferd.models", "inferd.server"},
+    "inferd.labs": {"inferd.server", "inferd.gateway"},  # it runs them as processes and talks HTTP
 }
 
 

@@ -1,0 +1,45 @@
+"""`inferd lab`: every term of the inference-serving glossary made to happen on the reader's machine.
+
+Each lab (one module here, registered in `LAB_MODULES`) measures its term with the engine, the benchmark's
+metrics or the gateway, prints a plain explanation built from the numbers, and writes JSON and a plot;
+`inferd lab all --report DIR` adds a capstone report ending in cost per million tokens. The framework is
+in `base` (labs, claims), `context` (what labs share), `drive` (timed serving on the engine), `runner`
+(run, write, report) and `cli`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# in the order `inferd lab all` runs them (and the report lists them)
+LAB_MODULES = [
+    "prefill",
+    "decode",
+    "kv_cache",
+    "paged_attention",
+    "continuous_batching",
+    "ttft",
+    "itl",
+    "throughput",
+    "goodput",
+    "vllm",
+    "tensorrt_llm",
+    "sglang",
+    "envoy_ai_gateway",
+    "gpu_economics",
+    "cost",
+]
+
+
+def all_labs() -> list:
+    """Every lab, in order (each module defines `LAB`)."""
+    return [importlib.import_module(f"inferd.labs.{m}").LAB for m in LAB_MODULES]
+
+
+def find_lab(name: str):
+    """A lab by its CLI name, its module name or its glossary term, case-insensitively."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    for lab in all_labs():
+        if key in {lab.name, lab.term.lower().replace(" ", "-")}:
+            return lab
+    return None

@@ -1,0 +1,239 @@
+"""Serve a workload on the in-process engine with real arrival times, as a server would, and time it.
+
+`serve` feeds requests into `Engine` when they arrive (open loop: at their arrival time; closed loop: as soon
+as fewer than `concurrency` are in flight; or after a number of steps), steps the engine, and records every
+request's times (arrival, first scheduled, first token, each gap, finish) and every step (its duration and
+how many requests were decoding, prefilling and waiting before it). `static_batch` runs the same arrivals
+the pre-continuous-batching way: a batch starts when it is full (or nothing more will come soon) and no
+request joins until the whole batch has finished.
+
+The times convert to the benchmark's `RequestTiming`, so TTFT, TPOT, ITL and goodput are computed with
+the same vLLM definitions `inferd bench` uses (`inferd.bench.metrics`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inferd.bench.metrics import RequestTiming, compute_run_metrics
+from inferd.sampling import SamplingParams
+
+
+@dataclass
+class Job:
+    """One request of a workload: token ids in, exactly `max_tokens` out (eos ignored)."""
+
+    prompt: list[int]
+    max_tokens: int
+    at: float = 0.0  # arrival, seconds after the start (open loop)
+    at_step: int | None = None  # or: arrives once this many steps have run
+    cache_salt: str | None = None
+
+
+@dataclass
+class Served:
+    """What one request saw, in seconds since the start of the run."""
+
+    arrival: float
+    first_scheduled: float
+    first_token: float
+    finished: float
+    itls: list[float]
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def queueing(self) -> float:
+        return self.first_scheduled - self.arrival
+
+    @property
+    def prefill(self) -> float:
+        return self.first_token - self.first_scheduled
+
+
+@dataclass
+class StepLog:
+    start: float
+    duration: float
+    decoding: int  # requests computing one generated token this step
+    prefilling: int  # running requests still computing their prompt
+    waiting: int
+
+
+@dataclass
+class Run:
+    served: list[Served]  # in job order
+    steps: list[StepLog]
+    duration: float
+
+    def timings(self) -> list[RequestTiming]:
+        out = []
+        for s in self.served:
+            chunks = [s.first_token]
+            for gap in s.itls:
+                chunks.append(chunks[-1] + gap)
+            out.append(RequestTiming(s.arrival, s.finished, chunks, True, None, s.input_tokens, s.output_tokens))
+        return out
+
+    def metrics(self, slos: dict[str, float] | None = None) -> dict:
+        """vLLM's serving metrics (ms, tokens/s) over this run."""
+        start = min(s.arrival for s in self.served)
+        end = max(s.finished for s in self.served)
+        return compute_run_metrics(self.timings(), start, end, slos).as_dict()
+
+    @property
+    def busy_fraction(self) -> float:
+        """Share of the run's wall time spent inside engine steps."""
+        return sum(s.duration for s in self.steps) / self.duration if self.duration else 0.0
+
+    def pure_decode_steps(self, batch: int) -> list[float]:
+        """Durations of steps in which exactly `batch` requests decoded and nothing else ran or waited."""
+        return [s.duration for s in self.steps if s.decoding == batch and s.prefilling == 0 and s.waiting == 0]
+
+
+def random_prompts(rng: random.Random, vocab: int, count: int, length: int) -> list[list[int]]:
+    """Distinct random token-id prompts (ids clear of the low special tokens), so no prefix is shared."""
+    hi = min(vocab, 50_000)
+    return [[rng.randrange(16, hi) for _ in range(length)] for _ in range(count)]
+
+
+class _Feeder:
+    """Decides when each job enters the engine."""
+
+    def __init__(self, jobs: Sequence[Job], concurrency: int | None, static_batch: int | None, max_wait: float):
+        self.pending = deque(sorted(range(len(jobs)), key=lambda i: (jobs[i].at_step is not None, jobs[i].at)))
+        self.jobs = jobs
+        self.concurrency = concurrency
+        self.static_batch = static_batch
+        self.max_wait = max_wait
+        self.queue: deque[tuple[int, float]] = deque()  # static batching: arrived, not yet admitted
+
+    def arrivals(self, now: float, steps: int, in_flight: int) -> list[tuple[int, float]]:
+        """(job index, arrival time) of the jobs that arrive now."""
+        out = []
+        for i in list(self.pending):
+            job = self.jobs[i]
+            if self.concurrency is not None:
+                if in_flight + len(out) >= self.concurrency:
+                    break
+                out.append((i, now))
+            elif job.at_step is not None:
+                stalled = in_flight + len(out) == 0 and self.next_time() is None  # no step will ever come
+                if steps >= job.at_step or stalled:
+                    out.append((i, now))
+            elif job.at <= now:
+                out.append((i, job.at))
+            else:
+                continue
+        for i, _ in out:
+            self.pending.remove(i)
+        return out
+
+    def admit(self, now: float, engine_idle: bool) -> list[tuple[int, float]]:
+        """Static batching: the next batch, once the engine is idle and the batch is full or overdue."""
+        if not engine_idle or not self.queue:
+            return []
+        full = len(self.queue) >= self.static_batch
+        overdue = now - self.queue[0][1] >= self.max_wait
+        if full or overdue or not self.pending:
+            return [self.queue.popleft() for _ in range(min(self.static_batch, len(self.queue)))]
+        return []
+
+    def next_time(self) -> float | None:
+        times = [self.jobs[i].at for i in self.pending if self.jobs[i].at_step is None]
+        return min(times) if times and self.concurrency is None else None
+
+
+def serve(
+    llm,
+    jobs: Sequence[Job],
+    *,
+    concurrency: int | None = None,
+    static_batch: int | None = None,
+    max_wait: float = 0.5,
+) -> Run:
+    """Run `jobs` through the engine of `llm` and time everything (see the module docstring)."""
+    engine = llm.engine
+    engine.kv.reset_prefix_cache()  # each run starts cold: an earlier run's prompts must not hit
+    feeder = _Feeder(jobs, concurrency, static_batch, max_wait)
+    t0 = time.monotonic()
+    ids: dict[str, int] = {}
+    results: dict[int, Served] = {}
+    steps: list[StepLog] = []
+
+    def add(i: int, arrival: float) -> None:
+        rid = f"lab-{i}-{engine.new_request_id()}"
+        ids[rid] = i
+        params = SamplingParams(max_tokens=jobs[i].max_tokens, ignore_eos=True, temperature=0.0)
+        engine.add_request(rid, jobs[i].prompt, params, cache_salt=jobs[i].cache_salt, arrival_time=t0 + arrival)
+
+    while feeder.pending or feeder.queue or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        in_flight = len(ids) - len(results)
+        for i, arrival in feeder.arrivals(now, len(steps), in_flight):
+            if static_batch is None:
+                add(i, arrival)
+            else:
+                feeder.queue.append((i, arrival))
+        if static_batch is not None:
+            for i, arrival in feeder.admit(now, not engine.has_unfinished_requests()):
+                add(i, arrival)
+        if not engine.has_unfinished_requests():
+            _sleep_until(feeder, t0, max_wait if feeder.queue else None)
+            continue
+        sched = engine.scheduler
+        decoding = sum(1 for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        log = StepLog(now, 0.0, decoding, len(sched.running) - decoding, len(sched.waiting))
+        start = time.monotonic()
+        outputs = engine.step()
+        log.duration = time.monotonic() - start
+        steps.append(log)
+        for out in outputs:
+            if out.finished:
+                results[ids[out.request_id]] = _served(out, t0)
+    duration = time.monotonic() - t0
+    return Run([results[i] for i in range(len(jobs))], steps, duration)
+
+
+def _sleep_until(feeder: _Feeder, t0: float, wait: float | None) -> None:
+    due = feeder.next_time()
+    now = time.monotonic() - t0
+    delays = [d - now for d in (due,) if d is not None]
+    if wait is not None:
+        delays.append(0.005)
+    if delays:
+        time.sleep(max(0.0, min(delays)))
+
+
+def _served(out, t0: float) -> Served:
+    m = out.metrics
+    t = m.times
+    return Served(
+        arrival=t.arrival - t0,
+        first_scheduled=t.first_scheduled - t0,
+        first_token=t.first_token - t0,
+        finished=t.finished - t0,
+        itls=list(t.inter_token_latencies),
+        input_tokens=m.num_prompt_tokens,
+        output_tokens=m.num_generation_tokens,
+        cached_tokens=m.num_cached_tokens,
+    )
+
+
+def poisson_times(count: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (seconds) of a Poisson process at `rate` requests/s, reproducible from `seed`."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out

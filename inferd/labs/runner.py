@@ -1,0 +1,145 @@
+"""Run labs and write what they found: <out>/<lab>.json and <lab>.png, the capstone report (Markdown with
+the plots, ending in cost per million tokens) and, with --write-docs, docs/glossary/<lab>.md.
+
+A lab's text is built from its measurement by its `explain`; the JSON keeps the numbers, the claims and the
+relation each claim states, so `check_result` can verify any result file: every claim true of its
+numbers, and every number a claim rests on printed in its sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from inferd.labs.base import Lab, LabResult, fmt
+from inferd.labs.context import LabContext, describe_machine, machine_line
+
+logger = logging.getLogger(__name__)
+
+
+def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
+    """Measure (or reuse this run's measurement), explain, plot, write JSON and PNG into ctx.out."""
+    m = ctx.measurements.get(lab.name)
+    if m is None:
+        m = lab.measure(ctx)
+        ctx.measurements[lab.name] = m
+    explanation = lab.explain(m)
+    title = f"{lab.term}: measured on {ctx.model_label}" if lab.measured_here else f"{lab.term}: a stored result"
+    result = LabResult(
+        lab=lab.name,
+        term=lab.term,
+        definition=lab.definition,
+        model=ctx.model_label,
+        quick=ctx.quick,
+        machine=describe_machine(str(ctx.torch_device)),
+        date=ctx.date,
+        numbers=m.numbers,
+        series=m.series,
+        settings=m.settings,
+        claims=explanation.claims,
+        text=explanation.text(title),
+        plot=f"{lab.name}.png",
+    )
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    _save_plot(lab, m, ctx.out / result.plot)
+    (ctx.out / f"{lab.name}.json").write_text(json.dumps(result.to_dict(), indent=2, default=_jsonable) + "\n")
+    return result
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"{type(x).__name__} is not JSON data")
+
+
+def _save_plot(lab: Lab, m, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    lab.plot(m, fig)
+    fig.suptitle(lab.term)
+    fig.savefig(path, dpi=90)
+
+
+def check_result(result: LabResult) -> list[str]:
+    """What is wrong with a result: claims false of their own numbers, numbers missing from the text."""
+    problems = []
+    for c in result.claims:
+        if not c.holds(result.numbers):
+            problems.append(f"{result.lab}: false claim: {c.text!r} ({c.left} {c.op} {c.right})")
+        for shown in c.shown_numbers(result.numbers):
+            if shown not in c.text:
+                problems.append(f"{result.lab}: claim does not show {shown}: {c.text!r}")
+        if c.text not in result.text:
+            problems.append(f"{result.lab}: claim missing from the text: {c.text!r}")
+    return problems
+
+
+# -- the capstone report and the glossary pages --------------------------------------------------------
+def write_report(results: list[LabResult], ctx: LabContext, report_dir: Path) -> Path:
+    """README-style Markdown: per term, the explanation and the plot; then cost per million tokens."""
+    lines = [
+        "# Inference serving, measured on this machine",
+        "",
+        f"Machine: {machine_line(results[0].machine)}. Model: {ctx.model_label}. Date: {ctx.date}.",
+        "Every number below was measured in this run; every sentence under *What this machine showed* is "
+        "checked against the numbers in the lab's JSON.",
+        "",
+    ]
+    for r in results:
+        lines += [f"## {r.term}", "", _markdown(r.text, drop_title=True), "", f"![{r.term}]({r.plot})", ""]
+    lines += _cost_section(results, ctx)
+    path = report_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _cost_section(results: list[LabResult], ctx: LabContext) -> list[str]:
+    cost = next((r for r in results if r.lab == "cost"), None)
+    lines = ["## Capstone: cost per million tokens", ""]
+    if cost is None:
+        return lines + ["The cost lab did not run."]
+    n = cost.numbers
+    lines += [
+        f"At **${fmt(n['price_per_hour'])} per hour** for this machine, serving {ctx.model_label} here costs:",
+        "",
+        "| measured at | output tokens/s | $ per million output tokens |",
+        "|---|---|---|",
+        f"| the best goodput under the SLOs | {fmt(n['goodput_tok_s'])} | {fmt(n['cost_goodput'])} |",
+        f"| raw throughput at the same load | {fmt(n['throughput_tok_s'])} | {fmt(n['cost_throughput'])} |",
+        f"| batch 1 (no batching) | {fmt(n['batch1_tok_s'])} | {fmt(n['cost_batch1'])} |",
+        "",
+        "The goodput row is the one to plan with: it counts only tokens of requests that met the SLOs.",
+    ]
+    return lines
+
+
+def _markdown(text: str, drop_title: bool) -> str:
+    parts = text.split("\n\n")
+    return "\n\n".join(parts[1:] if drop_title else parts)
+
+
+def write_glossary_page(result: LabResult, docs_dir: Path) -> Path:
+    """docs/glossary/<lab>.md: the term, the run's explanation with this machine's numbers, the plot."""
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# {result.term}",
+        "",
+        f"> {result.definition}",
+        "",
+        f"Measured by `inferd lab {result.lab}` on {machine_line(result.machine)}, {result.date}, with "
+        f"{result.model}. Run it on your machine to get your numbers.",
+        "",
+        _markdown(result.text, drop_title=True),
+        "",
+        f"![{result.term}]({result.plot})",
+    ]
+    path = docs_dir / f"{result.lab}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

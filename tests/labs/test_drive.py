@@ -1,0 +1,49 @@
+"""When the lab driver lets requests in: open loop at their times, closed loop under a concurrency, after a
+number of steps, and static batches that start only when full (or overdue, or when nothing more will come)."""
+
+from __future__ import annotations
+
+from inferd.labs.drive import Job, _Feeder, poisson_times
+
+
+def _jobs(times: list[float]) -> list[Job]:
+    return [Job([5, 6], 2, at=t) for t in times]
+
+
+def test_open_loop_arrives_at_each_jobs_time():
+    f = _Feeder(_jobs([0.0, 0.5, 1.0]), None, None, 0.5)
+    assert f.arrivals(0.1, 0, 0) == [(0, 0.0)]
+    assert f.arrivals(0.6, 3, 1) == [(1, 0.5)]  # arrival time is the job's, not the loop's
+    assert f.next_time() == 1.0
+
+
+def test_closed_loop_keeps_the_concurrency():
+    f = _Feeder(_jobs([0.0] * 5), 2, None, 0.5)
+    assert [i for i, _ in f.arrivals(0.0, 0, 0)] == [0, 1]
+    assert f.arrivals(0.1, 1, 2) == []
+    assert [i for i, _ in f.arrivals(0.2, 2, 1)] == [2]
+
+
+def test_static_batch_waits_until_full_overdue_or_last():
+    f = _Feeder(_jobs([0.0, 0.0, 0.0, 5.0, 5.0]), None, 4, 0.5)
+    f.queue.extend(f.arrivals(0.0, 0, 0))
+    assert f.admit(0.1, engine_idle=True) == []  # 3 of 4, more to come, not overdue
+    assert len(f.admit(0.6, engine_idle=True)) == 3  # overdue: goes as it is
+    f.queue.extend(f.arrivals(5.0, 9, 0))
+    assert f.admit(5.0, engine_idle=False) == []  # a batch still runs: nobody joins it
+    assert len(f.admit(5.0, engine_idle=True)) == 2  # nothing more will come
+
+
+def test_a_step_triggered_job_arrives_after_that_many_steps_or_when_nothing_else_runs():
+    f = _Feeder([Job([5], 2), Job([6], 2, at_step=3)], None, None, 0.5)
+    assert [i for i, _ in f.arrivals(0.0, 0, 0)] == [0]
+    assert f.arrivals(0.1, 2, 1) == []
+    assert [i for i, _ in f.arrivals(0.2, 3, 1)] == [1]
+    stalled = _Feeder([Job([6], 2, at_step=3)], None, None, 0.5)
+    assert [i for i, _ in stalled.arrivals(0.0, 0, 0)] == [0]  # no step would ever come
+
+
+def test_poisson_times_are_reproducible_with_the_right_mean():
+    times = poisson_times(2000, rate=10.0, seed=3)
+    assert times == poisson_times(2000, rate=10.0, seed=3) and times[0] == 0.0
+    assert abs(times[-1] / 1999 - 0.1) < 0.01
