@@ -180,3 +180,29 @@ def test_the_disaggregated_plan_sizes_prefill_and_decode_pools_apart():
     assert d["pools"]["decode"]["saturation_request_rate"] == pytest.approx(10, rel=0.05)
     assert d["pools"]["prefill"]["replicas"] >= 2 and d["pools"]["decode"]["replicas"] >= 2
     assert d["replicas"] == d["pools"]["prefill"]["replicas"] + d["pools"]["decode"]["replicas"]
+
+
+def test_generated_workloads_have_the_asked_rates_and_traces_read_their_own_lengths(tmp_path):
+    import json
+
+    from inferd.errors import ConfigError
+
+    day = make_workload("diurnal:mean=2,peak_to_trough=4,duration=86400", "fixed:8", "exponential:20", seed=3)
+    assert len(day) / 86400 == pytest.approx(2, rel=0.02)
+    night = np.sum(day.arrivals < 3600) / 3600
+    noon = np.sum((day.arrivals >= 43200 - 1800) & (day.arrivals < 43200 + 1800)) / 3600
+    assert noon / night == pytest.approx(4, rel=0.15)  # trough at midnight, peak at noon
+    bursty = make_workload("gamma:rate=5,burstiness=0.2,duration=2000", "fixed:1", "fixed:1", seed=1)
+    gaps = np.diff(bursty.arrivals)
+    assert len(bursty) / 2000 == pytest.approx(5, rel=0.1) and gaps.std() / gaps.mean() > 1.8  # CV = 1/sqrt(0.2)
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": f"2024-05-01T10:00:0{i}", "ContextTokens": 10 * (i + 1), "GeneratedTokens": 3} for i in range(3)
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    w = make_workload(str(trace), "fixed:1", "fixed:1")
+    assert list(w.arrivals) == [0, 1, 2] and list(w.prompt_tokens) == [10, 20, 30] and list(w.output_tokens) == [3] * 3
+    with pytest.raises(ConfigError):
+        make_workload("sine:rate=1", "fixed:1", "fixed:1")
+    with pytest.raises(ConfigError):
+        make_workload("poisson:rate=1,duration=5", "zipf:2", "fixed:1")
