@@ -404,6 +404,7 @@ class DisaggConnector(KVConnector):
                 transport = self._load(spec)
             except TransferError as e:
                 logger.warning("request %s: KV pull failed (%s); prefilling here instead", spec.request_id, e)
+                self._unmap(spec.params.shm)  # a dead prefill's segment is freed only once every mapping goes
                 self.stats.transfer_failures += 1
                 self.stats.local("transfer_failed")
                 result.failed.append(spec.request_id)
@@ -457,6 +458,11 @@ class DisaggConnector(KVConnector):
                 raise TransferError(f"cannot map shared memory {name}: {e}") from None
             self._attached[name] = shm
         return shm
+
+    def _unmap(self, name: str | None) -> None:
+        shm = self._attached.pop(name, None) if name else None
+        if shm is not None:
+            shm.close()
 
     def _release(self, lease: KVTransferParams) -> None:
         """Acknowledge a lease off the step thread (best effort: the prefill side expires it anyway)."""
