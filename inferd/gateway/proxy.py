@@ -146,6 +146,7 @@ def _close(resp: aiohttp.ClientResponse | None) -> None:
 
 
 # `"usage": null` with the comma that joins it to its neighbour (after it, or before it when it is last)
+_LAST_NULL_USAGE = b',"usage":null}'
 _NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*})|"usage"\s*:\s*null\s*,\s*')
 
 
@@ -182,7 +183,11 @@ class SSEFilter:
             return event
         if b'"usage":null' in event or b'"usage": null' in event:
             # only one chunk has a usage value; the field is null in all others
-            return _NULL_USAGE.sub(b"", event, count=1) if self.forced_usage else event
+            if not self.forced_usage:
+                return event
+            if event.endswith(_LAST_NULL_USAGE):  # where inferd, vLLM and OpenAI write it: a fast path
+                return event[: -len(_LAST_NULL_USAGE)] + b"}"
+            return _NULL_USAGE.sub(b"", event, count=1)
         try:
             obj = json.loads(event[6:])
         except ValueError:
