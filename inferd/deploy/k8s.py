@@ -9,7 +9,8 @@ One fleet YAML (the same `inferd up` reads) renders to plain objects as dicts, g
 - `gateway.yaml`: the gateway's ConfigMap (`FleetSpec.gateway_config` with DNS discovery), Deployment
   and Service.
 - `policy.yaml`: PodDisruptionBudgets.
-- `monitoring.yaml`: ServiceMonitors (Prometheus operator) for engines and the gateway.
+- `monitoring.yaml`: ServiceMonitors (Prometheus operator) for engines and the gateway, and the Grafana
+  dashboard (`observability.py`) as a ConfigMap for Grafana's dashboard sidecar.
 - `keda.yaml` (with autoscaling): KEDA ScaledObjects per pool, see `keda.py`.
 - `kserve.yaml` and `inference-extension.yaml`: the same models for clusters running KServe or llm-d
   (Gateway API Inference Extension), see `extras.py`. They are alternatives to `engine.yaml` and
@@ -440,10 +441,22 @@ def policy_objects(spec: FleetSpec, opts: K8sOptions) -> list[Manifest]:
 
 
 def monitoring_objects(opts: K8sOptions) -> list[Manifest]:
+    import json
+
+    from inferd.deploy.observability import dashboard
+
     base = {"app.kubernetes.io/name": "inferd"}
+    # Grafana's dashboard sidecar (kube-prometheus-stack) loads ConfigMaps labelled grafana_dashboard=1
+    grafana = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta("inferd-grafana-dashboard", opts, base | {"grafana_dashboard": "1"}),
+        "data": {"inferd.json": json.dumps(dashboard(), indent=1)},
+    }
     return [
         service_monitor("inferd-engines", base, base | {"app.kubernetes.io/component": "engine"}, opts),
         service_monitor("inferd-gateway", base, base | {"app.kubernetes.io/component": "gateway"}, opts),
+        grafana,
     ]
 
 

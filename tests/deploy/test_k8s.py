@@ -138,6 +138,8 @@ def test_services_are_headless_and_the_gateway_finds_them_by_dns(rendered):
     assert proxy["args"][:2] == ["disagg", "proxy"]
     assert "http://inferd-split-prefill.inferd.svc.cluster.local:8000" in proxy["args"]
     assert {o["metadata"]["name"] for o in rendered["policy.yaml"]} >= {"inferd-gemma-both", "inferd-split-decode"}
+    grafana = _by(rendered, "ConfigMap", "inferd-grafana-dashboard")
+    assert grafana["metadata"]["labels"]["grafana_dashboard"] == "1" and "inferd.json" in grafana["data"]
 
 
 def test_keda_scaled_objects_follow_the_policy(rendered):
