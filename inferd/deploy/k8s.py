@@ -252,9 +252,13 @@ def engine_deployment(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K
     container = engine_container(spec, model, pool, opts)
     gpu = "nvidia.com/gpu" in container["resources"]["requests"]
     labels = pool_labels(model, pool)
-    return _deployment(
+    dep = _deployment(
         pool_name(pool), labels, _selector(model, pool), pool.replicas, _pod_spec([container], opts, gpu), opts
     )
+    if opts.autoscale and pool.autoscaling is not None:
+        # KEDA's HPA owns the replica count; a `replicas` here would reset it on every `kubectl apply`
+        del dep["spec"]["replicas"]
+    return dep
 
 
 def headless_service(name: str, labels: dict, selector: dict, port: int, opts: K8sOptions) -> Manifest:

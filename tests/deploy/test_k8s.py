@@ -91,7 +91,10 @@ def test_engine_deployments_carry_probes_resources_and_a_non_root_context(render
     dep = _by(rendered, "Deployment", "inferd-gemma-both")
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert dep["spec"]["replicas"] == 2
+    assert "replicas" not in dep["spec"]  # KEDA's HPA owns it (autoscale is on)
+    assert _by(rendered, "Deployment", "inferd-split-decode")["spec"]["replicas"] == 1  # no policy: fixed
+    plain = render(parse_fleet(FLEET), K8sOptions())
+    assert _by(plain, "Deployment", "inferd-gemma-both")["spec"]["replicas"] == 2
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200  # model loading
