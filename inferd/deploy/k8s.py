@@ -181,9 +181,9 @@ def _probes(opts: K8sOptions) -> dict:
     }
 
 
-def image_for(opts: K8sOptions) -> str:
-    """The CUDA variant of the image (`-cuda` tag suffix, see Dockerfile) when rendering for GPUs."""
-    if not opts.gpu or opts.image.endswith("-cuda"):
+def image_for(opts: K8sOptions, gpu: bool | None = None) -> str:
+    """The CUDA variant of the image (`-cuda` tag suffix, see Dockerfile) for a container using GPUs."""
+    if not (opts.gpu if gpu is None else gpu) or opts.image.endswith("-cuda"):
         return opts.image
     name, _, tag = opts.image.rpartition(":")
     if name and "/" not in tag:
@@ -202,15 +202,16 @@ def engine_args(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K8sOpti
 def engine_container(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K8sOptions) -> dict:
     _, sc = _security_context()
     _, mounts, env = _cache_volumes(opts)
+    resources = _resources(pool, opts)
     return {
         "name": "main",
-        "image": image_for(opts),
+        "image": image_for(opts, gpu="nvidia.com/gpu" in resources["requests"]),
         "imagePullPolicy": "IfNotPresent",
         "command": ["inferd"],
         "args": engine_args(spec, model, pool, opts),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": env,
-        "resources": _resources(pool, opts),
+        "resources": resources,
         "securityContext": sc,
         "volumeMounts": mounts,
         # the endpoints controller needs a moment to take the pod out of the Service after SIGTERM
@@ -293,7 +294,7 @@ def proxy_deployment(model: ModelSpec, opts: K8sOptions) -> Manifest:
     ]
     container = {
         "name": "proxy",
-        "image": image_for(opts),
+        "image": opts.image,  # the proxy uses no GPU: the CPU image
         "imagePullPolicy": "IfNotPresent",
         "command": ["inferd"],
         "args": args,

@@ -104,6 +104,7 @@ def test_engine_deployments_carry_probes_resources_and_a_non_root_context(render
     assert pod["terminationGracePeriodSeconds"] > 30  # longer than the server's drain
     qwen = _by(rendered, "Deployment", "inferd-qwen-both")["spec"]["template"]["spec"]
     assert qwen["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1 and qwen["tolerations"]
+    assert qwen["containers"][0]["image"].endswith("-cuda") and not c["image"].endswith("-cuda")
     gpu = render(parse_fleet(FLEET), K8sOptions(gpu=True))
     gpod = _by(gpu, "Deployment", "inferd-gemma-both")["spec"]["template"]["spec"]
     assert gpod["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
