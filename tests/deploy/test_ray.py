@@ -106,7 +106,14 @@ models:
         resources: {{cpu: 1, memory: 512Mi}}
 """
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    for attempt in range(2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it once
+        try:  # address="local": a fresh instance of our own, never a cluster someone started on this machine
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(parse_fleet(fleet)), name="inferd", route_prefix="/")
