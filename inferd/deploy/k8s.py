@@ -9,7 +9,8 @@ One fleet YAML (the same `inferd up` reads) renders to plain objects as dicts, g
 - `gateway.yaml`: the gateway's ConfigMap (`FleetSpec.gateway_config` with DNS discovery), Deployment
   and Service.
 - `policy.yaml`: PodDisruptionBudgets.
-- `monitoring.yaml`: ServiceMonitors (Prometheus operator) for engines and the gateway.
+- `monitoring.yaml`: ServiceMonitors (Prometheus operator) for engines and the gateway, and the Grafana
+  dashboard (`observability.py`) as a ConfigMap for Grafana's dashboard sidecar.
 - `keda.yaml` (with autoscaling): KEDA ScaledObjects per pool, see `keda.py`.
 - `kserve.yaml` and `inference-extension.yaml`: the same models for clusters running KServe or llm-d
   (Gateway API Inference Extension), see `extras.py`. They are alternatives to `engine.yaml` and
@@ -180,9 +181,9 @@ def _probes(opts: K8sOptions) -> dict:
     }
 
 
-def image_for(opts: K8sOptions) -> str:
-    """The CUDA variant of the image (`-cuda` tag suffix, see Dockerfile) when rendering for GPUs."""
-    if not opts.gpu or opts.image.endswith("-cuda"):
+def image_for(opts: K8sOptions, gpu: bool | None = None) -> str:
+    """The CUDA variant of the image (`-cuda` tag suffix, see Dockerfile) for a container using GPUs."""
+    if not (opts.gpu if gpu is None else gpu) or opts.image.endswith("-cuda"):
         return opts.image
     name, _, tag = opts.image.rpartition(":")
     if name and "/" not in tag:
@@ -201,15 +202,16 @@ def engine_args(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K8sOpti
 def engine_container(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K8sOptions) -> dict:
     _, sc = _security_context()
     _, mounts, env = _cache_volumes(opts)
+    resources = _resources(pool, opts)
     return {
         "name": "main",
-        "image": image_for(opts),
+        "image": image_for(opts, gpu="nvidia.com/gpu" in resources["requests"]),
         "imagePullPolicy": "IfNotPresent",
         "command": ["inferd"],
         "args": engine_args(spec, model, pool, opts),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": env,
-        "resources": _resources(pool, opts),
+        "resources": resources,
         "securityContext": sc,
         "volumeMounts": mounts,
         # the endpoints controller needs a moment to take the pod out of the Service after SIGTERM
@@ -251,9 +253,13 @@ def engine_deployment(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K
     container = engine_container(spec, model, pool, opts)
     gpu = "nvidia.com/gpu" in container["resources"]["requests"]
     labels = pool_labels(model, pool)
-    return _deployment(
+    dep = _deployment(
         pool_name(pool), labels, _selector(model, pool), pool.replicas, _pod_spec([container], opts, gpu), opts
     )
+    if opts.autoscale and pool.autoscaling is not None:
+        # KEDA's HPA owns the replica count; a `replicas` here would reset it on every `kubectl apply`
+        del dep["spec"]["replicas"]
+    return dep
 
 
 def headless_service(name: str, labels: dict, selector: dict, port: int, opts: K8sOptions) -> Manifest:
@@ -288,7 +294,7 @@ def proxy_deployment(model: ModelSpec, opts: K8sOptions) -> Manifest:
     ]
     container = {
         "name": "proxy",
-        "image": image_for(opts),
+        "image": opts.image,  # the proxy uses no GPU: the CPU image
         "imagePullPolicy": "IfNotPresent",
         "command": ["inferd"],
         "args": args,
@@ -440,10 +446,22 @@ def policy_objects(spec: FleetSpec, opts: K8sOptions) -> list[Manifest]:
 
 
 def monitoring_objects(opts: K8sOptions) -> list[Manifest]:
+    import json
+
+    from inferd.deploy.observability import dashboard
+
     base = {"app.kubernetes.io/name": "inferd"}
+    # Grafana's dashboard sidecar (kube-prometheus-stack) loads ConfigMaps labelled grafana_dashboard=1
+    grafana = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta("inferd-grafana-dashboard", opts, base | {"grafana_dashboard": "1"}),
+        "data": {"inferd.json": json.dumps(dashboard(), indent=1)},
+    }
     return [
         service_monitor("inferd-engines", base, base | {"app.kubernetes.io/component": "engine"}, opts),
         service_monitor("inferd-gateway", base, base | {"app.kubernetes.io/component": "gateway"}, opts),
+        grafana,
     ]
 
 

@@ -91,7 +91,10 @@ def test_engine_deployments_carry_probes_resources_and_a_non_root_context(render
     dep = _by(rendered, "Deployment", "inferd-gemma-both")
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert dep["spec"]["replicas"] == 2
+    assert "replicas" not in dep["spec"]  # KEDA's HPA owns it (autoscale is on)
+    assert _by(rendered, "Deployment", "inferd-split-decode")["spec"]["replicas"] == 1  # no policy: fixed
+    plain = render(parse_fleet(FLEET), K8sOptions())
+    assert _by(plain, "Deployment", "inferd-gemma-both")["spec"]["replicas"] == 2
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200  # model loading
@@ -101,6 +104,7 @@ def test_engine_deployments_carry_probes_resources_and_a_non_root_context(render
     assert pod["terminationGracePeriodSeconds"] > 30  # longer than the server's drain
     qwen = _by(rendered, "Deployment", "inferd-qwen-both")["spec"]["template"]["spec"]
     assert qwen["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1 and qwen["tolerations"]
+    assert qwen["containers"][0]["image"].endswith("-cuda") and not c["image"].endswith("-cuda")
     gpu = render(parse_fleet(FLEET), K8sOptions(gpu=True))
     gpod = _by(gpu, "Deployment", "inferd-gemma-both")["spec"]["template"]["spec"]
     assert gpod["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
@@ -138,6 +142,8 @@ def test_services_are_headless_and_the_gateway_finds_them_by_dns(rendered):
     assert proxy["args"][:2] == ["disagg", "proxy"]
     assert "http://inferd-split-prefill.inferd.svc.cluster.local:8000" in proxy["args"]
     assert {o["metadata"]["name"] for o in rendered["policy.yaml"]} >= {"inferd-gemma-both", "inferd-split-decode"}
+    grafana = _by(rendered, "ConfigMap", "inferd-grafana-dashboard")
+    assert grafana["metadata"]["labels"]["grafana_dashboard"] == "1" and "inferd.json" in grafana["data"]
 
 
 def test_keda_scaled_objects_follow_the_policy(rendered):

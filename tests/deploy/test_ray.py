@@ -1,0 +1,235 @@
+"""`inferd deploy ray`: the Serve config and the autoscaling policy without Ray running, then the app for real
+on a local Ray instance: OpenAI requests and streams through it, prefix-affine routing seen in the replicas'
+own counters, and a replica killed under load without a lost non-streaming request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+
+from inferd.cli import main
+from inferd.deploy.ray import RayOptions, desired_replicas, serve_config
+from inferd.errors import ConfigError
+from inferd.fleet.spec import AutoscalingPolicy, parse_fleet
+from tests.net import free_port
+
+FLEET = """\
+models:
+  - name: gemma
+    aliases: [g]
+    engine: {max_num_seqs: 8}
+    pools:
+      - name: gemma-both
+        replicas: 1
+        resources: {cpu: 2, memory: 2Gi, gpu: 1}
+        autoscaling: {min_replicas: 0, max_replicas: 4, scale_to_zero_after_s: 300, cooldown_s: 90,
+                      targets: {waiting: 2, kv_cache_usage: 0.5}}
+      - name: gemma-fixed
+        replicas: 2
+"""
+
+
+def test_the_serve_config_is_one_serve_accepts():
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = serve_config(parse_fleet(FLEET), RayOptions(port=8123))
+    ServeDeploySchema.model_validate(cfg)  # Serve's own schema for `serve deploy`
+    (app,) = cfg["applications"]
+    deps = {d["name"]: d for d in app["deployments"]}
+    auto = deps["engine-gemma-both"]["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["initial_replicas"]) == (0, 4, 1)
+    assert auto["downscale_delay_s"] == 90 and auto["downscale_to_zero_delay_s"] == 300
+    assert auto["policy"]["policy_function"] == "inferd.deploy.ray:PoolAutoscalingPolicy"
+    assert AutoscalingPolicy.model_validate(auto["policy"]["policy_kwargs"]).targets.waiting == 2
+    assert deps["engine-gemma-both"]["ray_actor_options"] == {"num_cpus": 2.0, "memory": 2 << 30, "num_gpus": 1}
+    assert deps["engine-gemma-fixed"]["num_replicas"] == 2 and deps["engine-gemma-fixed"]["max_ongoing_requests"] == 16
+    assert app["import_path"] == "inferd.deploy.ray:build_app" and app["args"]["spec"]["models"][0]["name"] == "gemma"
+
+
+def test_the_cli_writes_the_config_and_refuses_a_disaggregated_model(tmp_path, capsys):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(FLEET)
+    assert main(["deploy", "ray", "--config", str(fleet), "--out", str(tmp_path / "ray")]) == 0
+    assert yaml.safe_load((tmp_path / "ray" / "serve_config.yaml").read_text())["http_options"]["port"] == 8000
+    split = "models:\n  - name: s\n    pools:\n      - {name: p, role: prefill}\n      - {name: d, role: decode}\n"
+    with pytest.raises(ConfigError, match="models.0: model 's' is disaggregated"):
+        serve_config(parse_fleet(split))
+
+
+def test_the_policy_takes_the_largest_target_within_the_steps():
+    p = AutoscalingPolicy(targets={"waiting": 2, "kv_cache_usage": 0.5}, max_scale_up_step=2, max_scale_down_step=1)
+    assert desired_replicas(p, 2, {"waiting": 5.0, "kv_cache_usage": 0.4}) == 3  # ceil(5 / 2)
+    assert desired_replicas(p, 2, {"waiting": 0.0, "kv_cache_usage": 1.9}) == 4  # ceil(1.9 / 0.5)
+    assert desired_replicas(p, 2, {"waiting": 40.0}) == 4  # at most 2 more at once
+    assert desired_replicas(p, 4, {"waiting": 0.0, "kv_cache_usage": 0.0}) == 3  # at most 1 fewer at once
+    assert desired_replicas(p, 3, {"waiting": 6.0}) == 3  # exactly at target: hold
+    assert desired_replicas(p, 3, {}) == 3  # nothing reported: hold
+
+
+def test_the_prompt_that_routes_each_openai_shape():
+    from inferd.deploy.ray import _prompt_text
+
+    assert _prompt_text("completion", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert _prompt_text("completion", {"prompt": [[4, 5], [6]]}) == [4, 5]
+    assert _prompt_text("completion", {"prompt": ["a", "b"]}) == "a"
+    assert _prompt_text("completion", {"prompt": 5}) is None
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "yo"}]}]
+    assert _prompt_text("chat", {"messages": messages}) == "hi\nyo"
+
+
+# -- the app on a local Ray instance ------------------------------------------------------------------------
+MODEL = "tiny"
+PREFIX = " ".join(f"word{i}" for i in range(60))  # several full blocks of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def ray_app(tiny_models, tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from inferd.deploy.ray import build
+
+    fleet = f"""\
+models:
+  - name: {MODEL}
+    model: {tiny_models["llama"]}
+    engine: {{max_model_len: 512, kv_cache_memory: 32MiB, num_threads: 1, max_num_seqs: 8, attention_backend: torch}}
+    pools:
+      - name: tiny-both
+        replicas: 2
+        resources: {{cpu: 1, memory: 512Mi}}
+"""
+    port = free_port()
+    for attempt in range(2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it once
+        try:  # address="local": a fresh instance of our own, never a cluster someone started on this machine
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(parse_fleet(fleet)), name="inferd", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _replica_actors() -> list[str]:
+    import ray
+
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and "engine-tiny-both" in a["name"]
+    )
+
+
+def _replica_stats() -> dict[str, dict]:
+    """Each engine replica's own counters, as Serve's router reads them (record_routing_stats)."""
+    import ray
+
+    out = {}
+    for name in _replica_actors():
+        try:
+            stats = ray.get(ray.get_actor(name, namespace="serve").record_routing_stats.remote(), timeout=10)
+        except Exception:  # a replica going away
+            continue
+        out[stats["replica"]] = stats
+    return out
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 4, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0} | extra
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_openai_requests_and_streams_through_ray_serve(ray_app):
+    models = httpx.get(ray_app + "/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    r = _complete(ray_app, "hello there")
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 4
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", ray_app + "/v1/chat/completions", json=body, timeout=120) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    missing = httpx.post(ray_app + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    bad = httpx.post(ray_app + "/v1/completions", content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and "error" in bad.json()
+    invalid = httpx.post(
+        ray_app + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}, timeout=60
+    )
+    assert invalid.status_code == 400 and invalid.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_requests_sharing_a_prefix_go_to_the_replica_that_holds_it(ray_app):
+    before = _replica_stats()
+    assert len(before) == 2, before
+    replicas = set()
+    for i in range(6):
+        r = _complete(ray_app, f"{PREFIX} question {i}", max_tokens=2)
+        assert r.status_code == 200, r.text
+        replicas.add(r.headers["x-inferd-replica"])
+    assert len(replicas) == 1, replicas  # all on the replica that cached the prefix first
+    (holder,) = replicas
+    time.sleep(1.5)  # routing stats are read every second
+    after = _replica_stats()
+    hits = {rid: after[rid]["prefix_cache_hits"] - before[rid]["prefix_cache_hits"] for rid in after}
+    assert hits[holder] >= 5 * 48, hits  # five requests found ~60 prefix tokens cached there
+    assert all(h == 0 for rid, h in hits.items() if rid != holder), hits
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_killed_replica_is_replaced_without_losing_a_request(ray_app):
+    import ray
+
+    victim = _replica_actors()[0]
+    stop = threading.Event()
+    results: list[httpx.Response] = []
+
+    def client(i: int) -> None:  # back-to-back requests long enough to be in flight at the kill
+        n = 0
+        while not stop.is_set():
+            results.append(_complete(ray_app, f"client {i} request {n}", 96, min_tokens=96))
+            n += 1
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(client, i) for i in range(6)]
+        time.sleep(3)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        time.sleep(3)
+        stop.set()
+        for f in futures:
+            f.result()
+    assert [r.status_code for r in results] == [200] * len(results), [r.text for r in results if r.status_code != 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 96 for r in results)
+    retried = [r for r in results if r.headers["x-inferd-attempts"] != "1"]
+    assert retried, "no request was in flight on the killed replica"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        names = _replica_actors()
+        if len(names) == 2 and victim not in names and len(_replica_stats()) == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"the killed replica was not replaced: {_replica_actors()}")
+    assert _complete(ray_app, "after the replacement").status_code == 200
