@@ -4,8 +4,9 @@ Each round runs the same batch (`--requests` prompts of `--prompt-len` tokens, `
 through the offline engine, once with `engine.events = None` and once with a `StepEvents` sink (as
 `inferd serve` attaches it). Reported: the median step time of each, and -- the number that does not
 drown in the noise of a shared machine -- the time spent inside `StepEvents.record` per step, and the
-cost of one KV snapshot at the cache's size. Model: a tiny random one by default (the step is then
-as short as it gets, so the overhead's share is the worst case), or `--model`.
+cost of one KV snapshot at the cache's size. `record`'s CPU time (time.thread_time) is reported beside its
+wall time: on a loaded machine the wall time counts the waits for a core too. Model: a tiny random one by
+default (the step is then as short as it gets, so the overhead's share is the worst case), or `--model`.
 
     .venv/bin/python -m benchmarks.step_events                       # results/step_events.json
     .venv/bin/python -m benchmarks.step_events --model gemma3-270m --num-blocks 32768
@@ -36,10 +37,12 @@ class _TimedEvents(StepEvents):
     def __init__(self) -> None:
         super().__init__()
         self.record_times: list[float] = []
+        self.record_cpu: list[float] = []  # the step thread's CPU time: what a shared machine's waits don't inflate
 
     def record(self, *args) -> None:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         super().record(*args)
+        self.record_cpu.append(time.thread_time() - c)
         self.record_times.append(time.perf_counter() - t)
 
 
@@ -76,12 +79,13 @@ def main() -> None:
         prompts = [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(args.prompt_len)] for i in range(args.requests)]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         _round(llm, prompts, params, None)  # warm-up
-        off, on, record = [], [], []
+        off, on, record, record_cpu = [], [], [], []
         for _ in range(args.rounds):
             off += _round(llm, prompts, params, None)
             events = _TimedEvents()
             on += _round(llm, prompts, params, events)
             record += events.record_times
+            record_cpu += events.record_cpu
         # one snapshot of a cache with every request's blocks in it, at --num-blocks
         for i, p in enumerate(prompts):
             llm.engine.add_request(f"s-{i}", p, params)
@@ -104,6 +108,8 @@ def main() -> None:
         "median_step_ms_events_on": round(on_ms, 4),
         "median_record_us_per_step": round(statistics.median(record) * 1e6, 2),
         "mean_record_us_per_step": round(statistics.mean(record) * 1e6, 2),
+        "median_record_cpu_us_per_step": round(statistics.median(record_cpu) * 1e6, 2),
+        "mean_record_cpu_us_per_step": round(statistics.mean(record_cpu) * 1e6, 2),
         "record_share_of_step": round(statistics.mean(record) / statistics.mean(on), 5),
         "kv_snapshot_us": round(statistics.median(snap_times) * 1e6, 1),
         "kv_snapshot_blocks_in_use": in_use,

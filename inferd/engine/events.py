@@ -79,6 +79,14 @@ def kv_snapshot(kv: KVCacheManager) -> dict[str, Any]:
     return {"runs": run_length(codes), "owners": owners, "usage": round(pool.usage, 4)}
 
 
+def kv_signature(kv: KVCacheManager) -> tuple:
+    """Changes whenever a block is allocated, freed, shared or evicted from the prefix cache (cost: one
+    entry per request holding blocks). Ref counts that change without any of these cannot happen."""
+    pool = kv.pool
+    owners = tuple((rid, len(blocks)) for rid, blocks in list(kv.req_blocks.items()))
+    return pool.num_free_blocks, len(pool._cached), owners
+
+
 def run_length(codes: np.ndarray) -> list[int]:
     """[value, count, value, count, ...] of a 1-d array."""
     if codes.size == 0:
@@ -141,6 +149,7 @@ class StepEvents:
     _next_kv: float = field(default=0.0, init=False, repr=False)
     _last_runs: list[int] | None = field(default=None, init=False, repr=False)
     _last_owners: list[str] | None = field(default=None, init=False, repr=False)
+    _last_sig: tuple | None = field(default=None, init=False, repr=False)
     kv_cost_s: float = field(default=0.0, init=False)  # the last snapshot's cost
     errors: int = field(default=0, init=False)  # records that failed (a bug), never raised into the step
 
@@ -211,7 +220,16 @@ class StepEvents:
         return True
 
     def snapshot(self, kv: KVCacheManager) -> dict | None:
-        """A KV snapshot if the cache changed since the last one (None otherwise); schedules the next."""
+        """A KV snapshot if the cache changed since the last one (None otherwise); schedules the next.
+
+        A cheap signature (free and cached block counts, each owner's block count) skips the full
+        snapshot when nothing moved, as in most decode steps, where a request gains a block only every
+        block_size tokens.
+        """
+        sig = kv_signature(kv)
+        if sig == self._last_sig:
+            return None
+        self._last_sig = sig
         t0 = time.perf_counter()
         snap = kv_snapshot(kv)
         end = time.perf_counter()

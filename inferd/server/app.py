@@ -70,19 +70,21 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
     state = ServerState(async_engine, settings, metrics, engine.tokenizer, engine.max_model_len, engine.vocab_size)
-    dashboard = DashboardHub(engine, async_engine, settings.served_model_names[0])
+    dashboard = DashboardHub(engine, async_engine, settings.served_model_names[0]) if settings.dashboard else None
     created = int(time.time())
     root = public_root(settings.model_root)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
-        dashboard.start()
+        if dashboard is not None:
+            dashboard.start()
         state.loop = asyncio.get_running_loop()
         state.ready = True
         yield
         state.ready = False
-        await dashboard.stop()
+        if dashboard is not None:
+            await dashboard.stop()
         await async_engine.stop()
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)
@@ -94,7 +96,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     _precise_openapi(app)
-    install_dashboard(app, dashboard)
+    if dashboard is not None:
+        install_dashboard(app, dashboard)
     auth = (401,) if settings.api_key else ()
 
     def serving() -> ServerState:

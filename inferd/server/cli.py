@@ -63,6 +63,12 @@ def register(subparsers) -> None:
         default="inferd",
         help="vllm: /metrics also exposes every metric under vLLM's vllm: names (llm-d's picker, KEDA, dashboards)",
     )
+    p.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="serve no /dashboard and record no step events (docs/dashboard.md)",
+    )
     add_engine_args(p)
     add_serve_args(p)
     p.set_defaults(func=run_serve)
@@ -112,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ttft_buckets=args.ttft_buckets,
         itl_buckets=args.itl_buckets,
         metrics_names=args.metrics_names,
+        dashboard=args.dashboard,
     )
     app = create_app(engine, settings)
     register_metrics(app, connector)

@@ -49,6 +49,8 @@ class ServerSettings:
     itl_buckets: list[float] | None = None
     #: "vllm": /metrics also exposes every metric under vLLM's `vllm:` names (see vllm_metrics.py)
     metrics_names: str = "inferd"
+    #: serve /dashboard and record the engine's step events for it (docs/dashboard.md)
+    dashboard: bool = True
 
 
 def public_root(model: str | None) -> str | None:

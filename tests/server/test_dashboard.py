@@ -178,3 +178,25 @@ def test_a_slow_page_loses_messages_not_steps(tiny_models):
 
     summary = asyncio.run(scenario())
     assert summary["dropped_events"] > 0
+
+
+def test_no_dashboard_means_no_page_and_no_step_events(tiny_models):
+    srv = start_server(tiny_models["llama"], num_blocks=64, attention_backend="torch", settings={"dashboard": False})
+    try:
+        assert httpx.get(srv.url + "/dashboard").status_code == 404
+        assert httpx.get(srv.url + "/dashboard/events").status_code == 404
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and srv.engine.events is None
+    finally:
+        srv.stop()
+
+
+def test_serve_flag_turns_the_dashboard_off():
+    import argparse
+
+    from inferd.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).dashboard is True
+    assert parser.parse_args(["serve", "--no-dashboard"]).dashboard is False

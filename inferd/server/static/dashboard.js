@@ -235,7 +235,8 @@ function drawBatchTable() {
   const s = state.steps[state.steps.length - 1];
   const body = $("batch-table").tBodies[0];
   if (!s) return;
-  const idle = state.last && state.last.running === 0 && state.last.waiting === 0 && Date.now() / 1000 - s.ts > 1;
+  // idle: the latest summary (the server's clock, like the step's) says nothing runs, a second after the step
+  const idle = state.last && state.last.running === 0 && state.last.waiting === 0 && state.last.ts - s.ts > 1;
   $("step-line").textContent = idle
     ? `idle · last step #${s.id}`
     : `step #${s.id} · ${s.tokens}/${s.budget} tokens (${((100 * s.tokens) / s.budget).toFixed(0)}% of budget) · ` +
