@@ -141,8 +141,6 @@ def write_glossary_page(result: LabResult, docs_dir: Path) -> Path:
     lines = [
         f"# {result.term}",
         "",
-        f"> {result.definition}",
-        "",
         f"Measured by `inferd lab {result.lab}` on {machine_line(result.machine)}, {result.date}, with "
         f"{result.model}. Run it on your machine to get your numbers.",
         "",

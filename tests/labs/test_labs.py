@@ -137,9 +137,11 @@ def test_list_and_unknown_lab(capsys):
     assert find_lab("KV cache").name == "kv-cache" and find_lab("kv_cache").name == "kv-cache"
 
 
-def test_bad_price_is_refused(capsys):
+def test_bad_price_and_quick_docs_are_refused(capsys):
     assert main(["lab", "cost", "--quick", "--price-per-hour", "-1"]) == 2
     assert "price-per-hour" in capsys.readouterr().err
+    assert main(["lab", "decode", "--quick", "--write-docs"]) == 2  # a tiny model's numbers are no glossary page
+    assert "drop --quick" in capsys.readouterr().err
 
 
 def test_tiny_model_is_reused(tmp_path):
