@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.price_per_hour is not None and args.price_per_hour <= 0:
         raise InferdError("--price-per-hour must be a positive number of dollars")
+    if args.write_docs and args.quick:
+        raise InferdError("--write-docs writes the glossary pages from a real model; drop --quick")
     if args.target == "all":
         labs = all_labs()
     else:

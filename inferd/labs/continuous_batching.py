@@ -9,20 +9,22 @@ import statistics
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
 from inferd.labs.drive import Job, Run, poisson_times, random_prompts, serve
+from inferd.labs.ttft import capacity_rps
 
+OUT_LENGTHS = {True: (4, 40), False: (8, 96)}  # by quick
+OVERLOAD = 2.0  # arrivals at twice what the engine serves: there is always someone waiting for a slot
 DEFINITION = (
     "instead of waiting to assemble a fixed batch, the scheduler adds and evicts requests from the running batch "
     "every decode step. New requests join immediately, and finished ones free their slots immediately."
 )
 
 
-def workload(ctx: LabContext, seed: int = 0) -> list[Job]:
-    """Requests arriving faster than one at a time can be served, with output lengths that differ a lot."""
+def workload(ctx: LabContext, rate: float, seed: int = 0) -> list[Job]:
+    """Requests arriving at `rate` per second, with output lengths that differ a lot."""
     count, prompt_len = ctx.size(24, 48), ctx.size(24, 96)
-    lo, hi = ctx.size((4, 40), (8, 96))
+    lo, hi = OUT_LENGTHS[ctx.quick]
     rng = random.Random(seed)
     prompts = random_prompts(rng, ctx.facts().vocab, count, prompt_len)
-    rate = ctx.size(60.0, 6.0)
     return [Job(p, rng.randint(lo, hi), at=t) for p, t in zip(prompts, poisson_times(count, rate, seed), strict=True)]
 
 
@@ -34,8 +36,9 @@ def slot_use(run: Run, batch: int) -> float:
 def measure(ctx: LabContext) -> Measurement:
     batch = 8
     llm = ctx.llm(max_num_seqs=batch)
-    jobs = workload(ctx)
-    serve(llm, jobs[:2])  # warm-up
+    lo, hi = OUT_LENGTHS[ctx.quick]
+    capacity = capacity_rps(ctx, llm, ctx.size(24, 96), (lo + hi) // 2, batch)  # also warms up
+    jobs = workload(ctx, OVERLOAD * capacity)
     runs = {"static": serve(llm, jobs, static_batch=batch), "continuous": serve(llm, jobs)}
     m = Measurement(settings={"batch": batch, "requests": len(jobs)})
     for name, run in runs.items():
@@ -87,9 +90,10 @@ def explain(m: Measurement) -> Explanation:
     ]
     intro = [
         f"Continuous batching, in the glossary's words: {DEFINITION}",
-        f"This lab sent the same {m.settings['requests']} requests (Poisson arrivals, output lengths that differ "
-        f"a lot) through the same engine twice, with room for {m.settings['batch']} requests at once: as static "
-        "batches (a batch starts when full, nobody joins until all of it is done) and continuously. The engine "
+        f"This lab sent the same {m.settings['requests']} requests (Poisson arrivals at twice what the engine "
+        f"serves, output lengths that differ a lot) through the same engine twice, with room for "
+        f"{m.settings['batch']} requests at once: as static batches (a batch starts when full, nobody joins until "
+        "all of it is done) and continuously. The engine "
         f"was busy {n['static_busy_pct']:.0f}% of the time static and {n['continuous_busy_pct']:.0f}% continuous.",
     ]
     why = [

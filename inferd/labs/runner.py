@@ -92,12 +92,22 @@ def write_report(results: list[LabResult], ctx: LabContext, report_dir: Path) ->
         "checked against the numbers in the lab's JSON.",
         "",
     ]
+    lines += _contradictions(results)
     for r in results:
         lines += [f"## {r.term}", "", _markdown(r.text, drop_title=True), "", f"![{r.term}]({r.plot})", ""]
     lines += _cost_section(results, ctx)
     path = report_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _contradictions(results: list[LabResult]) -> list[str]:
+    """The claims where this machine did not bear the glossary out, gathered up front."""
+    found = [(r.term, c.text) for r in results for c in r.claims if c.agrees is False]
+    if not found:
+        return ["This machine bore out every textbook claim the labs test.", ""]
+    lines = [f"**Where this machine contradicts the textbook** ({len(found)} of the labs' claims):", ""]
+    return lines + [f"- {term}: {text}" for term, text in found] + [""]
 
 
 def _cost_section(results: list[LabResult], ctx: LabContext) -> list[str]:
@@ -130,8 +140,6 @@ def write_glossary_page(result: LabResult, docs_dir: Path) -> Path:
     docs_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         f"# {result.term}",
-        "",
-        f"> {result.definition}",
         "",
         f"Measured by `inferd lab {result.lab}` on {machine_line(result.machine)}, {result.date}, with "
         f"{result.model}. Run it on your machine to get your numbers.",

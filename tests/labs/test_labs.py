@@ -79,6 +79,8 @@ def test_report_has_every_term_and_ends_with_cost(lab_run):
     report = (lab_run["out"] / "report.md").read_text()
     for lab in all_labs():
         assert f"## {lab.term}" in report and f"]({lab.name}.png)" in report
+    contradicted = [c.text for name in LAB_NAMES for c in _result(lab_run, name).claims if c.agrees is False]
+    assert all(text in report.split("## Prefill", 1)[0] for text in contradicted)  # gathered up front
     tail = report.split("## Capstone: cost per million tokens", 1)[1]
     cost = _result(lab_run, "cost").numbers
     assert f"${PRICE:.2f} per hour" in tail
@@ -135,9 +137,11 @@ def test_list_and_unknown_lab(capsys):
     assert find_lab("KV cache").name == "kv-cache" and find_lab("kv_cache").name == "kv-cache"
 
 
-def test_bad_price_is_refused(capsys):
+def test_bad_price_and_quick_docs_are_refused(capsys):
     assert main(["lab", "cost", "--quick", "--price-per-hour", "-1"]) == 2
     assert "price-per-hour" in capsys.readouterr().err
+    assert main(["lab", "decode", "--quick", "--write-docs"]) == 2  # a tiny model's numbers are no glossary page
+    assert "drop --quick" in capsys.readouterr().err
 
 
 def test_tiny_model_is_reused(tmp_path):
