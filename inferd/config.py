@@ -148,6 +148,12 @@ def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     return EngineConfig(model=model, **nested[None], **parts)
 
 
+def read_settings(values: dict[str, typing.Any]) -> dict[str, typing.Any]:
+    """Settings written as text (a YAML file's `kv_cache_memory: 2GiB`) read as their flags read them."""
+    readers = {f.name: f.metadata["parse"] for _, f, _ in _settings()}
+    return {k: readers[k](v) if isinstance(v, str) and readers.get(k) else v for k, v in values.items()}
+
+
 def _cli_reader(parse):
     """argparse reports ArgumentTypeError as a usage error; ours raise ConfigError."""
 

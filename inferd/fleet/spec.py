@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from inferd.config import DEFAULT_MODEL, _settings, make_engine_config, parse_memory
+from inferd.config import DEFAULT_MODEL, _settings, make_engine_config, parse_memory, read_settings
 from inferd.errors import ConfigError
 from inferd.gateway.config import GatewayConfig
 from inferd.yaml_config import RefError, parse_yaml_model, read_text
@@ -143,7 +143,7 @@ class ModelSpec(_Model):
             (("pools", i, "engine"), p.engine) for i, p in enumerate(self.pools)
         ]:
             try:
-                make_engine_config(self.model, **(self.engine | settings))
+                make_engine_config(self.model, **read_settings(self.engine | settings))
             except (ConfigError, TypeError) as e:
                 raise RefError(where, str(e)) from None
         return self

@@ -11,7 +11,7 @@ GOOD = """\
 models:
   - name: gemma
     aliases: [g]
-    engine: {max_num_seqs: 16, enable_prefix_caching: false, block_size: 32}
+    engine: {max_num_seqs: 16, enable_prefix_caching: false, block_size: 32, kv_cache_memory: 32MiB}
     pools:
       - name: gemma-both
         replicas: 2
@@ -31,6 +31,7 @@ def test_a_good_spec_renders_serve_flags_and_the_gateway_config():
     (gm, both), (sm, prefill), (_, decode) = spec.pools()
     argv = spec.serve_argv(gm, both)
     assert argv[:4] == ["--model", "gemma3-270m", "--served-model-name", "gemma"]
+    assert argv[argv.index("--kv-cache-memory") + 1] == "32MiB"  # written as the flag takes it
     assert "--no-enable-prefix-caching" in argv and argv[argv.index("--num-threads") + 1] == "1"
     assert spec.serve_argv(sm, prefill)[4:6] == ["--role", "prefill"]
     assert "8" in spec.serve_argv(sm, decode) and sm.disaggregated and not gm.disaggregated
@@ -45,6 +46,7 @@ def test_a_good_spec_renders_serve_flags_and_the_gateway_config():
     [
         (("max_num_seqs: 16", "max_num_seq: 16"), r":4: models.0.engine: .*unknown engine setting 'max_num_seq'"),
         (("max_replicas: 3", "max_replicas: 0"), r":9: models.0.pools.0.autoscaling.max_replicas: .*greater"),
+        (("32MiB", "lots"), r":4: models.0.engine: .*cannot read memory size 'lots'"),
         (("replicas: 2", "replicas: 5"), r":7: models.0.pools.0.replicas: .*outside \[1, 3\]"),
         (("memory: 2Gi", "memory: lots"), r":8: models.0.pools.0.resources.memory: .*cannot read memory"),
         (("role: prefill", "role: both"), r":11: models.1.pools: .*either `both` pools"),
