@@ -133,6 +133,7 @@ class Lab:
     explain: Callable[[Measurement], Explanation]
     plot: Callable[[Measurement, Figure], None]
     measured_here: bool = True  # False: the lab reports a stored result (and says so)
+    timed: bool = True  # False: its numbers are sizes and counts, which a busy machine does not change
 
 
 @dataclass

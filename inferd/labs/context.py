@@ -183,7 +183,7 @@ def describe_machine(device: str) -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
     info["torch"] = torch.__version__
     info["torch_threads"] = torch.get_num_threads()
-    info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]  # read as a lab ends: its last minute
     return info
 
 

@@ -146,4 +146,4 @@ def plot(m: Measurement, fig) -> None:
     ax.legend()
 
 
-LAB = Lab("kv-cache", "KV cache", DEFINITION, measure, explain, plot)
+LAB = Lab("kv-cache", "KV cache", DEFINITION, measure, explain, plot, timed=False)

@@ -101,4 +101,4 @@ def plot(m: Measurement, fig) -> None:
     b.set(ylabel="% of reserved memory never written", title="Fragmentation")
 
 
-LAB = Lab("paged-attention", "PagedAttention", DEFINITION, measure, explain, plot)
+LAB = Lab("paged-attention", "PagedAttention", DEFINITION, measure, explain, plot, timed=False)

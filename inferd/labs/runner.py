@@ -25,6 +25,9 @@ def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
         m = lab.measure(ctx)
         ctx.measurements[lab.name] = m
     explanation = lab.explain(m)
+    machine = describe_machine(str(ctx.torch_device))
+    if lab.measured_here and lab.timed and (caveat := busy_caveat(machine)):
+        explanation.why.append(caveat)
     title = f"{lab.term}: measured on {ctx.model_label}" if lab.measured_here else f"{lab.term}: a stored result"
     result = LabResult(
         lab=lab.name,
@@ -32,7 +35,7 @@ def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
         definition=lab.definition,
         model=ctx.model_label,
         quick=ctx.quick,
-        machine=describe_machine(str(ctx.torch_device)),
+        machine=machine,
         date=ctx.date,
         numbers=m.numbers,
         series=m.series,
@@ -45,6 +48,18 @@ def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
     _save_plot(lab, m, ctx.out / result.plot)
     (ctx.out / f"{lab.name}.json").write_text(json.dumps(result.to_dict(), indent=2, default=_jsonable) + "\n")
     return result
+
+
+def busy_caveat(machine: dict) -> str | None:
+    """A warning when other work shared the CPUs during the lab: its times then include waiting for a core."""
+    load, cores = machine["load_average_at_start"][0], machine.get("cpu_count") or 1
+    if load <= cores:
+        return None
+    return (
+        f"Caution: this machine was busy while the lab ran (load average {load:.1f} on {cores} cores), so its "
+        "times include waiting for a core and overstate what the model and hardware need; ratios between "
+        "runs of the same lab hold up better than absolute times. Run it again on an idle machine."
+    )
 
 
 def _jsonable(x):

@@ -121,6 +121,14 @@ def test_decode_says_so_when_this_machine_contradicts_the_glossary():
     assert "fixed per-step costs" in why.text and why.holds(_decode_numbers(4.2, 9.0).numbers)
 
 
+def test_a_busy_machine_is_named_in_the_text():
+    from inferd.labs.runner import busy_caveat
+
+    assert busy_caveat({"load_average_at_start": [1.5, 1, 1], "cpu_count": 2}) is None
+    caveat = busy_caveat({"load_average_at_start": [11.2, 9, 8], "cpu_count": 2})
+    assert "busy" in caveat and "11.2 on 2 cores" in caveat
+
+
 def test_glossary_page_names_machine_and_date(lab_run, tmp_path):
     result = _result(lab_run, "kv-cache")
     page = write_glossary_page(result, tmp_path).read_text()
