@@ -76,9 +76,9 @@ class FlopCounter:
         self.layers = cfg.num_hidden_layers
         self.heads = cfg.num_attention_heads
         self.head_dim = model.head_dim
-        # count from the Linear shapes: packed (oneDNN) layers no longer hold a dense weight
+        # count from the linear shapes: packed (oneDNN) and int8 layers no longer hold a dense weight
         self.body_params = sum(
-            m.in_features * m.out_features for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
+            m.in_features * m.out_features for m in model.model.layers.modules() if hasattr(m, "out_features")
         )
         self.windows = [getattr(layer.self_attn, "window", None) for layer in model.model.layers]
 

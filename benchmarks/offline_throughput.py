@@ -1,13 +1,14 @@
 """Offline throughput: inferd's engine against Hugging Face transformers `generate` on the same prompts.
 
 Workload (issue 2): 64 requests, prompt lengths uniform in 32-512, output lengths uniform in 32-256,
-ignore_eos, the default model in fp32. inferd runs them with max_num_seqs=32; transformers runs static
-batches of 32 (left padding), each batch until its longest requested output, counting only the tokens
-each request asked for. Also: a decode step at batch 32 in model FLOP/s against the machine's matmul
-peak, and a profile of that step.
+ignore_eos, the default model. inferd runs them with max_num_seqs=32, in --dtype (auto by default) and
+--quantization; transformers runs fp32 static batches of 32 (left padding), each batch until its longest
+requested output, counting only the tokens each request asked for. Also: a decode step at batch 32 in
+model FLOP/s against the machine's matmul peak, and a profile of that step.
 
     .venv/bin/python benchmarks/offline_throughput.py            # full run, writes results/offline_throughput.json
     .venv/bin/python benchmarks/offline_throughput.py --quick    # 16 requests, for a smoke test
+    .venv/bin/python benchmarks/offline_throughput.py --skip-hf --dtype bfloat16 --quantization int8 --out x
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def main() -> None:
     ap.add_argument("--hf-runs", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="inferd's dtype")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="inferd's dtype")
+    ap.add_argument("--quantization", default=None, choices=["int8"], help="inferd's weight-only quantization")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-kernel", "torch"])
     ap.add_argument("--quick", action="store_true", help="16 requests, one run each")
     ap.add_argument("--seed", type=int, default=0)
@@ -129,6 +131,7 @@ def main() -> None:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         max_model_len=1024,
         max_num_seqs=args.max_num_seqs,
@@ -150,6 +153,8 @@ def main() -> None:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "dtype": args.dtype,
+            "dtype_chosen": llm.engine.dtype_choice.name,
+            "quantization": args.quantization,
             "attention_backend": args.attention_backend,
             "cpu_linear": args.cpu_linear,
         },

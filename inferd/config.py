@@ -108,6 +108,12 @@ class EngineConfig:
         "PyTorch reference (torch)",
         choices=("auto", "cpu-kernel", "torch"),
     )
+    quantization: str | None = setting(
+        None,
+        "weight-only quantization of the linear layers and the LM head: int8 (per output channel, symmetric; "
+        "activations stay in --dtype). Default: none",
+        choices=("int8",),
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -28,6 +28,7 @@ from inferd.engine.scheduler import SampledToken, Scheduler
 from inferd.errors import ConfigError, InvalidRequestError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype
+from inferd.models.quant import check_quantization
 from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestTimes, TokenLogprobs
 from inferd.request import Request, RequestStatus, sub_request_id
 from inferd.sampling import SamplingParams
@@ -86,6 +87,7 @@ class Engine:
         self.dtype_choice = resolve_dtype(config.dtype, self.device)
         self.dtype = self.dtype_choice.dtype
         logger.info("dtype: %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
+        check_quantization(config.quantization, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         folder = loader.resolve_model(config.model)
@@ -93,7 +95,7 @@ class Engine:
         hf_config = loader.text_config(loader.load_config(folder))
         self.max_model_len = config.max_model_len or min(loader.model_max_len(hf_config), _MAX_DEFAULT_LEN)
         self.model = loader.load_model(
-            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear
+            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, config.quantization
         )
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_ids(folder, hf_config)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inferd.engine.sampler import Sampler
+from inferd.engine.sampler import Sampler, argmax_only
 from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.errors import ConfigError
 from inferd.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
@@ -115,11 +115,28 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         if not step.sampling:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[step.logits_indices])
-        sampled = self.sampler(logits, step.sampling)
-        for state, token_id in zip(step.sampling, sampled.token_ids, strict=True):
+        token_ids, logprobs = self.sample(hidden[step.logits_indices], step.sampling)
+        for state, token_id in zip(step.sampling, token_ids, strict=True):
             state.output_token_ids.append(token_id)
-        return RunnerOutput([s.request_id for s in step.sampling], sampled.token_ids, sampled.logprobs)
+        return RunnerOutput([s.request_id for s in step.sampling], token_ids, logprobs)
+
+    def sample(self, hidden: torch.Tensor, states: list[CachedRequest]) -> tuple[list[int], list]:
+        """Next tokens for the sampled rows: the argmax-only rows through the tiled LM head's fused argmax,
+        the rest (sampling, logprobs, penalties) through full logits and the sampler."""
+        fast = [i for i, s in enumerate(states) if argmax_only(s)]
+        if len(fast) == len(states):
+            return self.model.greedy_tokens(hidden).tolist(), [None] * len(states)
+        token_ids: list[int] = [0] * len(states)
+        logprobs: list = [None] * len(states)
+        if fast:
+            for i, t in zip(fast, self.model.greedy_tokens(hidden[self._tensor(fast)]).tolist(), strict=True):
+                token_ids[i] = t
+        slow = sorted(set(range(len(states))) - set(fast))
+        rows = hidden[self._tensor(slow)] if fast else hidden
+        sampled = self.sampler(self.model.compute_logits(rows), [states[i] for i in slow])
+        for i, t, lp in zip(slow, sampled.token_ids, sampled.logprobs, strict=True):
+            token_ids[i], logprobs[i] = t, lp
+        return token_ids, logprobs
 
     def update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_ids:

@@ -28,6 +28,13 @@ class SamplingState(Protocol):
     generator: torch.Generator | None  # a seeded request's own; None draws from the sampler's
 
 
+def argmax_only(state: SamplingState) -> bool:
+    """Whether the next token is the plain argmax of the logits: greedy, no logprobs, nothing that edits
+    the logits (penalties, the min_tokens mask). Such rows skip full logits (`CausalLM.greedy_tokens`)."""
+    p = state.params
+    return p.greedy and p.logprobs is None and not p.uses_penalties and len(state.output_token_ids) >= p.min_tokens
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]

@@ -10,6 +10,7 @@ from torch import nn
 
 from inferd.models.attention import AttentionMetadata
 from inferd.models.layers import FusedLinear
+from inferd.models.lm_head import LM_HEAD_TILE_ROWS, LMHead
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -50,11 +51,27 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        """Full logits [tokens, vocab] in the model's dtype."""
+        return self._cap_logits(self.lm_head(hidden))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of `compute_logits(hidden)` per row (first maximal index), without full rows of logits
+        once `tile_lm_head` has run."""
+        if isinstance(self.lm_head, LMHead):
+            return self.lm_head.argmax(hidden, self._cap_logits)
+        return self.compute_logits(hidden).argmax(dim=-1)
+
+    def _cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def tile_lm_head(self, tile_rows: int = LM_HEAD_TILE_ROWS) -> None:
+        """Replace the loaded LM head by vocabulary tiles over the same weight (after loading, before packing
+        or quantizing the linear layers)."""
+        if not isinstance(self.lm_head, LMHead):
+            self.lm_head = LMHead(self.lm_head.weight.detach(), tile_rows)
 
     # -- weights ----------------------------------------------------------------------------------
     def tie_weights_if_needed(self) -> None:

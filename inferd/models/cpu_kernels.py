@@ -18,6 +18,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
+_INT8_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -30,9 +31,9 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256((flags + model).encode()).hexdigest()[:10]
 
 
-def _source_hash() -> str:
+def _source_hash(source: Path) -> str:
     """In the module's name, so two checkouts with different kernel sources never load each other's build."""
-    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:10]
 
 
 _STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a process that died
@@ -56,20 +57,44 @@ def _remove_stale_lock(name: str) -> None:
 @functools.cache
 def paged_decode_kernel() -> Callable | None:
     """The compiled `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)`."""
+    module = _build("inferd_paged_decode", _SOURCE, "CPU paged attention kernel")
+    return None if module is None else module.paged_decode
+
+
+@functools.cache
+def int8_linear_kernel() -> Callable | None:
+    """The compiled `int8_linear(x_fp32 [M, K], q_int8 [N, K], scale_fp32 [N], bias or None)`."""
+    module = _build("inferd_int8_linear", _INT8_SOURCE, "CPU int8 linear kernel")
+    return None if module is None else module.int8_linear
+
+
+def _stable_copy(source: Path, name: str) -> Path:
+    """The source at a path that depends only on its content: torch rebuilds an extension whose build file
+    names other source paths, so two checkouts of the same kernel would otherwise rebuild it in turn."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    target = Path(_get_build_directory(name, verbose=False)).parent / f"{name}.cpp"
+    if not target.exists() or target.read_bytes() != source.read_bytes():
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(source.read_bytes())
+        os.replace(tmp, target)
+    return target
+
+
+def _build(prefix: str, source: Path, what: str):
     if os.environ.get("INFERD_DISABLE_CPU_KERNELS"):
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"inferd_paged_decode_{_cpu_fingerprint()}_{_source_hash()}"
+        name = f"{prefix}_{_cpu_fingerprint()}_{_source_hash(source)}"
         _remove_stale_lock(name)
-        module = load(
+        return load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(_stable_copy(source, name))],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             verbose=False,
         )
-        return module.paged_decode
     except Exception as e:  # no compiler, no ninja, odd platform: the reference path still works
-        logger.warning("CPU paged attention kernel unavailable (%s); using the PyTorch reference", e)
+        logger.warning("%s unavailable (%s); using the PyTorch reference", what, e)
         return None

@@ -22,6 +22,7 @@ from inferd.config import DEFAULT_MODEL
 from inferd.errors import ModelLoadError
 from inferd.models.base import CausalLM
 from inferd.models.layers import pack_linears_for_cpu
+from inferd.models.quant import quantize_model
 from inferd.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -183,8 +184,12 @@ def load_model(
     device: torch.device,
     max_positions: int,
     cpu_linear: str = "onednn",
+    quantization: str | None = None,
 ) -> CausalLM:
-    """Build the model class for `config` (a text config, see `text_config`) and fill it from `folder`."""
+    """Build the model class for `config` (a text config, see `text_config`) and fill it from `folder`.
+
+    The checkpoint is read into float32; `quantization` (see inferd.models.quant) quantizes from those values,
+    then the rest of the model is cast to `dtype`."""
     cls = model_class_for(config)
     with _skip_init(), torch.device(device):
         model = cls(config, max_positions)
@@ -192,7 +197,13 @@ def load_model(
         model.load_weights(iter_safetensors(folder))
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
-    model.to(dtype=dtype)
+    if quantization is None:
+        model.to(dtype=dtype)
+        model.tile_lm_head()  # tiles view the cast weight: a tied head stays shared with the embedding
+    else:
+        model.tile_lm_head()  # tiles view the fp32 weights, then become int8 copies
+        quantize_model(model, quantization, device)
+        model.to(dtype=dtype)
     if device.type == "cpu" and dtype == torch.float32 and cpu_linear == "onednn":
         pack_linears_for_cpu(model)
     model.eval().requires_grad_(False)

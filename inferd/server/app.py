@@ -119,8 +119,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
     def card(name: str) -> ModelCard:
-        dtype = engine.dtype_choice.name
-        return ModelCard(id=name, created=created, root=root, max_model_len=engine.max_model_len, dtype=dtype)
+        dtype, quant = engine.dtype_choice.name, engine.config.quantization
+        return ModelCard(
+            id=name, created=created, root=root, max_model_len=engine.max_model_len, dtype=dtype, quantization=quant
+        )
 
     @app.get("/v1/models", responses=_errors(*auth))
     async def list_models() -> ModelList:

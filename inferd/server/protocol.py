@@ -249,6 +249,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None
     dtype: str | None = None  # what the engine runs in (after --dtype auto)
+    quantization: str | None = None
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,63 @@
+"""The LM head in vocabulary tiles, with a greedy argmax fused over them.
+
+For a small model with a large vocabulary (Gemma 3 270M: 640 x 262,144) the LM head is most of a decode
+step's FLOPs and bytes. `LMHead` holds it as row tiles of the vocabulary, each an ordinary `Linear`
+(so the oneDNN packing and int8 quantization apply to tiles like to any other linear layer), computed in
+the model's dtype. A request that only needs the argmax (greedy, no logprobs, no penalties) never gets a
+full row of logits: `argmax` walks the tiles and keeps a running maximum, so only one tile of logits
+exists at a time. Ties resolve to the first maximal index, as `torch.argmax` over the full row does
+(tiles are visited in order and a later tile replaces the best only when strictly greater); NaN logits
+are not supported on that path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from inferd.models.layers import Linear
+
+LM_HEAD_TILE_ROWS = 16384  # 262,144 rows -> 16 tiles; [32 x 16384] fp32 logits are 2 MiB
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LMHead(nn.Module):
+    """Vocabulary-tiled projection hidden -> logits. Tiles view the weight they were built from (no copy)."""
+
+    def __init__(self, weight: torch.Tensor, tile_rows: int = LM_HEAD_TILE_ROWS):
+        super().__init__()
+        vocab, hidden = weight.shape
+        self.vocab_size = vocab
+        self.offsets = list(range(0, vocab, tile_rows))
+        self.tiles = nn.ModuleList()
+        for lo in self.offsets:
+            rows = weight[lo : lo + tile_rows]
+            tile = Linear(hidden, rows.shape[0], bias=False, device="meta")
+            tile.weight = nn.Parameter(rows, requires_grad=False)
+            self.tiles.append(tile)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Full logits [tokens, vocab]."""
+        if len(self.tiles) == 1:
+            return self.tiles[0](x)
+        return torch.cat([tile(x) for tile in self.tiles], dim=-1)
+
+    def argmax(self, x: torch.Tensor, transform: Transform | None = None) -> torch.Tensor:
+        """argmax over the vocabulary of transform(logits), tile by tile; first maximal index on ties."""
+        best_val = best_idx = None
+        for lo, tile in zip(self.offsets, self.tiles, strict=True):
+            logits = tile(x)
+            if transform is not None:
+                logits = transform(logits)
+            val, idx = logits.max(dim=-1)
+            if best_val is None:
+                best_val, best_idx = val, idx
+                continue
+            better = val > best_val
+            best_val = torch.where(better, val, best_val)
+            best_idx = torch.where(better, idx + lo, best_idx)
+        assert best_idx is not None
+        return best_idx

@@ -1,0 +1,137 @@
+"""Weight-only quantization of the linear layers and the LM head (`--quantization int8`).
+
+int8, per output channel, symmetric: each weight row is stored as int8 `q` with one float32 scale,
+w ~= q * scale, scale = max|row| / 127. Activations keep the model's dtype; only the weights shrink (a
+quarter of fp32's bytes, half of bf16's), which is what decoding a small batch is bound by. The weights are
+quantized from the float values the model was loaded with: for a GGUF (Q4_K_M and the like) that is the
+float folder transformers dequantized it into, so a GGUF tensor is dequantized once to float, then
+quantized to int8 per channel (not converted block-to-block).
+
+Kernels, picked per call from the activations' dtype and the number of rows M (measured on one shape of
+Gemma 3 270M; see docs/performance.md):
+- bf16 activations (CPUs with native bf16): `torch.ops.aten._weight_int8pack_mm` for small M (it reads
+  int8 and is bandwidth-bound like decoding; only where K is a multiple of 16: torch 2.13's kernel gives
+  wrong results otherwise); for large M the int8 weights are widened to bf16 and go
+  through the dense bf16 matmul (AMX / AVX512_BF16), which is compute-bound there.
+- float32 activations (AVX2 or AVX-512 without bf16): our native kernel (`kernels/int8_linear_cpu.cpp`,
+  int8 widened in registers) for small M; above that the weights are widened to fp32 for the dense matmul.
+  Without the native kernel (no compiler) the widening path serves every M.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferd.errors import ConfigError
+from inferd.models.layers import Linear
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8",)
+
+# rows up to which the int8-reading kernels beat widening the weights for the dense matmul (see module doc)
+INT8PACK_MAX_ROWS = 8
+NATIVE_MAX_ROWS = 16
+# torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
+INT8PACK_K_MULTIPLE = 16
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q [N, K] int8, scale [N] float32), w ~= q * scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights and per-channel float32 scales; activations in any float dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, native: Callable | None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q)
+        # plain attributes, not buffers: model.to(bfloat16) must not round the scales
+        self.scale = scale.float()
+        self._scales: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale}
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.native = native
+        self.int8pack_ok = self.in_features % INT8PACK_K_MULTIPLE == 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, native: Callable | None) -> Int8Linear:
+        q, scale = quantize_int8(linear.weight)
+        return cls(q, scale, linear.bias, native)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    def _scale(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._scales:
+            self._scales[dtype] = self.scale.to(dtype)
+        return self._scales[dtype]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        rows, dtype = x2.shape[0], x2.dtype
+        if dtype == torch.float32 and self.native is not None and rows <= NATIVE_MAX_ROWS:
+            y = self.native(x2, self.qweight, self.scale, self.bias)
+        elif dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok:
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
+            if self.bias is not None:
+                y = y + self.bias.to(dtype)
+        else:  # widen the weights (exact: |q| <= 127) for the dense matmul; scale the outputs
+            y = F.linear(x2, self.qweight.to(dtype)) * self._scale(dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:  # as FusedLinear's, for the fused q/k/v
+        return y.split(self.out_sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+def check_quantization(name: str | None, device: torch.device) -> None:
+    """A clear ConfigError for a quantization that is unknown or that this device cannot run."""
+    if name is None:
+        return
+    if name not in QUANTIZATIONS:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {name!r}")
+    if device.type != "cpu":
+        raise ConfigError(f"--quantization {name} runs on CPU only (its kernels are CPU kernels); got {device}")
+
+
+def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
+    """Replace every Linear (the LM head's tiles included) by its int8 form; returns how many were replaced."""
+    check_quantization(name, device)
+    from inferd.models.cpu_kernels import int8_linear_kernel
+
+    native = int8_linear_kernel() if device.type == "cpu" else None
+    targets = [(parent, child_name, child) for parent in model.modules() for child_name, child in _linears(parent)]
+    if not targets:
+        raise ConfigError(f"--quantization {name}: {type(model).__name__} has no linear layers to quantize")
+    for parent, child_name, child in targets:
+        quantized = Int8Linear.from_linear(child, native)
+        if hasattr(child, "out_sizes"):  # FusedLinear: keep how its output splits
+            quantized.out_sizes = child.out_sizes
+        setattr(parent, child_name, quantized)
+    logger.info(
+        "quantization int8: %d linear layers, per-channel int8 weights; fp32 kernel: %s",
+        len(targets),
+        "native (int8 widened in registers)" if native else "widen to fp32 and dense matmul",
+    )
+    return len(targets)
+
+
+def _linears(parent: nn.Module):
+    for child_name, child in parent.named_children():
+        if isinstance(child, Linear):
+            yield child_name, child

@@ -1,0 +1,98 @@
+"""The tiled LM head: full logits as one matmul gives them, and a fused greedy argmax equal to torch.argmax
+over the full row, ties included (the first maximal index)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inferd import LLM, SamplingParams
+from inferd.models.lm_head import LMHead
+from tests.conftest import assert_idle
+
+
+def _head(vocab: int, hidden: int, tile: int, dtype=torch.float32) -> tuple[LMHead, torch.Tensor]:
+    torch.manual_seed(0)
+    weight = torch.randn(vocab, hidden).to(dtype)
+    return LMHead(weight, tile), weight
+
+
+@pytest.mark.parametrize("tile", [1, 7, 64, 100, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_and_argmax_match_the_full_matmul(tile, dtype):
+    head, weight = _head(100, 16, tile, dtype)
+    x = torch.randn(9, 16).to(dtype)
+    full = F.linear(x, weight)
+    torch.testing.assert_close(head(x), full)
+    assert torch.equal(head.argmax(x), full.argmax(dim=-1))
+    assert len(head.tiles) == -(-100 // tile)
+
+
+@pytest.mark.parametrize("tile", [3, 5, 8, 50])
+def test_ties_resolve_to_the_first_index_across_tiles(tile):
+    vocab, hidden = 40, 8
+    weight = torch.randn(vocab, hidden)
+    # the same best row at 4, 9, 17 and 33 (different tiles for most tile sizes); x aligned with it
+    best = torch.randn(hidden) * 5
+    for row in (4, 9, 17, 33):
+        weight[row] = best
+    x = torch.stack([best, best * 2, -best])
+    head = LMHead(weight, tile)
+    full = F.linear(x, weight)
+    expected = full.argmax(dim=-1)
+    assert expected[0] == 4 and expected[1] == 4
+    assert torch.equal(head.argmax(x), expected)
+    # an all-equal row: index 0, as torch.argmax gives
+    assert head.argmax(torch.zeros(1, hidden)).item() == F.linear(torch.zeros(1, hidden), weight).argmax().item() == 0
+
+
+def test_argmax_applies_the_transform_before_comparing():
+    head, weight = _head(50, 8, 16)
+    x = torch.randn(4, 8) * 30  # large logits: the softcap saturates them, ties become likely in bf16
+
+    def cap(t):
+        return torch.tanh(t / 2.0) * 2.0
+
+    for dtype in (torch.float32, torch.bfloat16):
+        h = LMHead(weight.to(dtype), 16)
+        xd = x.to(dtype)
+        assert torch.equal(h.argmax(xd, cap), cap(F.linear(xd, weight.to(dtype))).argmax(dim=-1))
+
+
+def test_tiles_view_the_weight_without_copying():
+    weight = torch.randn(30, 4)
+    head = LMHead(weight, 8)
+    assert all(t.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for t in head.tiles)
+
+
+def test_greedy_rows_skip_full_logits_and_agree_with_the_full_path(tiny_models, monkeypatch):
+    """A batch mixing argmax-only requests with logprob and sampled requests: the argmax-only rows give the
+    tokens the full-logits path gives (logprobs=1 forces that path)."""
+    llm = LLM(str(tiny_models["llama"]), max_model_len=128, num_blocks=64, dtype="float32")
+    prompts = ["The quick brown fox", "Paged attention stores", "def add(a, b):", "Question: What is"]
+    fast = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    slow = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
+    calls = {"greedy": 0}
+    real = llm.engine.model.greedy_tokens
+
+    def counting(hidden):
+        calls["greedy"] += 1
+        return real(hidden)
+
+    monkeypatch.setattr(llm.engine.model, "greedy_tokens", counting)
+    mixed = llm.generate(prompts * 3, [fast] * 4 + [slow] * 4 + [sampled] * 4)
+    assert calls["greedy"] > 0
+    for a, b in zip(mixed[:4], mixed[4:8], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert all(len(o.outputs[0].token_ids) == 12 for o in mixed[8:])
+    assert_idle(llm)
+
+
+def test_a_tied_head_stays_shared_with_the_embedding_in_bf16(tiny_models):
+    llm = LLM(str(tiny_models["gemma3"]), max_model_len=64, num_blocks=16, dtype="bfloat16")
+    model = llm.engine.model
+    embed = model.model.embed_tokens.weight
+    assert embed.dtype == torch.bfloat16
+    assert model.lm_head.tiles[0].weight.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()

@@ -1,0 +1,118 @@
+"""int8 weight-only quantization: the per-channel math, each kernel path against fp32, the error messages, and
+the engine end to end on tiny models without leaking blocks."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inferd import LLM, SamplingParams
+from inferd.config import add_engine_args, make_engine_config
+from inferd.errors import ConfigError
+from inferd.models import quant
+from inferd.models.cpu_kernels import int8_linear_kernel
+from inferd.models.layers import Linear
+from inferd.models.lm_head import LMHead
+from tests.conftest import assert_idle
+
+
+def _layer(n: int = 48, k: int = 40, bias: bool = True) -> Linear:
+    torch.manual_seed(0)
+    layer = Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k))
+        if bias:
+            layer.bias.copy_(torch.randn(n))
+    return layer
+
+
+def test_per_channel_symmetric_round_trip():
+    w = torch.randn(32, 64) * torch.linspace(0.01, 10, 32)[:, None]  # rows of very different ranges
+    q, scale = quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (32,) and q.abs().max() <= 127
+    assert torch.equal(q.abs().amax(dim=1), torch.full((32,), 127, dtype=torch.int8))  # each row uses its range
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_the_native_kernel_builds_here():
+    assert int8_linear_kernel() is not None, "the native int8 kernel must build where CI runs"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
+@pytest.mark.parametrize("kernel", ["native", "widen"])
+def test_fp32_paths_match_the_dequantized_weights(rows, kernel):
+    layer = _layer()
+    native = int8_linear_kernel() if kernel == "native" else None
+    q8 = quant.Int8Linear.from_linear(layer, native)
+    x = torch.randn(2, rows, 40)
+    exact = F.linear(x, q8.dequantized(), layer.bias)
+    torch.testing.assert_close(q8(x), exact, rtol=1e-4, atol=1e-4)
+    # and close to the unquantized layer: int8 per channel keeps ~2 significant digits
+    ref = layer(x)
+    assert ((q8(x) - ref).norm() / ref.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, quant.INT8PACK_MAX_ROWS, quant.INT8PACK_MAX_ROWS + 1, 33])
+@pytest.mark.parametrize("k", [64, 40])  # 40: torch's packed op is wrong there, the widening path serves it
+def test_bf16_paths_match_fp32_within_bf16_precision(rows, k):
+    layer = _layer(k=k)
+    q8 = quant.Int8Linear.from_linear(layer, int8_linear_kernel())
+    assert q8.int8pack_ok == (k % 16 == 0)
+    x = torch.randn(rows, k)
+    got = q8(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    ref = layer(x)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_quantized_lm_head_argmax_equals_its_full_logits_argmax():
+    weight = torch.randn(300, 16)
+    head = LMHead(weight, 64)
+    quant.quantize_model(head, "int8", torch.device("cpu"))
+    assert all(isinstance(t, quant.Int8Linear) for t in head.tiles)
+    x = torch.randn(5, 16)
+    assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
+    assert ((head(x) - F.linear(x, weight)).norm() / F.linear(x, weight).norm()).item() < 0.02
+
+
+def test_unknown_or_impossible_quantization_is_a_clear_error():
+    with pytest.raises(ConfigError, match="quantization must be one of int8; got 'fp8'"):
+        make_engine_config("x", quantization="fp8").validate()
+    with pytest.raises(ConfigError, match="quantization must be one of int8"):
+        quant.check_quantization("int3", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="CPU only"):
+        quant.check_quantization("int8", torch.device("cuda"))
+    with pytest.raises(ConfigError, match="no linear layers"):
+        quant.quantize_model(torch.nn.Sequential(torch.nn.ReLU()), "int8", torch.device("cpu"))
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--quantization", "int8"]).quantization == "int8"
+    assert parser.parse_args([]).quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2", "llama"])  # tied head; tied head with q/k/v bias; untied
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_runs_int8_end_to_end(tiny_models, arch, dtype):
+    llm = LLM(str(tiny_models[arch]), max_model_len=128, num_blocks=24, block_size=8, dtype=dtype, quantization="int8")
+    model = llm.engine.model
+    assert not any(isinstance(m, Linear) for m in model.modules()), "every linear layer is quantized"
+    assert isinstance(model.lm_head.tiles[0], quant.Int8Linear)
+    texts = ["The quick brown fox", "def add(a, b):", "Question: What is the capital of France?", "Paged"]
+    prompts = [t for t in texts for _ in range(3)]  # each prompt greedy, greedy with logprobs, sampled
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True, seed=1),
+    ] * 4
+    outs = llm.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    if dtype == "float32":  # bf16 kernels round differently for different row counts: near-ties may flip
+        for greedy, with_logprobs in zip(outs[0::3], outs[1::3], strict=True):
+            assert greedy.outputs[0].token_ids == with_logprobs.outputs[0].token_ids
+    assert_idle(llm)
