@@ -68,3 +68,14 @@ def test_scale_to_zero_needs_min_zero_and_one_target_is_required():
     none = "targets: {waiting: null, kv_cache_usage: null}"
     with pytest.raises(ConfigError, match="set at least one target"):
         parse_fleet(base % none)
+
+
+def test_the_shipped_examples_are_valid_specs():
+    from pathlib import Path
+
+    from inferd.fleet.spec import load_fleet
+
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("fleet*.yaml"))
+    assert len(examples) >= 2
+    for path in examples:
+        assert load_fleet(path).models
