@@ -32,6 +32,8 @@ from inferd.fleet.spec import FleetSpec, ModelSpec, PoolSpec
 ENGINE_PORT = 8000
 GATEWAY_PORT = 9000
 PROXY_PORT = 8000
+KV_PORT = 9100  # a prefill pod's KV transfer channel
+KV_SECRET_NAME = "inferd-kv"  # Secret with key `secret`, the same for every prefill and decode pod
 UID = 1000  # the image's `inferd` user (see Dockerfile)
 CACHE_DIR = "/cache"  # the model cache volume: Hugging Face downloads, compiled kernels
 
@@ -194,6 +196,10 @@ def image_for(opts: K8sOptions, gpu: bool | None = None) -> str:
 def engine_args(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K8sOptions) -> list[str]:
     args = ["serve", "--host", "0.0.0.0", "--port", str(ENGINE_PORT), "--drain-timeout", str(opts.drain_timeout_s)]
     args += spec.serve_argv(model, pool)
+    if pool.role == "prefill":  # each pod's KV channel, advertised at its own IP (Kubernetes expands $(POD_IP))
+        args += ["--kv-host", "0.0.0.0", "--kv-port", str(KV_PORT), "--kv-advertise-host", "$(POD_IP)"]
+    elif pool.role == "decode":  # pull only from the prefill pool's pods: the addresses its headless Service names
+        args += ["--kv-peers", f"{svc_dns(pool_name(_prefill(model)), opts)}:{KV_PORT}"]
     if opts.vllm_metric_names:
         args += ["--metrics-names", "vllm"]
     return args
@@ -209,8 +215,9 @@ def engine_container(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K8
         "imagePullPolicy": "IfNotPresent",
         "command": ["inferd"],
         "args": engine_args(spec, model, pool, opts),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": env,
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+        + ([{"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}] if pool.role == "prefill" else []),
+        "env": env + _kv_env(pool),
         "resources": resources,
         "securityContext": sc,
         "volumeMounts": mounts,
@@ -218,6 +225,17 @@ def engine_container(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K8
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         **_probes(opts),
     }
+
+
+def _kv_env(pool: PoolSpec) -> list[dict]:
+    """The KV channel's shared secret (from a Secret the operator creates, docs/deploy.md) and the pod's IP."""
+    if pool.role == "both":
+        return []
+    secret = {"secretKeyRef": {"name": KV_SECRET_NAME, "key": "secret"}}
+    env = [{"name": "INFERD_KV_SECRET", "valueFrom": secret}]
+    if pool.role == "prefill":
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return env
 
 
 def _pod_spec(containers: list[dict], opts: K8sOptions, gpu: bool, volumes: list[dict] | None = None) -> dict:
@@ -262,8 +280,14 @@ def engine_deployment(spec: FleetSpec, model: ModelSpec, pool: PoolSpec, opts: K
     return dep
 
 
-def headless_service(name: str, labels: dict, selector: dict, port: int, opts: K8sOptions) -> Manifest:
-    """Headless: its DNS name resolves to every ready pod, which is how the gateway finds replicas."""
+def headless_service(
+    name: str, labels: dict, selector: dict, port: int, opts: K8sOptions, kv_port: int | None = None
+) -> Manifest:
+    """Headless: its DNS name resolves to every ready pod, which is how the gateway finds replicas (and a
+    decode pod the prefill pods it may pull KV from)."""
+    ports = [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]
+    if kv_port is not None:
+        ports.append({"name": "kv", "port": kv_port, "targetPort": "kv", "protocol": "TCP"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -271,7 +295,7 @@ def headless_service(name: str, labels: dict, selector: dict, port: int, opts: K
         "spec": {
             "clusterIP": "None",
             "selector": selector,
-            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": ports,
         },
     }
 
@@ -423,7 +447,8 @@ def engine_objects(spec: FleetSpec, opts: K8sOptions) -> list[Manifest]:
     out = []
     for m, p in spec.pools():
         out.append(engine_deployment(spec, m, p, opts))
-        out.append(headless_service(pool_name(p), pool_labels(m, p), _selector(m, p), ENGINE_PORT, opts))
+        kv_port = KV_PORT if p.role == "prefill" else None
+        out.append(headless_service(pool_name(p), pool_labels(m, p), _selector(m, p), ENGINE_PORT, opts, kv_port))
     for m in spec.models:
         if m.disaggregated:
             proxy = proxy_deployment(m, opts)

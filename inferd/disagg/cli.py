@@ -40,7 +40,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--kv-peers",
         nargs="+",
         default=[],
-        help="decode: the prefill instances' KV channels (host:port) it may pull from; others are refused (400)",
+        help="decode: the prefill instances' KV channels (host:port) it may pull from; others are refused (400). "
+        "A DNS name admits every address it resolves to (a Kubernetes headless Service)",
     )
     g.add_argument("--kv-lease-ttl", type=float, default=30.0, help="prefill: seconds a lease pins its blocks")
     g.add_argument(
@@ -55,6 +56,7 @@ def make_connector(args: argparse.Namespace, engine):
     """The engine's KV connector for --role prefill or decode (None for both), already attached."""
     if args.role == "both":
         return None
+    from inferd.disagg.params import Peers
     from inferd.engine.kv_connector import DisaggConnector, DisaggSettings
     from inferd.errors import ConfigError
 
@@ -65,7 +67,7 @@ def make_connector(args: argparse.Namespace, engine):
     settings = DisaggSettings(
         role=args.role,
         secret=args.kv_secret.encode(),
-        peers=frozenset(args.kv_peers),
+        peers=Peers(args.kv_peers),
         lease_ttl=args.kv_lease_ttl,
         kv_host=args.kv_host,
         kv_port=args.kv_port,

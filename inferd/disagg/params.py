@@ -13,6 +13,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import socket
+import time
+from collections.abc import Container, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,7 +69,7 @@ class KVTransferParams:
         return body
 
     @classmethod
-    def from_dict(cls, body: Any, secret: bytes, allowed_peers: frozenset[str]) -> KVTransferParams:
+    def from_dict(cls, body: Any, secret: bytes, allowed_peers: Container[str]) -> KVTransferParams:
         """Check and parse what a client sent; raises BadTransferParams with the reason."""
         if not isinstance(body, dict):
             raise BadTransferParams("kv_transfer_params must be an object")
@@ -161,3 +164,48 @@ def _list(x: Any, name: str) -> list:
     if not isinstance(x, list):
         raise TypeError(f"{name} must be a list")
     return x
+
+
+class Peers:
+    """The decode side's allow-list of prefill KV channels, `host:port` each.
+
+    A channel is admitted when it is listed as written, or when its host is an address that a listed DNS
+    name resolves to on the same port: on Kubernetes the prefill pool's headless Service names every ready
+    pod, and each pod advertises its own IP (`--kv-advertise-host $(POD_IP)`). Names are resolved again at
+    most every `ttl_s`; a name that does not resolve admits nothing.
+    """
+
+    def __init__(self, entries: Iterable[str], ttl_s: float = 5.0, resolve=None):
+        self.entries = frozenset(entries)
+        self.ttl_s = ttl_s
+        self._resolve = resolve or _addresses
+        self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __contains__(self, peer: object) -> bool:
+        if not isinstance(peer, str):
+            return False
+        if peer in self.entries:
+            return True
+        host, _, port = peer.rpartition(":")
+        return any(
+            e_port == port and host in self._addresses_of(e_host)
+            for e_host, _, e_port in (e.rpartition(":") for e in self.entries)
+        )
+
+    def _addresses_of(self, host: str) -> frozenset[str]:
+        now = time.monotonic()
+        hit = self._cache.get(host)
+        if hit is None or now - hit[0] > self.ttl_s:
+            hit = (now, self._resolve(host))
+            self._cache[host] = hit
+        return hit[1]
+
+
+def _addresses(host: str) -> frozenset[str]:
+    try:
+        return frozenset(info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except OSError:
+        return frozenset()

@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,7 +181,7 @@ class DisaggStats:
 class DisaggSettings:
     role: str  # prefill | decode
     secret: bytes
-    peers: frozenset[str] = frozenset()  # decode: prefill channels (host:port) it may pull from
+    peers: Container[str] = frozenset()  # decode: prefill channels (host:port) it may pull from (disagg.params.Peers)
     lease_ttl: float = 30.0
     read_timeout: float = 30.0
     kv_host: str = "127.0.0.1"  # prefill: where its channel listens

@@ -117,12 +117,26 @@ def test_engine_args_are_flags_inferd_serve_accepts(rendered):
         c = dep["spec"]["template"]["spec"]["containers"][0]
         if c["args"][0] != "serve":
             continue
-        args, unknown = parser.parse_known_args(c["args"])
+        args = parser.parse_args(c["args"])
         assert args.host == "0.0.0.0" and args.port == 8000
-        # `--role` comes with `inferd serve --role prefill|decode` (disaggregation); nothing else may be unknown
-        assert unknown in ([], ["--role", "prefill"], ["--role", "decode"]), unknown
+
+
+def test_disaggregated_pools_wire_the_kv_channel(rendered):
+    """Prefill pods advertise their own IP; decode pods admit exactly the prefill Service's addresses."""
+    parser = build_parser()
+    prefill = _by(rendered, "Deployment", "inferd-split-prefill")["spec"]["template"]["spec"]["containers"][0]
     decode = _by(rendered, "Deployment", "inferd-split-decode")["spec"]["template"]["spec"]["containers"][0]
-    assert decode["args"][decode["args"].index("--role") + 1] == "decode"
+    p, d = parser.parse_args(prefill["args"]), parser.parse_args(decode["args"])
+    assert (p.role, p.kv_host, p.kv_port, p.kv_advertise_host) == ("prefill", "0.0.0.0", 9100, "$(POD_IP)")
+    assert d.role == "decode" and d.kv_peers == ["inferd-split-prefill.inferd.svc.cluster.local:9100"]
+    assert {"name": "kv", "containerPort": 9100, "protocol": "TCP"} in prefill["ports"]
+    env = {e["name"]: e for e in prefill["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    for c in (prefill, decode):
+        secret = {e["name"]: e for e in c["env"]}["INFERD_KV_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert secret == {"name": "inferd-kv", "key": "secret"}
+    svc = _by(rendered, "Service", "inferd-split-prefill")
+    assert {"name": "kv", "port": 9100, "targetPort": "kv", "protocol": "TCP"} in svc["spec"]["ports"]
 
 
 def test_services_are_headless_and_the_gateway_finds_them_by_dns(rendered):

@@ -139,3 +139,23 @@ def test_prefill_body_asks_for_one_token_and_a_lease():
     assert out["kv_transfer_params"] == {"do_remote_decode": True} and out["logprobs"] is None
     chat = _prefill_body({"messages": [], "max_completion_tokens": 50, "logprobs": True, "top_logprobs": 3})
     assert chat["max_completion_tokens"] == 1 and chat["logprobs"] is False and chat["top_logprobs"] is None
+
+
+def test_peers_admit_listed_channels_and_the_addresses_a_listed_name_resolves_to():
+    from inferd.disagg.params import Peers
+
+    answers = {"prefill.ns.svc": frozenset({"10.0.0.5", "10.0.0.6"})}
+    calls = []
+
+    def resolve(host):
+        calls.append(host)
+        return answers.get(host, frozenset())
+
+    peers = Peers(["127.0.0.1:9100", "prefill.ns.svc:9100"], ttl_s=60, resolve=resolve)
+    assert "127.0.0.1:9100" in peers and "10.0.0.5:9100" in peers and "10.0.0.6:9100" in peers
+    assert "10.0.0.5:9101" not in peers  # the port must match too
+    assert "10.0.0.7:9100" not in peers and "evil.example:9100" not in peers and 42 not in peers
+    assert calls.count("prefill.ns.svc") == 1  # resolved once within the ttl
+    answers["prefill.ns.svc"] = frozenset()
+    assert "10.0.0.5:9100" in peers  # still cached
+    assert not Peers([]) and Peers(["a:1"])
