@@ -7,11 +7,12 @@ back to the PyTorch reference attention, which gives the same results, only slow
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,22 +37,21 @@ def _source_hash(source: Path) -> str:
     return hashlib.sha256(source.read_bytes()).hexdigest()[:10]
 
 
-_STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a process that died
-
-
-def _remove_stale_lock(name: str) -> None:
-    """torch's build lock is a plain file: a build killed midway (Ctrl-C on the first start) leaves it behind,
-    and every later start would wait on it forever. Remove one that no live build can still hold."""
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """One build of `name` at a time across processes, held with flock so the OS releases it when its holder
+    dies. torch's own lock is a plain file that a killed build (Ctrl-C, a test killing a starting server)
+    leaves behind, and every later start would wait on it; under our lock no live build can hold torch's,
+    so a leftover one is removed."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > _STALE_LOCK_S:
-        logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+    folder = Path(_get_build_directory(name, verbose=False))
+    with open(folder.parent / f"{name}.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if (folder / "lock").exists():
+            logger.warning("removing a kernel build lock left by a build that died: %s", folder / "lock")
+            (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
@@ -88,13 +88,13 @@ def _build(prefix: str, source: Path, what: str):
         from torch.utils.cpp_extension import load
 
         name = f"{prefix}_{_cpu_fingerprint()}_{_source_hash(source)}"
-        _remove_stale_lock(name)
-        return load(
-            name=name,
-            sources=[str(_stable_copy(source, name))],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-            verbose=False,
-        )
+        with _build_lock(name):
+            return load(
+                name=name,
+                sources=[str(_stable_copy(source, name))],
+                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, odd platform: the reference path still works
         logger.warning("%s unavailable (%s); using the PyTorch reference", what, e)
         return None
