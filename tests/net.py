@@ -1,12 +1,7 @@
-"""Loopback helpers for tests that start real servers."""
+"""Loopback helpers for tests that start real servers (the package's launcher has them: inferd/procs.py)."""
 
 from __future__ import annotations
 
-import socket
+from inferd.procs import free_port
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]

@@ -15,6 +15,7 @@ FORBIDDEN = {
     "inferd.sampling": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.outputs": {"inferd."},
     "inferd.prefix_hash": {"inferd."},
+    "inferd.procs": {"inferd."},
     "inferd.strict_json": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.yaml_config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.fleet.spec": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},

@@ -291,7 +291,8 @@ class LabContext:
 
     def replicas(self, count: int, *extra: str) -> list:
         """`count` inferd replicas of this run's model (processes), started once per set of flags."""
-        from inferd.labs.procs import start_replica, wait_ready
+        from inferd.labs.procs import start_replica
+        from inferd.procs import wait_http
 
         key = (count, extra)
         if key not in self._replicas:
@@ -302,7 +303,7 @@ class LabContext:
             self._replicas[key] = procs
             self.on_close(lambda: [p.stop() for p in procs])
             for p in procs:
-                wait_ready(p, "/health", timeout=600)
+                wait_http(p, "/health", timeout=600)
         return self._replicas[key]
 
     def any_replicas(self) -> list:

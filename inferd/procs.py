@@ -1,0 +1,128 @@
+"""inferd's own commands as child processes on loopback: `inferd serve` replicas, an `inferd gateway`, or any
+command; each on a free port, waited for with a deadline, stopped with SIGTERM (then SIGKILL), its output in a
+log file that an error quotes.
+
+The tests, the benchmarks and the labs all start real servers; this is the one launcher they share. A child
+imports the same inferd as its parent: the checkout this module lives in goes first on its PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]  # the folder holding the `inferd` package (a checkout or site-packages)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    port: int
+    log: Path
+    config_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown."""
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def spawn(name: str, argv: list[str], port: int, log_dir: Path) -> Proc:
+    log = log_dir / f"{name}-{port}.log"
+    with log.open("wb") as f:
+        popen = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT, start_new_session=True
+        )
+    return Proc(name, popen, port, log)
+
+
+def wait_http(proc: Proc, path: str, timeout: float = 60.0) -> None:
+    """Until `path` answers 200; kills the process and raises with its log if it exits or never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        try:
+            if httpx.get(proc.url + path, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{proc.name} not ready after {timeout:.0f} s:\n{proc.log_tail()}")
+
+
+def start_serve(model: str | Path, log_dir: Path, served_name: str, *extra: str) -> Proc:
+    """`inferd serve` on one thread with a short drain (the caller waits for /health with `wait_http`)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "inferd.cli", "--log-level", "WARNING", "serve", "--model", str(model)]
+    argv += ["--port", str(port), "--served-model-name", served_name, "--num-threads", "1", "--drain-timeout", "1"]
+    return spawn("replica", [*argv, *extra], port, log_dir)
+
+
+def start_gateway(config: dict, log_dir: Path, port: int | None = None, timeout: float = 60.0) -> Proc:
+    """`inferd gateway` with `config` (written as YAML beside the logs, at `proc.config_path`), ready on return."""
+    port = port or free_port()
+    path = log_dir / f"gateway-{port}.yaml"
+    path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
+    argv = [sys.executable, "-m", "inferd.cli", "--log-level", "WARNING", "gateway", "--config", str(path)]
+    proc = spawn("gateway", argv, port, log_dir)
+    proc.config_path = path
+    wait_http(proc, "/metrics", timeout=timeout)
+    return proc
+
+
+def metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {sample name: value}, labels summed."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            name = name.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
