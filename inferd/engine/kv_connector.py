@@ -372,6 +372,7 @@ class DisaggConnector(KVConnector):
         )
         self.leases.add(lease)
         self.stats.leases_created += 1
+        self._count_leases()  # the gauges move with the lease, not at the next housekeeping
         self._outgoing[request.request_id] = params.to_dict(self.s.secret)
 
     def take_transfer_params(self, request_id: str) -> dict | None:
@@ -389,6 +390,9 @@ class DisaggConnector(KVConnector):
             )
             kv.release_blocks(lease.owner)
             self.stats.lease_expiries += 1
+        self._count_leases()
+
+    def _count_leases(self) -> None:
         self.stats.leases_active = len(self.leases)
         self.stats.blocks_leased = self.leases.num_blocks
 
