@@ -1,9 +1,10 @@
 """Colocated against disaggregated serving on this machine's cores, written to benchmarks/results/disagg.json
 (disagg_quick.json with --quick).
 
-The workload: a steady Poisson stream of short chat requests (a short prompt, `--short-tokens` streamed
-output tokens each) plus, every `--long-every` seconds, a long prompt (`--long-prompt` tokens, a few
-output tokens). The claim under test: when prefill and decode share a step, each long prompt stretches
+The workload: a steady Poisson stream of short streamed completions (a short plain prompt, since the
+random model has no chat template; `--short-tokens` streamed output tokens each) plus, every
+`--long-every` seconds, a long prompt (`--long-prompt` tokens, a few output tokens).
+The claim under test: when prefill and decode share a step, each long prompt stretches
 the inter-token latency of every short request decoding beside it; with the prefill in its own process
 on its own core, the short requests' ITL p99 stays flat.
 
@@ -36,8 +37,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, machine, portable  # noqa: E402
 from benchmarks.gateway import build_model  # noqa: E402
-from tests.gateway.procs import Proc, replica_metrics, spawn, wait_http  # noqa: E402
-from tests.net import free_port  # noqa: E402
+from benchmarks.procs import Proc, free_port, replica_metrics, spawn, wait_http  # noqa: E402
 
 SECRET = "bench-secret"
 
@@ -69,19 +69,16 @@ def proxy(logs: Path, prefill: Proc, decode: Proc) -> Proc:
 
 
 async def short_request(client: httpx.AsyncClient, url: str, words: str, max_tokens: int, out: list) -> None:
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": words}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    # a plain prompt: the benchmark's random model has no chat template; one chunk per token
+    body = {"model": "m", "prompt": words, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body["stream"] = True
     t0 = time.perf_counter()
     stamps = []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"short request failed: {r.status_code} {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and _content(json.loads(line[6:])):
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
                 stamps.append(time.perf_counter())
     if stamps:
         out.append(
@@ -93,21 +90,15 @@ async def short_request(client: httpx.AsyncClient, url: str, words: str, max_tok
         )
 
 
-def _content(event: dict) -> str:
-    choices = event.get("choices") or [{}]
-    return choices[0].get("delta", {}).get("content") or ""
-
-
 async def long_request(client: httpx.AsyncClient, url: str, tokens: list[int], out: list) -> None:
     body = {"model": "m", "prompt": tokens, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        first = True
+        async for line in r.aiter_lines():  # read to the end: the request stays in the batch until then
+            if first and line.startswith("data: ") and line != "data: [DONE]":
                 out.append({"ttft": time.perf_counter() - t0})
-                break
-        async for _ in r.aiter_lines():
-            pass
+                first = False
 
 
 async def workload(url: str, args) -> dict:
@@ -130,12 +121,15 @@ async def workload(url: str, args) -> dict:
                 tasks.append(asyncio.create_task(long_request(client, url, prompt, longs)))
                 next_long += args.long_every
             t += rng.expovariate(args.rate)
-        await asyncio.gather(*tasks, return_exceptions=True)
+        failures = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(r, BaseException)]
+    if failures:
+        print(f"{len(failures)} requests failed, e.g. {failures[0]!r}", file=sys.stderr)
     wall = time.perf_counter() - start
     itl = [g for s in shorts for g in s["itl"]]
     ttft = [s["ttft"] for s in shorts]
     return {
         "short_requests": len(shorts),
+        "failed_requests": len(failures),
         "long_requests": len(longs),
         "short_ttft_p50_s": pct(ttft, 50),
         "short_ttft_p99_s": pct(ttft, 99),

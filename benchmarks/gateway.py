@@ -311,7 +311,10 @@ def main() -> int:
         print("overhead", json.dumps(result["overhead"], indent=1), flush=True)
     if not args.skip_routing:
         result["routing"] = routing_gain(args, logs)
-    path = write_json(RESULTS / ("gateway_quick.json" if quick else "gateway.json"), result)
+    target = RESULTS / ("gateway_quick.json" if quick else "gateway.json")
+    if target.exists() and (args.skip_overhead or args.skip_routing):  # a partial run keeps the other part
+        result = {**json.loads(target.read_text()), **result}
+    path = write_json(target, result)
     print(f"wrote {path}")
     return 0
 
