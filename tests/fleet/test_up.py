@@ -111,7 +111,11 @@ def test_a_burst_grows_the_fleet_to_two_and_back_to_one_without_a_failed_request
     summary = json.loads((state / "summary.json").read_text())
     kinds = [(e["kind"], e["text"].split(":", 1)[0]) for e in summary["events"]]
     assert ("scale", "1 -> 2") in kinds and ("scale", "2 -> 1") in kinds, kinds
-    assert len(summary["cold_starts_s"]) == 2 and all(c > 0 for c in summary["cold_starts_s"])
+    # a cold start per replica that became ready: the first, the one the burst added, and at most one per replica
+    # any later scale-up added (the burst's tail may scale up once more while the first scale-down drains)
+    ups = [tuple(map(int, text.split(" -> "))) for kind, text in kinds if kind == "scale"]
+    added = sum(max(0, new - old) for old, new in ups)
+    assert 2 <= len(summary["cold_starts_s"]) <= 1 + added and all(c > 0 for c in summary["cold_starts_s"])
     log = up.log.read_text()
     assert "cold start" in log and "TTFT p95" in log and "stopping" in log
 
