@@ -57,6 +57,24 @@ function isPlay(id) {
 
 // -- the event stream -----------------------------------------------------------------------------
 let stream = null;
+// Server-sent events from a fetch response: calls onData with each event's data (its data: lines joined).
+async function readSSE(resp, onData) {
+  const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value;
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5)).join("\n");
+      if (data) onData(data);
+    }
+  }
+}
+
 async function connect() {
   stream = new AbortController();
   setConn("connecting", "");
@@ -68,20 +86,7 @@ async function connect() {
     }
     if (!resp.ok) throw new Error("HTTP " + resp.status);
     setConn("live", "live");
-    const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
-    let buf = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += value;
-      let cut;
-      while ((cut = buf.indexOf("\n\n")) >= 0) {
-        const block = buf.slice(0, cut);
-        buf = buf.slice(cut + 2);
-        const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5)).join("\n");
-        if (data) onMessage(JSON.parse(data));
-      }
-    }
+    await readSSE(resp, (data) => onMessage(JSON.parse(data)));
     setConn("reconnecting", "bad");
   } catch (e) {
     if (e.name !== "AbortError") setConn("offline: " + e.message, "bad");
@@ -442,23 +447,13 @@ async function sendPlay() {
     const id = resp.headers.get("X-Request-Id");
     if (id) { ids.push(id); state.play.add(id); state.dirty = true; }
     if (k === 0) $("p-id").textContent = id || "–";
-    const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
-    let buf = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += value;
-      let cut;
-      while ((cut = buf.indexOf("\n\n")) >= 0) {
-        const line = buf.slice(0, cut).trim();
-        buf = buf.slice(cut + 2);
-        if (!line.startsWith("data:")) continue;
-        const data = line.slice(5).trim();
-        if (data === "[DONE]") continue;
+    await readSSE(resp, (raw) => {
+        const data = raw.trim();
+        if (data === "[DONE]") return;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
         const choice = chunk.choices && chunk.choices[0];
-        if (!choice) continue;
+        if (!choice) return;
         const delta = mode === "chat" ? (choice.delta && choice.delta.content) || "" : choice.text || "";
         if (delta && k === 0) {
           times.push(performance.now());
@@ -467,8 +462,7 @@ async function sendPlay() {
           out.scrollTop = out.scrollHeight;
           showPlayStats(t0, times, tokens);
         }
-      }
-    }
+    });
   };
   try {
     $("p-status").textContent = "streaming";
