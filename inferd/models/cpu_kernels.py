@@ -55,10 +55,20 @@ def _build_lock(name: str):
 
 
 @functools.cache
+def _paged_decode_module():
+    return _build("inferd_paged_decode", _SOURCE, "CPU paged attention kernel")
+
+
 def paged_decode_kernel() -> Callable | None:
     """The compiled `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)`."""
-    module = _build("inferd_paged_decode", _SOURCE, "CPU paged attention kernel")
+    module = _paged_decode_module()
     return None if module is None else module.paged_decode
+
+
+def paged_decode_threads() -> int:
+    """How many threads the kernel's work split reaches (torch's thread count when it was built with OpenMP)."""
+    module = _paged_decode_module()
+    return 0 if module is None else module.parallel_threads()
 
 
 @functools.cache
@@ -92,7 +102,10 @@ def _build(prefix: str, source: Path, what: str):
             return load(
                 name=name,
                 sources=[str(_stable_copy(source, name))],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                # -fopenmp: at::parallel_for is inline OpenMP; without the flag it runs on one thread.
+                # The library links libgomp.so.1, the soname torch loads already, so one runtime serves both.
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
     except Exception as e:  # no compiler, no ninja, odd platform: the reference path still works
