@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
 _INT8_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.cpp"
+_INT4_SOURCE = Path(__file__).parent / "kernels" / "int4_linear_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -76,6 +77,12 @@ def int8_linear_kernel() -> Callable | None:
     """The compiled `int8_linear(x_fp32 [M, K], q_int8 [N, K], scale_fp32 [N], bias or None)`."""
     module = _build("inferd_int8_linear", _INT8_SOURCE, "CPU int8 linear kernel")
     return None if module is None else module.int8_linear
+
+
+@functools.cache
+def int4_kernels():
+    """The compiled int4 module: `int4_linear` (few rows), `int4_linear_chunked` (many), `int4_dequantize`."""
+    return _build("inferd_int4_linear", _INT4_SOURCE, "CPU int4 linear kernel")
 
 
 def _stable_copy(source: Path, name: str) -> Path:
