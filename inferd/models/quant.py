@@ -19,11 +19,12 @@ Gemma 3 270M; see docs/performance.md):
 
 int4, group-wise and asymmetric (as llama.cpp's Q4_1): 32 consecutive weights of a row share a step and a
 low value, w ~= q * step + low with q in 0..15: 4 bits per weight plus 2 for the group's float32 step and
-low (6 in all, against bf16's 16 and int8's 8). Kernels (`kernels/int4_linear_cpu.cpp`): for a few rows each weight row is unpacked into
-float32 in L1 and dotted with every activation row (a decode step streams a fifth of bf16's bytes); for
-many rows a chunk of weight rows is unpacked into the activations' dtype in a cache-sized buffer and goes
-through the dense matmul. A layer whose input width is not a multiple of 32 stays int8 (logged). Without a
-compiler int4 cannot run fast: it is then a ConfigError, not a silent crawl.
+low (6 in all, against bf16's 16 and int8's 8). Kernels (`kernels/int4_linear_cpu.cpp`): for a few rows
+each weight row is unpacked into float32 in L1 and dotted with every activation row (a decode step streams
+about a third of bf16's bytes); for many rows a chunk of weight rows is unpacked into the activations'
+dtype in a cache-sized buffer and goes through the dense matmul. A layer whose input width is not a
+multiple of 32 stays int8 (logged). Without a compiler int4 cannot run fast: it is then a ConfigError,
+not a silent crawl.
 """
 
 from __future__ import annotations
