@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="inferd's dtype")
-    ap.add_argument("--quantization", default=None, choices=["int8"], help="inferd's weight-only quantization")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="inferd's weight-only quantization")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-kernel", "torch"])
     ap.add_argument("--quick", action="store_true", help="16 requests, one run each")
     ap.add_argument("--seed", type=int, default=0)
