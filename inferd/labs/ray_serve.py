@@ -119,9 +119,7 @@ def build_lab_app(spec, log_path: Path):
             "policy_kwargs": {"log_path": str(log_path), **auto["policy"]["policy_kwargs"]},
         }
         options["request_router_config"] = RequestRouterConfig(**options["request_router_config"])
-        with warnings.catch_warnings():  # metrics_interval_s: deprecated for an environment variable, still used
-            warnings.simplefilter("ignore")
-            options["autoscaling_config"] = AutoscalingConfig(**auto)
+        options["autoscaling_config"] = AutoscalingConfig(**auto)
         engines[p.name] = serve.deployment(EngineReplica).options(**options).bind(spec.model_dump(mode="json"), p.name)
     return OpenAIIngress.bind(spec.model_dump(mode="json"), engines)
 
@@ -377,6 +375,9 @@ def measure(ctx: LabContext) -> Measurement:
 
     from inferd.procs import free_port
 
+    # Serve 2.60 still reads metrics_interval_s, and warns (at every parse of the config) that an environment
+    # variable will replace it
+    warnings.filterwarnings("ignore", message="The `metrics_interval_s` field", category=DeprecationWarning)
     spec = lab_fleet(ctx)
     log = ctx.workdir / f"ray-decisions-{os.getpid()}-{time.time_ns()}.jsonl"
     port = free_port()
