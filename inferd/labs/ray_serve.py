@@ -12,6 +12,7 @@ stopped when the lab ends, on failure too; the lab then checks that every proces
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -202,6 +203,18 @@ def local_ray(run: RayRun, port: int) -> Iterator[None]:
             run.left = left
 
 
+@contextmanager
+def quiet(logger: str) -> Iterator[None]:
+    """`logger` at WARNING for the block (and back to its level after)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 # -- watching and driving ---------------------------------------------------------------------------------
 class ReplicaWatch:
     """Serve's count of running engine replicas, polled from its status, as a list of (time, count) changes."""
@@ -385,7 +398,7 @@ def measure(ctx: LabContext) -> Measurement:
     run = RayRun()
     started = time.monotonic()
     n: dict[str, float] = {"max_seqs": MAX_SEQS, "target_waiting": TARGET_WAITING, "load_clients": CLIENTS}
-    with local_ray(run, port):
+    with local_ray(run, port), quiet("httpx"):  # hundreds of requests: no line each
         n["ray_start_s"] = time.monotonic() - started
         watch = ReplicaWatch(time.time())
         serve.run_many([serve.RunTarget(build_lab_app(spec, log), name=APP, route_prefix="/")],
@@ -427,8 +440,8 @@ def explain(m: Measurement) -> Explanation:
             must=True,
             yes="Under load ({load_clients} clients sending long completions to one replica that runs {max_seqs} at "
             "a time) the policy saw {up_waiting} requests waiting against a target of {target_waiting} per replica "
-            "and asked for {up_desired} replicas at {up_decision_s} s (ceil(waiting / target), capped by Serve at "
-            "the pool's maximum of 2); the second replica was running at {scaled_up_s} s, {up_replica_start_s} s "
+            "and asked for {up_desired} replicas at {up_decision_s} s (ceil(waiting / target); Serve caps it at "
+            "the pool's maximum, 2); the second replica was running at {scaled_up_s} s, {up_replica_start_s} s "
             "later: what starting a replica and loading the model costs before scaling relieves a queue.",
             no="Under load the policy never asked for a second replica (it saw {up_waiting} waiting).",
         ),
