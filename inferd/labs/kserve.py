@@ -458,8 +458,8 @@ def explain(m: Measurement) -> Explanation:
         "kubectl stops at the first object: no matches for kind LLMInferenceService.",
         "Why it matters: on Kubernetes a model is a resource to declare, not a server to babysit. The fields "
         "that decide cost and latency are the ones above: replicas, the batch and KV settings, and the memory "
-        f"request, which must hold the weights, the whole KV pool and the runtime ({fmt(n['runtime_mib'])} MiB "
-        "here) from the moment the pod starts.",
+        f"request, which must hold the weights, the whole KV pool and the runtime with its activations "
+        f"({fmt(n['runtime_mib'])} MiB here at the peak) from the moment the pod starts.",
     ]
     return Explanation(intro, claims, why)
 
@@ -467,7 +467,8 @@ def explain(m: Measurement) -> Explanation:
 def plot(m: Measurement, fig) -> None:
     a, b = fig.subplots(1, 2, width_ratios=[3, 2])
     n = m.numbers
-    parts = [("weights", n["host_weights_mib"]), ("KV pool", n["host_kv_mib"]), ("runtime", n["runtime_mib"])]
+    parts = [("weights", n["host_weights_mib"]), ("KV pool", n["host_kv_mib"])]
+    parts.append(("runtime + activations", n["runtime_mib"]))
     bottom = 0.0
     for i, (label, v) in enumerate(parts):
         a.bar(["replica, measured peak"], [v], bottom=bottom, label=label, color=f"C{i}")
