@@ -38,7 +38,7 @@ DEFINITION = (
 APP, POOL, MODEL = "inferd", "lab", "m"
 MAX_SEQS = 4  # per replica: more concurrent requests than this wait, and waiting is what the policy scales on
 TARGET_WAITING = 1  # per replica
-CLIENTS = 10  # MAX_SEQS run on one replica, MAX_SEQS more wait there (Serve's max_ongoing_requests), 2 at the ingress
+CLIENTS = 10  # MAX_SEQS run on one replica, MAX_SEQS more wait there (max_ongoing_requests = 2 x), 2 at the ingress
 
 
 # -- the policy, recorded ---------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def lab_fleet(ctx: LabContext):
     from inferd.fleet.spec import FleetSpec
 
     engine: dict[str, Any] = {"max_model_len": 512, "kv_cache_memory": "32MiB", "max_num_seqs": MAX_SEQS}
-    engine["num_threads"] = 1
+    engine["num_threads"] = 1  # two replicas share this machine's cores
     if ctx.quick:
         engine["attention_backend"] = "torch"
     policy = {
