@@ -25,6 +25,8 @@ LAB_MODULES = [
     "vllm",
     "tensorrt_llm",
     "sglang",
+    "kserve",
+    "ray_serve",
     "envoy_ai_gateway",
     "gpu_economics",
     "cost",
