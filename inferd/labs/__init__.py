@@ -15,6 +15,7 @@ import importlib
 LAB_MODULES = [
     "prefill",
     "decode",
+    "disaggregated",
     "kv_cache",
     "paged_attention",
     "continuous_batching",
@@ -25,6 +26,7 @@ LAB_MODULES = [
     "vllm",
     "tensorrt_llm",
     "sglang",
+    "dynamo",
     "envoy_ai_gateway",
     "autoscaling",
     "gpu_economics",

@@ -6,6 +6,8 @@ which start processes leave none behind."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,3 +67,54 @@ def test_autoscaling_lab_compares_the_two_policies_on_one_trace(lab_run):
         assert n[f"{name}_usd_per_m"] > 0 and 0 <= n[f"{name}_slo_pct"] <= 100
     assert "example-cpu-gemma3-270m" in r.text and "compressed" in r.text  # --quick says what it simulated
     assert f"${n['queue_usd_per_m']:.2f}" in r.text
+
+
+def test_disaggregated_lab_reports_the_handoff_and_both_setups(lab_run):
+    n = _result(lab_run, "disaggregated-prefill-decode").numbers
+    for setup in ("colo", "dis"):
+        assert n[f"{setup}_failed"] == 0 and n[f"{setup}_shorts"] > 5 and n[f"{setup}_longs"] >= 2
+        assert 0 < n[f"{setup}_itl_p50_ms"] <= n[f"{setup}_itl_p99_ms"] <= n[f"{setup}_itl_max_ms"]
+    assert n["remote_prefills"] >= n["dis_longs"] and n["kv_blocks"] > 0  # the long prompts were handed over
+    assert n["bytes_per_block"] == n["expected_bytes_per_block"] and n["leases_left"] == 0
+
+
+def test_dynamo_lab_routes_over_two_disaggregated_workers(lab_run):
+    n = _result(lab_run, "nvidia-dynamo").numbers
+    assert n["rr_requests"] == n["pa_requests"] == n["prefixes"] * n["users"]
+    assert n["rr_remote"] + n["rr_local"] == n["rr_requests"] and n["pa_remote"] + n["pa_local"] == n["pa_requests"]
+    assert n["pull_kb"] > 0 and n["local_ttft_ms"] > 0 and n["leases_left"] == 0
+
+
+def _inferd_children() -> list[str]:
+    """Live inferd processes (serve, gateway, proxy) whose parent is this test process (read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and "inferd.cli" in cmd:
+            found.append(cmd)
+    return found
+
+
+def test_the_process_labs_leave_no_process_behind(lab_run):
+    assert _inferd_children() == []
+
+
+def test_a_failing_lab_still_stops_its_processes(tmp_path, monkeypatch):
+    """The disaggregated lab dies in the middle of its run: every process it started is gone afterwards."""
+    from inferd.labs import disaggregated
+    from inferd.labs.context import LabContext
+    from inferd.labs.tiny import tiny_model
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the client broke")
+
+    monkeypatch.setattr(disaggregated, "_workload", boom)
+    ctx = LabContext(quick=True, model=str(tiny_model()), out=tmp_path, workdir=tmp_path / "work")
+    with pytest.raises(RuntimeError, match="the client broke"):
+        disaggregated.measure(ctx)
+    assert _inferd_children() == []
+    ctx.close()
