@@ -53,8 +53,7 @@ class UtilisationSim(Simulator):
 
 def measured_profile(ctx: LabContext) -> Profile:
     """This machine's replica, timed on the engine: one prompt alone (prefill), then `b` requests at a time."""
-    llm = ctx.llm(enable_prefix_caching=False)
-    vocab = ctx.facts().vocab
+    llm, vocab = ctx.llm(), ctx.facts().vocab  # random prompts: the prefix cache finds nothing to share
     lone = random_prompts(random.Random(0), vocab, 3, 256)
     run = serve(llm, [Job(p, 1) for p in lone], concurrency=1)
     prefill_s = min(s.prefill for s in run.served)

@@ -41,7 +41,7 @@ class Load:
 
 
 def load_for(ctx: LabContext) -> Load:
-    return ctx.size(Load(4.0, 4.0, 24, 16, 900, 1.0), Load(25.0, 2.0, 24, 32, 1800, 4.0))
+    return ctx.size(Load(4.0, 4.0, 24, 16, 900, 1.0), Load(30.0, 2.0, 24, 32, 1024, 5.0))
 
 
 async def _workload(url: str, load: Load, vocab: int) -> dict:
@@ -106,9 +106,9 @@ def measure(ctx: LabContext) -> Measurement:
         colocated = asyncio.run(_workload(colo.url, load, facts.vocab))
         fleet.stop(colo)  # idle, but nothing of it should share the cores with the roles
         _warm(proxy.url, load, facts.vocab)
-        before = metrics(decode.url)
+        before, pre_before = metrics(decode.url), metrics(prefill.url)
         disagg = asyncio.run(_workload(proxy.url, load, facts.vocab))
-        after = metrics(decode.url)
+        after, pre_after = metrics(decode.url), metrics(prefill.url)
         leases_left = leases_released(prefill)
     finally:
         fleet.stop()
@@ -119,6 +119,7 @@ def measure(ctx: LabContext) -> Measurement:
     blocks = delta(after, before, "inferd:kv_transfer_blocks_total")
     kv_bytes = delta(after, before, "inferd:kv_transfer_bytes_total")
     expected_block = facts.kv_bytes_per_token * block_size
+    transfer_ms = 1000 * delta(after, before, "inferd:kv_transfer_seconds_sum") / max(transfers, 1.0)
     m = Measurement(settings={**load.__dict__, "cores": cores, "colocated_threads": threads})
     n = m.numbers
     for name, run in (("colo", colocated), ("dis", disagg)):
@@ -130,11 +131,13 @@ def measure(ctx: LabContext) -> Measurement:
         local_prefills=delta(after, before, "inferd:local_prefills_total"),
         kv_blocks=blocks, kv_mb=kv_bytes / 1e6, transfers=transfers,
         kv_kb_per_request=kv_bytes / 1e3 / max(transfers, 1.0),
-        transfer_ms=1000 * delta(after, before, "inferd:kv_transfer_seconds_sum") / max(transfers, 1.0),
+        transfer_ms=transfer_ms,
         bytes_per_block=kv_bytes / blocks if blocks else 0.0, expected_bytes_per_block=expected_block,
         block_bytes_error=abs(kv_bytes - blocks * expected_block), block_size=block_size,
         layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, elem_bytes=facts.elem_bytes,
         leases_left=leases_left,
+        prefill_wait_ms=1000 * delta(pre_after, pre_before, "inferd:request_queue_time_seconds_sum")
+        / max(delta(pre_after, pre_before, "inferd:request_queue_time_seconds_count"), 1.0),
         colo_spike=colocated["itl_p99_ms"] / max(colocated["itl_p50_ms"], 1e-9),
         dis_spike=disagg["itl_p99_ms"] / max(disagg["itl_p50_ms"], 1e-9),
     )  # fmt: skip
@@ -154,21 +157,22 @@ def explain(m: Measurement) -> Explanation:
             "ran a long prefill inside its steps.",
             no="With {long_prompt}-token prompts arriving among short streamed requests, the short requests' ITL "
             "p99 was {colo_itl_p99_ms} ms colocated and {dis_itl_p99_ms} ms disaggregated: no gain here. The "
-            "decode instance still stops its steps to load each handed-over prompt ({transfer_ms} ms per pull on "
-            "average), and the two roles, the proxy and the client compete for the same cores, which at these "
-            "sizes cost as much as the prefills it no longer runs.",
+            "decode instance had one thread where the colocated server had {colo_threads}, on cores it shared with "
+            "the prefill instance, the proxy and the client, and it still spends part of its steps loading each "
+            "handed-over prompt ({transfer_ms} ms per pull on average).",
         ),
         _cores_claim(n),
         decide(
             n,
             "dis_ttft_p50_ms > colo_ttft_p50_ms",
             yes="What it costs: the short requests' TTFT p50 rose from {colo_ttft_p50_ms} ms to {dis_ttft_p50_ms} "
-            "ms, because a remote prefill is a second HTTP request, a lease and a pull of the blocks "
-            "({transfer_ms} ms per request on average) before the decode instance computes the first token.",
+            "ms; a remote prefill is a second HTTP request, a lease and a pull of the blocks before the decode "
+            "instance computes the first token.",
             no="The short requests' TTFT p50 was {colo_ttft_p50_ms} ms colocated and {dis_ttft_p50_ms} ms "
             "disaggregated: the extra hop and the pull ({transfer_ms} ms per request) cost less than the queueing "
             "behind long prefills they avoided.",
         ),
+        *_ttft_cause(n),
         decide(
             n,
             "block_bytes_error <= 0.0",
@@ -204,6 +208,26 @@ def explain(m: Measurement) -> Explanation:
         "at scale."
     ]
     return Explanation(intro, claims, why)
+
+
+def _ttft_cause(n: dict) -> list:
+    """Where a TTFT rise came from: waiting at the prefill instance, or the handoff (the numbers decide)."""
+    if n["dis_ttft_p50_ms"] <= n["colo_ttft_p50_ms"]:
+        return []
+    return [
+        decide(
+            n,
+            "prefill_wait_ms > transfer_ms",
+            textbook=False,
+            yes="Requests waited {prefill_wait_ms} ms on average in the prefill instance's queue, behind the long "
+            "prompts, against a pull of {transfer_ms} ms: disaggregation moved the long prompts' interference from "
+            "the decode steps to the short requests' TTFT. A conditional decider (`inferd disagg proxy --decider "
+            "cost`, like Dynamo's conditional disaggregation) prefills short prompts on the decode instance "
+            "instead.",
+            no="Requests waited {prefill_wait_ms} ms on average in the prefill instance's queue and the pull took "
+            "{transfer_ms} ms: the rise is the handoff itself, a second request and a pull, not queueing.",
+        )
+    ]
 
 
 def _cores_claim(n: dict):
