@@ -140,7 +140,8 @@ def explain(m: Measurement) -> Explanation:
             "pa_ttft_ms < rr_ttft_ms",
             yes="Mean TTFT: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware.",
             no="Mean TTFT: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware: the smaller pulls did not "
-            "show in latency at these sizes (the prefill instance computes every prompt either way).",
+            "show in latency at these sizes (every prompt still goes through the one prefill instance, whichever "
+            "worker decodes it).",
         ),
         decide(
             n,
