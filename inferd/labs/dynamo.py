@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -27,6 +28,7 @@ DEFINITION = (
     "NVIDIA's open-source serving framework for disaggregated prefill/decode with KV-cache-aware routing "
     "across workers, built for large multi-node deployments."
 )
+PICKERS = ("round_robin", "scored")
 DECODE_KEYS = {
     "pulled_blocks": "inferd:kv_transfer_blocks_total",
     "pulled_bytes": "inferd:kv_transfer_bytes_total",
@@ -95,10 +97,12 @@ def measure(ctx: LabContext) -> Measurement:
         decodes = [fleet.decode([kv], "--max-model-len", str(max_len), "--num-blocks", str(blocks)) for _ in "ab"]
         proxies = [fleet.proxy([prefill], [d]) for d in decodes]
         fleet.wait()
-        gateways = {
-            name: fleet.add(start_gateway(gateway_config(proxies, routing={"picker": name}), ctx.workdir))
-            for name in ("round_robin", "scored")
-        }
+        with ThreadPoolExecutor(2) as pool:  # both gateways start at once
+
+            def gateway(picker: str) -> Proc:
+                return fleet.add(start_gateway(gateway_config(proxies, routing={"picker": picker}), ctx.workdir))
+
+            gateways = dict(zip(PICKERS, pool.map(gateway, PICKERS), strict=True))
         probe = shared_prefix_prompts(9, 8, 1, plen, qlen, vocab)  # unshared prompts: no cache helps
         for proxy, prompt in zip(proxies, probe[6:], strict=True):  # the first request of a path pays extra
             asyncio.run(_send(proxy.url, [prompt], 1))
