@@ -64,9 +64,12 @@ async def _send(url: str, prompts: list[list[int]], concurrency: int) -> list[fl
 def routed(gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> dict[str, float]:
     before = _snapshot(decodes)
     ttfts = asyncio.run(_send(gateway.url, prompts, 2))
-    t = _totals(before, _snapshot(decodes))
+    after = _snapshot(decodes)
+    t = _totals(before, after)
     n = len(prompts)
+    served = [delta(a, b, "inferd:request_success_total") for a, b in zip(after, before, strict=True)]
     return {
+        "busiest_pct": 100 * max(served) / max(sum(served), 1.0),
         "ttft_ms": 1000 * statistics.mean(ttfts), "hit_pct": 100 * t["hits"] / max(t["queries"], 1.0),
         "kb_per_req": t["pulled_bytes"] / 1e3 / n, "blocks": t["pulled_blocks"], "remote": t["remote"],
         "local": t["local"], "requests": n,
@@ -146,6 +149,18 @@ def explain(m: Measurement) -> Explanation:
             no="Mean TTFT: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware: the smaller pulls did not "
             "show in latency at these sizes (every prompt still goes through the one prefill instance, whichever "
             "worker decodes it).",
+        ),
+        decide(
+            n,
+            "pa_busiest_pct > rr_busiest_pct",
+            textbook=False,
+            yes="Where affinity costs: prefix-aware routing gave the busier worker {pa_busiest_pct}% of the "
+            "requests, round-robin {rr_busiest_pct}%. Following the cache trades balance for hits; with a few "
+            "hot prefixes one worker would take most of the load, which is why Dynamo's router and inferd's "
+            "gateway weigh the prefix match against each worker's load.",
+            no="Prefix-aware routing kept the load as even as round-robin: the busier worker had "
+            "{pa_busiest_pct}% of the requests, against {rr_busiest_pct}% round-robin; with prefixes this evenly "
+            "spread, following the cache cost no balance.",
         ),
         decide(
             n,
