@@ -182,7 +182,7 @@ def explain(m: Measurement) -> Explanation:
             "heads x {head_dim} dims x {elem_bytes} bytes x {block_size} tokens, the model's shape (a difference of "
             "{block_bytes_error} bytes in all).",
             no="The handoff moved {bytes_per_block} bytes per block, not the {expected_bytes_per_block} the model's "
-            "shape gives.",
+            "shape gives ({block_bytes_error} bytes off in all).",
         ),
         decide(
             n,
