@@ -133,7 +133,8 @@ def measure(ctx: LabContext) -> Measurement:
         kv_kb_per_request=kv_bytes / 1e3 / max(transfers, 1.0),
         transfer_ms=transfer_ms,
         bytes_per_block=kv_bytes / blocks if blocks else 0.0, expected_bytes_per_block=expected_block,
-        block_bytes_error=abs(kv_bytes - blocks * expected_block), block_size=block_size,
+        block_bytes_error=abs(kv_bytes - blocks * expected_block) if blocks else expected_block,  # none moved: wrong
+        block_size=block_size,
         layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, elem_bytes=facts.elem_bytes,
         leases_left=leases_left,
         prefill_wait_ms=1000 * delta(pre_after, pre_before, "inferd:request_queue_time_seconds_sum")
