@@ -29,18 +29,25 @@ def median_time(fn: Callable[[], object], runs: int = 5, warmup: int = 1) -> flo
     return statistics.median(times)
 
 
-def matmul_peak_gflops(n: int = 3072) -> dict[str, float]:
-    """Large fp32 matmul throughput, with torch's dense path and with oneDNN (whichever the CPU runs faster)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak_gflops(n: int = 3072, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Large matmul throughput in `dtype`, with torch's dense path and (fp32) oneDNN's packed linear: the
+    peak a step in that dtype is measured against (bf16 on an AMX CPU runs ~3x fp32's)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     flops = 2 * n**3
-    out = {"dense_mm": flops / median_time(lambda: a @ b) / 1e9}
-    if torch.backends.mkldnn.is_available():
+    out = {"dtype": str(dtype).removeprefix("torch."), "dense_mm": flops / median_time(lambda: a @ b) / 1e9}
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
         wm = b.t().contiguous().to_mkldnn()
         out["onednn"] = (
             flops / median_time(lambda: torch.ops.mkldnn._linear_pointwise(a, wm, None, "none", [], "")) / 1e9
         )
-    out["peak"] = max(out.values())
+    out["peak"] = max(v for k, v in out.items() if k != "dtype")
     return out
+
+
+def memory_bandwidth_gbs(mib: int = 1024) -> float:
+    """Read bandwidth from memory: summing a tensor far larger than the caches (a decode step's ceiling)."""
+    x = torch.ones(mib * 1024 * 1024 // 4)
+    return x.numel() * 4 / median_time(x.sum, runs=5) / 1e9
 
 
 def machine() -> dict:
@@ -81,13 +88,14 @@ class FlopCounter:
             m.in_features * m.out_features for m in model.model.layers.modules() if hasattr(m, "out_features")
         )
         self.windows = [getattr(layer.self_attn, "window", None) for layer in model.model.layers]
+        self.kv_heads = cfg.num_key_value_heads
+
+    def seen(self, context: int) -> int:
+        """Keys each token attends to, summed over the layers (sliding-window layers see at most their window)."""
+        return sum(min(context, w) if w else context for w in self.windows)
 
     def attention(self, context: int) -> int:
-        total = 0
-        for w in self.windows:
-            seen = min(context, w) if w else context
-            total += 4 * seen * self.heads * self.head_dim
-        return total
+        return 4 * self.seen(context) * self.heads * self.head_dim
 
     def token(self, context: int, sampled: bool) -> int:
         return 2 * self.body_params + self.attention(context) + (2 * self.hidden * self.vocab if sampled else 0)

@@ -20,7 +20,14 @@ import time
 
 import torch
 
-from benchmarks.common import FlopCounter, machine, matmul_peak_gflops, median_time, write_result
+from benchmarks.common import (
+    FlopCounter,
+    machine,
+    matmul_peak_gflops,
+    median_time,
+    memory_bandwidth_gbs,
+    write_result,
+)
 from inferd import LLM, SamplingParams
 from inferd.config import DEFAULT_MODEL
 
@@ -69,8 +76,20 @@ def run_hf(folder, prompts, outputs, batch_size: int) -> dict:
     return {"seconds": elapsed, "output_tokens": counted, "output_tokens_per_s": counted / elapsed}
 
 
-def decode_step_efficiency(llm: LLM, prompts, batch: int, peak: float) -> dict:
-    """Fill the batch, finish every prefill, then time decode steps and profile one."""
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of weights a decode step reads: the body's linear layers and the LM head, in their stored
+    dtype (int8 where quantized; the embedding rows looked up are negligible)."""
+    model = llm.engine.model
+    flops = FlopCounter(model)
+    quantized = llm.engine.config.quantization == "int8"
+    per_weight = 1 if quantized else llm.engine.dtype_choice.dtype.itemsize
+    return (flops.body_params + flops.hidden * flops.vocab) * per_weight
+
+
+def decode_step_efficiency(llm: LLM, prompts, batch: int, peak: float, bandwidth: float, weight_bytes: int) -> dict:
+    """Fill the batch, finish every prefill, then time decode steps and profile one. Both ceilings are
+    reported: FLOP/s against the matmul peak, and bytes read (every weight once, each request's K and V)
+    against the measured memory bandwidth; a step is bound by whichever it is nearer."""
     engine = llm.engine
     flops = FlopCounter(engine.model)
     for i, p in enumerate(prompts[:batch]):
@@ -81,6 +100,8 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, peak: float) -> dict:
         engine.step()
     running = list(engine.scheduler.running)
     step_flops = sum(flops.token(r.num_tokens, sampled=True) for r in running)
+    kv_elem = llm.engine.dtype_choice.dtype.itemsize
+    kv_bytes = sum(2 * flops.seen(r.num_tokens) * flops.kv_heads * flops.head_dim * kv_elem for r in running)
     seconds = median_time(engine.step, runs=9, warmup=1)
     from torch.profiler import ProfilerActivity, profile
 
@@ -100,6 +121,10 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, peak: float) -> dict:
         "step_gflop": step_flops / 1e9,
         "gflops": gflops,
         "fraction_of_peak": gflops / peak,
+        "step_bytes_read": weight_bytes + kv_bytes,
+        "kv_bytes_read": kv_bytes,
+        "read_gbs": (weight_bytes + kv_bytes) / seconds / 1e9,
+        "fraction_of_bandwidth": (weight_bytes + kv_bytes) / seconds / 1e9 / bandwidth,
         "lm_head_share_of_flops": len(running) * 2 * flops.hidden * flops.vocab / step_flops,
         "profile_top_ops": top,
     }
@@ -116,7 +141,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="inferd's dtype")
-    ap.add_argument("--quantization", default=None, choices=["int8"], help="inferd's weight-only quantization")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"], help="inferd's weight-only quantization")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-kernel", "torch"])
     ap.add_argument("--quick", action="store_true", help="16 requests, one run each")
     ap.add_argument("--seed", type=int, default=0)
@@ -126,7 +151,6 @@ def main() -> None:
         args.num_requests, args.runs, args.hf_runs = 16, 1, 1
 
     info = machine()
-    peak = matmul_peak_gflops()
     prompts, outputs = make_workload(args.num_requests, args.seed)
     llm = LLM(
         args.model,
@@ -139,10 +163,12 @@ def main() -> None:
         kv_cache_memory=2 * 1024**3,
         cpu_linear=args.cpu_linear,
     )
+    peak = matmul_peak_gflops(dtype=llm.engine.dtype_choice.dtype)  # the step's own dtype sets its peak
     run_inferd(llm, prompts[:4], [8] * 4)  # warm-up
     inferd_runs = [run_inferd(llm, prompts, outputs) for _ in range(args.runs)]
     inferd_tps = statistics.median(r["output_tokens_per_s"] for r in inferd_runs)
-    decode = decode_step_efficiency(llm, prompts, args.max_num_seqs, peak["peak"])
+    bandwidth = memory_bandwidth_gbs()
+    decode = decode_step_efficiency(llm, prompts, args.max_num_seqs, peak["peak"], bandwidth, weight_bytes(llm))
     result = {
         "workload": {
             "num_requests": args.num_requests,
@@ -160,6 +186,7 @@ def main() -> None:
         },
         "machine": info,
         "matmul_peak_gflops": peak,
+        "memory_bandwidth_gbs": bandwidth,
         "inferd": {"runs": inferd_runs, "median_output_tokens_per_s": inferd_tps},
         "decode_step_batch32": decode,
     }
@@ -177,6 +204,7 @@ def main() -> None:
         line += f" | transformers {hf_tps:.1f} | ratio {result['ratio_inferd_over_transformers']:.2f}x"
     share = decode["fraction_of_peak"]
     line += f" | decode b{decode['batch']}: {decode['gflops']:.0f} GFLOP/s = {share:.0%} of peak {peak['peak']:.0f}"
+    line += f", {decode['read_gbs']:.1f} GB/s = {decode['fraction_of_bandwidth']:.0%} of {bandwidth:.1f}"
     print(line)
     print(f"wrote {path}")
 

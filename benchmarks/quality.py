@@ -33,6 +33,8 @@ MODES: dict[str, dict] = {
     "bf16": dict(dtype="bfloat16"),
     "int8": dict(dtype="auto", quantization="int8"),  # int8 weights, bf16 activations where the CPU has bf16
     "int8-fp32": dict(dtype="float32", quantization="int8"),  # int8 weights, fp32 activations (the AVX2 path)
+    "int4": dict(dtype="auto", quantization="int4"),  # int4 weights (groups of 32), bf16 activations where native
+    "int4-fp32": dict(dtype="float32", quantization="int4"),
 }
 
 

@@ -110,9 +110,9 @@ class EngineConfig:
     )
     quantization: str | None = setting(
         None,
-        "weight-only quantization of the linear layers and the LM head: int8 (per output channel, symmetric; "
-        "activations stay in --dtype). Default: none",
-        choices=("int8",),
+        "weight-only quantization of the linear layers and the LM head: int8 (per output channel, symmetric) "
+        "or int4 (groups of 32, asymmetric); activations stay in --dtype. Default: none",
+        choices=("int8", "int4"),
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -40,6 +40,7 @@ FORBIDDEN = {
     "inferd.deploy.k8s": {"inferd.engine", "inferd.models", "inferd.server"},
     "inferd.deploy.keda": {"inferd.engine", "inferd.models", "inferd.server"},
     "inferd.deploy.extras": {"inferd.engine", "inferd.models", "inferd.server"},
+    "inferd.deploy.validate": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway"},
     "inferd.labs": {"inferd.server", "inferd.gateway"},  # it runs them as processes and talks HTTP
 }
 

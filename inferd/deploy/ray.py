@@ -141,6 +141,7 @@ class EngineReplica:
         self.state = self.app.state.inferd
         self._lifespan = None
         self._start_lock = asyncio.Lock()
+        self.requests = 0  # OpenAI requests routed here (reported with the routing stats)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (a unit test)
@@ -154,6 +155,7 @@ class EngineReplica:
                 self._lifespan = lifespan
 
     async def handle(self, req: RoutedRequest) -> AsyncIterator:
+        self.requests += 1
         await self._started()
         first = True
         async for item in asgi_call(self.app, "POST", req.path, req.headers, req.body):
@@ -186,7 +188,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by the request router (every ROUTING_STATS_PERIOD_S)."""
-        return self._signals() | {"replica": self.replica_id}
+        return self._signals() | {"replica": self.replica_id, "requests": float(self.requests)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by the autoscaling policy, averaged by Serve over the look-back window."""

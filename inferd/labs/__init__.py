@@ -26,6 +26,8 @@ LAB_MODULES = [
     "vllm",
     "tensorrt_llm",
     "sglang",
+    "kserve",
+    "ray_serve",
     "dynamo",
     "envoy_ai_gateway",
     "autoscaling",

@@ -22,6 +22,7 @@ def register(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda")
     p.add_argument("--out", type=Path, default=Path("lab-results"), help="where JSON and plots go")
     p.add_argument("--report", type=Path, default=None, help="with `all`: write the capstone report here")
+    p.add_argument("--fleet", type=Path, default=None, help="fleet spec the KServe lab renders (examples/fleet.yaml)")
     p.add_argument("--price-per-hour", type=float, default=None, help="$ per hour of this machine (cost lab)")
     p.add_argument("--write-docs", action="store_true", help="also write <docs-dir>/<lab>.md with these numbers")
     p.add_argument("--docs-dir", type=Path, default=Path("docs/glossary"), help="where --write-docs writes")
@@ -56,13 +57,25 @@ def _run_labs(labs, args: argparse.Namespace) -> int:
 
     out = args.report if (args.report is not None and args.target == "all") else args.out
     ctx = LabContext(
-        quick=args.quick, model=args.model, out=out, device=args.device, price_per_hour=args.price_per_hour
+        quick=args.quick,
+        model=args.model,
+        out=out,
+        device=args.device,
+        price_per_hour=args.price_per_hour,
+        fleet=args.fleet,
     )
     results, problems = [], []
     try:
         for lab in labs:
             print(f"== lab {lab.name}: running on {ctx.model_label} ...", file=sys.stderr, flush=True)
-            result = run_lab(lab, ctx)
+            try:
+                result = run_lab(lab, ctx)
+            except InferdError as e:  # e.g. an optional package missing: `all` goes on with the other labs
+                if args.target != "all":
+                    raise
+                problems.append(f"lab {lab.name} did not run: {e}")
+                print(f"lab {lab.name} did not run: {e}\n", file=sys.stderr, flush=True)
+                continue
             results.append(result)
             problems += check_result(result)
             print(result.text + "\n", flush=True)

@@ -203,6 +203,7 @@ class LabContext:
     out: Path = Path("lab-results")
     device: str = "auto"
     price_per_hour: float | None = None
+    fleet: Path | None = None  # the fleet spec the KServe lab renders (None: examples/fleet.yaml)
     workdir: Path | None = None  # where tiny models and process logs go (a temp folder if None)
     measurements: dict[str, Measurement] = field(default_factory=dict)
     _llm: tuple[tuple, LLM] | None = None

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
 _INT8_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.cpp"
+_INT4_SOURCE = Path(__file__).parent / "kernels" / "int4_linear_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -55,10 +56,20 @@ def _build_lock(name: str):
 
 
 @functools.cache
+def _paged_decode_module():
+    return _build("inferd_paged_decode", _SOURCE, "CPU paged attention kernel")
+
+
 def paged_decode_kernel() -> Callable | None:
     """The compiled `paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)`."""
-    module = _build("inferd_paged_decode", _SOURCE, "CPU paged attention kernel")
+    module = _paged_decode_module()
     return None if module is None else module.paged_decode
+
+
+def paged_decode_threads() -> int:
+    """How many threads the kernel's work split reaches (torch's thread count when it was built with OpenMP)."""
+    module = _paged_decode_module()
+    return 0 if module is None else module.parallel_threads()
 
 
 @functools.cache
@@ -66,6 +77,12 @@ def int8_linear_kernel() -> Callable | None:
     """The compiled `int8_linear(x_fp32 [M, K], q_int8 [N, K], scale_fp32 [N], bias or None)`."""
     module = _build("inferd_int8_linear", _INT8_SOURCE, "CPU int8 linear kernel")
     return None if module is None else module.int8_linear
+
+
+@functools.cache
+def int4_kernels():
+    """The compiled int4 module: `int4_linear` (few rows), `int4_linear_chunked` (many), `int4_dequantize`."""
+    return _build("inferd_int4_linear", _INT4_SOURCE, "CPU int4 linear kernel")
 
 
 def _stable_copy(source: Path, name: str) -> Path:
@@ -92,7 +109,10 @@ def _build(prefix: str, source: Path, what: str):
             return load(
                 name=name,
                 sources=[str(_stable_copy(source, name))],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                # -fopenmp: at::parallel_for is inline OpenMP; without the flag it runs on one thread.
+                # The library links libgomp.so.1, the soname torch loads already, so one runtime serves both.
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
     except Exception as e:  # no compiler, no ninja, odd platform: the reference path still works

@@ -1,4 +1,4 @@
-"""Weight-only quantization of the linear layers and the LM head (`--quantization int8`).
+"""Weight-only quantization of the linear layers and the LM head (`--quantization int8|int4`).
 
 int8, per output channel, symmetric: each weight row is stored as int8 `q` with one float32 scale,
 w ~= q * scale, scale = max|row| / 127. Activations keep the model's dtype; only the weights shrink (a
@@ -16,6 +16,15 @@ Gemma 3 270M; see docs/performance.md):
 - float32 activations (AVX2 or AVX-512 without bf16): our native kernel (`kernels/int8_linear_cpu.cpp`,
   int8 widened in registers) for small M; above that the weights are widened to fp32 for the dense matmul.
   Without the native kernel (no compiler) the widening path serves every M.
+
+int4, group-wise and asymmetric (as llama.cpp's Q4_1): 32 consecutive weights of a row share a step and a
+low value, w ~= q * step + low with q in 0..15: 4 bits per weight plus 2 for the group's float32 step and
+low (6 in all, against bf16's 16 and int8's 8). Kernels (`kernels/int4_linear_cpu.cpp`): for a few rows
+each weight row is unpacked into float32 in L1 and dotted with every activation row (a decode step streams
+about a third of bf16's bytes); for many rows a chunk of weight rows is unpacked into the activations'
+dtype in a cache-sized buffer and goes through the dense matmul. A layer whose input width is not a
+multiple of 32 stays int8 (logged). Without a compiler int4 cannot run fast: it is then a ConfigError,
+not a silent crawl.
 """
 
 from __future__ import annotations
@@ -32,13 +41,18 @@ from inferd.models.layers import Linear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 
 # rows up to which the int8-reading kernels beat widening the weights for the dense matmul (see module doc)
 INT8PACK_MAX_ROWS = 8
 NATIVE_MAX_ROWS = 16
 # torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
 INT8PACK_K_MULTIPLE = 16
+INT4_GROUP = 32
+# rows up to which int4's fused kernel (unpack in L1, dot every row) beats unpacking chunks for the dense
+# matmul; the chunk of weight rows unpacked at a time (2048 x 640 bf16 = 2.5 MiB: stays in L2/L3)
+INT4_FUSED_MAX_ROWS = 4
+INT4_CHUNK_ROWS = 2048
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +113,68 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
 
 
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric int4 (groups of 32 along K): (packed [N, K/2] uint8, step [N, K/32], low
+    [N, K/32]) with w ~= q * step + low, q in 0..15; byte j of a group holds q[j] | q[j + 16] << 4."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    step = ((high - low) / 15.0).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
+    half = INT4_GROUP // 2
+    packed = (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2)
+    return packed.contiguous(), step.contiguous(), low.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The float32 weights an int4 layer stands for (the reference the kernels are tested against)."""
+    n = packed.shape[0]
+    b = packed.view(n, -1, INT4_GROUP // 2)
+    q = torch.cat([b & 15, b >> 4], dim=-1).float()
+    return (q * step[..., None] + low[..., None]).view(n, -1)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with group-wise int4 weights (native kernels only); activations fp32 or bf16."""
+
+    def __init__(self, packed, step, low, bias: torch.Tensor | None, kernels):
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self.register_buffer("qweight", packed)
+        # plain attributes, not buffers: model.to(bfloat16) must not round the step and low values
+        self.step, self.low = step.float(), low.float()
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.kernels = kernels
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernels) -> Int4Linear:
+        return cls(*quantize_int4(linear.weight), linear.bias, kernels)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(self.qweight, self.step, self.low).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        dtype = x2.dtype
+        if x2.shape[0] <= INT4_FUSED_MAX_ROWS:
+            y = self.kernels.int4_linear(x2.float(), self.qweight, self.step, self.low, self.bias).to(dtype)
+        else:
+            if dtype not in (torch.float32, torch.bfloat16):
+                x2 = x2.float()
+            bias = None if self.bias is None else self.bias
+            y = self.kernels.int4_linear_chunked(x2, self.qweight, self.step, self.low, bias, INT4_CHUNK_ROWS)
+            y = y.to(dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:  # as FusedLinear's, for the fused q/k/v
+        return y.split(self.out_sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {INT4_GROUP}"
+
+
 def check_quantization(name: str | None, device: torch.device) -> None:
     """A clear ConfigError for a quantization that is unknown or that this device cannot run."""
     if name is None:
@@ -110,21 +186,40 @@ def check_quantization(name: str | None, device: torch.device) -> None:
 
 
 def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
-    """Replace every Linear (the LM head's tiles included) by its int8 form; returns how many were replaced."""
+    """Replace every Linear (the LM head's tiles included) by its quantized form; returns how many."""
     check_quantization(name, device)
-    from inferd.models.cpu_kernels import int8_linear_kernel
+    from inferd.models.cpu_kernels import int4_kernels, int8_linear_kernel
 
     native = int8_linear_kernel() if device.type == "cpu" else None
+    int4 = None
+    if name == "int4":
+        int4 = int4_kernels()
+        if int4 is None:
+            raise ConfigError("--quantization int4 needs its native CPU kernel, which failed to build (see the log)")
     targets = [(parent, child_name, child) for parent in model.modules() for child_name, child in _linears(parent)]
     if not targets:
         raise ConfigError(f"--quantization {name}: {type(model).__name__} has no linear layers to quantize")
+    kept_int8 = 0
     for parent, child_name, child in targets:
-        quantized = Int8Linear.from_linear(child, native)
+        if int4 is not None and child.in_features % INT4_GROUP == 0:
+            quantized = Int4Linear.from_linear(child, int4)
+        else:
+            kept_int8 += name == "int4"
+            quantized = Int8Linear.from_linear(child, native)
         if hasattr(child, "out_sizes"):  # FusedLinear: keep how its output splits
             quantized.out_sizes = child.out_sizes
         setattr(parent, child_name, quantized)
+    if kept_int8:
+        logger.warning(
+            "quantization int4: %d of %d linear layers have an input width that is not a multiple of %d; "
+            "they stay int8",
+            kept_int8,
+            len(targets),
+            INT4_GROUP,
+        )
     logger.info(
-        "quantization int8: %d linear layers, per-channel int8 weights; fp32 kernel: %s",
+        "quantization %s: %d linear layers; int8 fp32 kernel: %s",
+        name,
         len(targets),
         "native (int8 widened in registers)" if native else "widen to fp32 and dense matmul",
     )

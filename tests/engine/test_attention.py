@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inferd.models.attention import AttentionMetadata, DecodeGroup, paged_attention
-from inferd.models.cpu_kernels import paged_decode_kernel
+from inferd.models.cpu_kernels import paged_decode_kernel, paged_decode_threads
 
 needs_kernel = pytest.mark.skipif(platform.system() != "Linux", reason="the native kernel is built on Linux")
 
@@ -53,9 +53,16 @@ def test_kernel_matches_reference(heads, kv_heads, window, softcap):
 
 
 @needs_kernel
+def test_kernel_splits_work_over_torchs_threads():
+    """Built without OpenMP, at::parallel_for's inline region is ignored and the kernel runs on one thread."""
+    assert paged_decode_threads() == torch.get_num_threads()
+
+
+@needs_kernel
 @pytest.mark.parametrize("window", [None, 5])
-def test_bf16_kernel_matches_the_fp32_reference_on_the_same_values(window):
-    case = _case(7, 4, 2)
+@pytest.mark.parametrize("head_dim", [32, 24])  # 32: the AVX512_BF16 dot-product path where the CPU has it
+def test_bf16_kernel_matches_the_fp32_reference_on_the_same_values(window, head_dim):
+    case = _case(7, 4, 2, head_dim=head_dim)
     rounded = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in case]
     ref = _run(None, [t.float() if t.is_floating_point() else t for t in rounded], window, 20.0)
     got = _run(paged_decode_kernel(), rounded, window, 20.0)

@@ -47,3 +47,27 @@ def test_poisson_times_are_reproducible_with_the_right_mean():
     times = poisson_times(2000, rate=10.0, seed=3)
     assert times == poisson_times(2000, rate=10.0, seed=3) and times[0] == 0.0
     assert abs(times[-1] / 1999 - 0.1) < 0.01
+
+
+def test_lab_all_goes_on_past_a_lab_that_cannot_run(tmp_path, monkeypatch, capsys):
+    """A lab that needs a package the reader lacks (jsonschema, ray) is reported; the other labs still run."""
+    import dataclasses
+
+    import inferd.labs as labs
+    from inferd.cli import main
+    from inferd.errors import InferdError
+    from inferd.labs.tiny import tiny_model
+
+    def needs_a_package(ctx):
+        raise InferdError("this lab needs somepackage: pip install somepackage")
+
+    kv = labs.find_lab("kv-cache")
+    broken = dataclasses.replace(kv, name="broken", measure=needs_a_package)
+    monkeypatch.setattr(labs, "all_labs", lambda: [broken, kv])
+    model = tiny_model(tmp_path)
+    argv = ["lab", "all", "--quick", "--model", str(model), "--report", str(tmp_path / "r"), "--price-per-hour", "1"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "lab broken did not run: this lab needs somepackage" in err
+    assert (tmp_path / "r" / "kv-cache.json").exists() and (tmp_path / "r" / "report.md").exists()

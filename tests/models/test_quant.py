@@ -13,7 +13,7 @@ from inferd import LLM, SamplingParams
 from inferd.config import add_engine_args, make_engine_config
 from inferd.errors import ConfigError
 from inferd.models import quant
-from inferd.models.cpu_kernels import int8_linear_kernel
+from inferd.models.cpu_kernels import int4_kernels, int8_linear_kernel
 from inferd.models.layers import Linear
 from inferd.models.lm_head import LMHead
 from tests.conftest import assert_idle
@@ -80,9 +80,9 @@ def test_quantized_lm_head_argmax_equals_its_full_logits_argmax():
 
 
 def test_unknown_or_impossible_quantization_is_a_clear_error():
-    with pytest.raises(ConfigError, match="quantization must be one of int8; got 'fp8'"):
+    with pytest.raises(ConfigError, match="quantization must be one of int8, int4; got 'fp8'"):
         make_engine_config("x", quantization="fp8").validate()
-    with pytest.raises(ConfigError, match="quantization must be one of int8"):
+    with pytest.raises(ConfigError, match="quantization must be one of int8, int4"):
         quant.check_quantization("int3", torch.device("cpu"))
     with pytest.raises(ConfigError, match="CPU only"):
         quant.check_quantization("int8", torch.device("cuda"))
@@ -91,18 +91,69 @@ def test_unknown_or_impossible_quantization_is_a_clear_error():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert parser.parse_args(["--quantization", "int8"]).quantization == "int8"
+    assert parser.parse_args(["--quantization", "int4"]).quantization == "int4"
     assert parser.parse_args([]).quantization is None
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "int4"])
+        parser.parse_args(["--quantization", "int2"])
+
+
+def test_int4_group_wise_round_trip():
+    w = torch.randn(8, 128) * torch.linspace(0.01, 10, 8)[:, None]
+    w[0, :32] = 0.5  # a constant group: a zero step must not divide by zero
+    packed, step, low = quant.quantize_int4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (8, 64) and step.shape == low.shape == (8, 4)
+    back = quant.dequantize_int4(packed, step, low)
+    assert torch.allclose(back[0, :32], w[0, :32])
+    assert ((back - w).abs() <= step.repeat_interleave(32, dim=1) / 2 + 1e-5).all()
+    # each group spans its own range: its smallest and largest values come back (almost) exactly
+    groups = w.view(8, 4, 32)
+    assert torch.allclose(back.view(8, 4, 32).amin(-1), groups.amin(-1), atol=1e-5)
+    assert torch.allclose(back.view(8, 4, 32).amax(-1), groups.amax(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_int4_kernels_build_here():
+    assert int4_kernels() is not None, "the native int4 kernels must build where CI runs"
+
+
+@pytest.mark.parametrize("rows", [1, quant.INT4_FUSED_MAX_ROWS, quant.INT4_FUSED_MAX_ROWS + 1, 33])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int4_paths_match_the_dequantized_weights(rows, bias, monkeypatch):
+    monkeypatch.setattr(quant, "INT4_CHUNK_ROWS", 20)  # 48 output rows: chunks of 20, 20 and 8
+    layer = _layer(k=64, bias=bias)
+    q = quant.Int4Linear.from_linear(layer, int4_kernels())
+    x = torch.randn(rows, 64)
+    ref = F.linear(x, q.dequantized(), layer.bias)
+    assert torch.allclose(q(x), ref, atol=1e-4, rtol=1e-4)
+    got = q(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), ref, atol=0.1, rtol=0.05)  # bf16 activations and output rounding
+    assert q(x.view(rows, 1, 64)).shape == (rows, 1, 48)
+
+
+def test_int4_keeps_int8_for_layers_it_cannot_group(caplog):
+    model = torch.nn.Sequential(_layer(k=64), _layer(k=40))
+    quant.quantize_model(model, "int4", torch.device("cpu"))
+    assert isinstance(model[0], quant.Int4Linear) and isinstance(model[1], quant.Int8Linear)
+    assert "1 of 2 linear layers" in caplog.text and "stay int8" in caplog.text
+
+
+def test_int4_without_its_kernel_is_a_clear_error(monkeypatch):
+    import inferd.models.cpu_kernels as ck
+
+    monkeypatch.setattr(ck, "int4_kernels", lambda: None)
+    with pytest.raises(ConfigError, match="int4 needs its native CPU kernel"):
+        quant.quantize_model(torch.nn.Sequential(_layer(k=64)), "int4", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2", "llama"])  # tied head; tied head with q/k/v bias; untied
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_runs_int8_end_to_end(tiny_models, arch, dtype):
-    llm = LLM(str(tiny_models[arch]), max_model_len=128, num_blocks=24, block_size=8, dtype=dtype, quantization="int8")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_runs_quantized_end_to_end(tiny_models, arch, dtype, mode):
+    llm = LLM(str(tiny_models[arch]), max_model_len=128, num_blocks=24, block_size=8, dtype=dtype, quantization=mode)
     model = llm.engine.model
     assert not any(isinstance(m, Linear) for m in model.modules()), "every linear layer is quantized"
-    assert isinstance(model.lm_head.tiles[0], quant.Int8Linear)
+    layer_class = quant.Int8Linear if mode == "int8" else quant.Int4Linear
+    assert isinstance(model.lm_head.tiles[0], layer_class)
     texts = ["The quick brown fox", "def add(a, b):", "Question: What is the capital of France?", "Paged"]
     prompts = [t for t in texts for _ in range(3)]  # each prompt greedy, greedy with logprobs, sampled
     params = [

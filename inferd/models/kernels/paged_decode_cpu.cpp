@@ -14,6 +14,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // bfloat16 is the top half of a float32: widening is a shift, which the compiler vectorises.
@@ -33,29 +37,84 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
-// Four dot products against the same query: four independent accumulators keep the FMA units busy
-// instead of waiting on one reduction chain.
+// Scores of one query group against four keys: out[g * n + t..t+3] for every head g of the group.
+// Generic path: the four keys are widened to float32 once (not once per head), then four independent
+// accumulators per head keep the FMA units busy instead of waiting on one reduction chain.
 template <typename T>
-inline void dot4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t n, float* out) {
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t i = 0; i < n; ++i) {
-    const float qi = q[i];
-    s0 += qi * widen(k0[i]);
-    s1 += qi * widen(k1[i]);
-    s2 += qi * widen(k2[i]);
-    s3 += qi * widen(k3[i]);
+inline void scores4(const float* query, const T* const* keys, int64_t G, int64_t D, float* kbuf, float* out,
+                    int64_t n) {
+  const float* k[4];
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      k[j] = keys[j];
+    } else {
+      float* dst = kbuf + j * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) dst[i] = widen(keys[j][i]);
+      k[j] = dst;
+    }
   }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = query + g * D;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t i = 0; i < D; ++i) {
+      const float qi = q[i];
+      s0 += qi * k[0][i];
+      s1 += qi * k[1][i];
+      s2 += qi * k[2][i];
+      s3 += qi * k[3][i];
+    }
+    float* o = out + g * n;
+    o[0] = s0;
+    o[1] = s1;
+    o[2] = s2;
+    o[3] = s3;
+  }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// bfloat16 on a CPU with AVX512_BF16: `vdpbf16ps` multiplies 32 bf16 pairs and accumulates in float32,
+// straight from the cache's bits (no widening); the query is bf16 already (the model computed it so).
+inline void scores4_bf16(const uint16_t* qbits, const uint16_t* const* keys, int64_t G, int64_t D, float* out,
+                         int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* q = qbits + g * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+           a3 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i);
+      a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(keys[0] + i));
+      a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(keys[1] + i));
+      a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(keys[2] + i));
+      a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(keys[3] + i));
+    }
+    float* o = out + g * n;
+    o[0] = _mm512_reduce_add_ps(a0);
+    o[1] = _mm512_reduce_add_ps(a1);
+    o[2] = _mm512_reduce_add_ps(a2);
+    o[3] = _mm512_reduce_add_ps(a3);
+  }
+}
+#endif
+
+// acc[g * D + i] += p[g * n] * v[i] for every head g: the value row is widened once for the whole group.
 template <typename T>
-inline void axpy(float alpha, const T* x, float* y, int64_t n) {
+inline void accumulate(const float* p, int64_t n, const T* v, int64_t G, int64_t D, float* vbuf, float* acc) {
+  const float* row;
+  if constexpr (std::is_same_v<T, float>) {
+    row = v;
+  } else {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * widen(x[i]);
+    for (int64_t i = 0; i < D; ++i) vbuf[i] = widen(v[i]);
+    row = vbuf;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float alpha = p[g * n];
+    float* a = acc + g * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) a[i] += alpha * row[i];
+  }
 }
 
 // T: the storage type of q, K/V and the output (float, or uint16_t holding bfloat16 bits).
@@ -64,7 +123,7 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
             int64_t H, int64_t D, int64_t BS, int64_t KVH, int64_t MB, float fscale, int64_t window, float fcap) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, query(G * D), acc(G * D);
+    std::vector<float> scores, query(G * D), acc(G * D), buf(4 * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, kvh = item % KVH;
       const int64_t len = lp[b];
@@ -73,22 +132,26 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
       scores.assign(G * n, 0.f);
       const T* q_in = qp + (b * H + kvh * G) * D;
       for (int64_t i = 0; i < G * D; ++i) query[i] = widen(q_in[i]);
-      auto key_at = [&](int64_t t) {
+      auto row_at = [&](const T* cache, int64_t t) {
         const int64_t pos = start + t;
-        return kp + ((btp[b * MB + pos / BS] * BS + pos % BS) * KVH + kvh) * D;
+        return cache + ((btp[b * MB + pos / BS] * BS + pos % BS) * KVH + kvh) * D;
       };
       // tokens outer, heads inner: four keys stay in L1 while every head of the group uses them
       int64_t t = 0;
-      float four[4];
       for (; t + 4 <= n; t += 4) {
-        const T *k0 = key_at(t), *k1 = key_at(t + 1), *k2 = key_at(t + 2), *k3 = key_at(t + 3);
-        for (int64_t g = 0; g < G; ++g) {
-          dot4(query.data() + g * D, k0, k1, k2, k3, D, four);
-          std::copy(four, four + 4, scores.data() + g * n + t);
+        const T* keys[4] = {row_at(kp, t), row_at(kp, t + 1), row_at(kp, t + 2), row_at(kp, t + 3)};
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          if (D % 32 == 0) {
+            scores4_bf16(q_in, keys, G, D, scores.data() + t, n);
+            continue;
+          }
         }
+#endif
+        scores4(query.data(), keys, G, D, buf.data(), scores.data() + t, n);
       }
       for (; t < n; ++t)
-        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(query.data() + g * D, key_at(t), D);
+        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(query.data() + g * D, row_at(kp, t), D);
       for (float& s : scores) {
         s *= fscale;
         if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
@@ -105,12 +168,7 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
         for (int64_t t = 0; t < n; ++t) row[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = start + t;
-        const int64_t block = btp[b * MB + pos / BS];
-        const T* val = vp + ((block * BS + pos % BS) * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + t], val, acc.data() + g * D, D);
-      }
+      for (int64_t t = 0; t < n; ++t) accumulate(scores.data() + t, n, row_at(vp, t), G, D, buf.data(), acc.data());
       T* o = op + (b * H + kvh * G) * D;
       if constexpr (std::is_same_v<T, float>) {
         std::copy(acc.begin(), acc.end(), o);
@@ -156,6 +214,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+// The number of distinct threads at::parallel_for hands work to: torch's thread count when this file was
+// built with OpenMP, 1 when it was not (the inline parallel region is then ignored).
+int64_t parallel_threads() {
+  std::vector<char> seen(at::get_num_threads() + 1, 0);
+  at::parallel_for(0, 4096, 1, [&](int64_t begin, int64_t end) {
+    volatile double sink = 0;
+    for (int64_t i = begin; i < end; ++i) sink = sink + std::sqrt(static_cast<double>(i));
+    seen[std::min<int64_t>(at::get_thread_num(), seen.size() - 1)] = 1;
+  });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads the work split reaches");
   m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32 or bfloat16)");
 }

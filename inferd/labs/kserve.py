@@ -1,0 +1,491 @@
+"""KServe: the reader's fleet spec rendered the way `inferd deploy k8s` writes `kserve.yaml` (an
+`LLMInferenceService` per model, plus a `ServingRuntime` and an `InferenceService` per model for KServe's
+classic API), validated offline against KServe's CRD schemas (`inferd.deploy.validate`, unknown fields
+rejected), each field of the LLMInferenceService explained, and the memory its pods ask for set against what
+a replica of the model really takes here: weights, the KV pool the engine reserves up front, and the
+runtime, read from a running `inferd serve` started with the pool's own flags.
+
+No cluster is touched: the lab writes `<out>/kserve.yaml` and says what `kubectl apply` would do with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inferd.errors import InferdError
+from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
+from inferd.labs.context import LabContext
+
+DEFINITION = (
+    "Kubernetes-native model serving: a custom resource (InferenceService, and LLMInferenceService for LLMs) "
+    "declares the model, its runtime, replicas and routing, and KServe's controller builds the pods, the route "
+    "and the scaling from it."
+)
+MIB = 2**20
+EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"  # in a checkout
+
+# what each engine flag in the pod's args does, and the glossary term it belongs to
+FLAGS = {
+    "--max-num-seqs": ("most sequences in the running batch; more wait in the queue", "continuous batching"),
+    "--kv-cache-memory": ("memory reserved up front for the KV pool: the tokens that fit", "KV cache"),
+    "--num-blocks": ("KV blocks in the pool (instead of a memory size)", "PagedAttention"),
+    "--block-size": ("tokens per KV block, the page of the pool", "PagedAttention"),
+    "--max-model-len": ("longest sequence (prompt + output) one request may reach", "KV cache"),
+    "--max-num-batched-tokens": ("tokens computed per step; longer prompts are prefilled in chunks", "ITL / TPOT"),
+    "--enable-prefix-caching": ("reuse the KV blocks of a prompt prefix seen before", "SGLang"),
+    "--no-enable-prefix-caching": ("prefix reuse off", "SGLang"),
+    "--dtype": ("precision of weights and activations", "GPU economics"),
+    "--quantization": ("weights stored in fewer bits: more fits, decode reads less", "GPU economics"),
+    "--num-threads": ("CPU threads for the matmuls (the pool's resources.cpu)", "GPU economics"),
+    "--attention-backend": ("attention kernel: PyTorch reference or inferd's native one", "TensorRT-LLM"),
+    "--metrics-names": ("/metrics also under vLLM's names, read by llm-d's picker and KEDA", "vLLM"),
+    "--drain-timeout": ("on SIGTERM, seconds to finish the running batch before exiting", "continuous batching"),
+    "--model": ("the weights the engine loads", "KServe"),
+    "--served-model-name": ("the name clients send as `model`", "vLLM"),
+    "--host": ("listen on every interface of the pod", "-"),
+    "--port": ("the engine's HTTP port (OpenAI API, /health, /metrics)", "-"),
+}
+
+
+# -- the fleet, rendered and validated ----------------------------------------------------------------------
+def read_fleet(ctx: LabContext):
+    """The fleet spec the lab renders: --fleet, else the checkout's examples/fleet.yaml, else one pool of the
+    run's model. Returns (where it came from, spec)."""
+    from inferd.fleet.spec import FleetSpec, load_fleet
+
+    path = ctx.fleet or (EXAMPLE_FLEET if EXAMPLE_FLEET.exists() else None)
+    if path is not None:
+        return shown_path(path), load_fleet(path)
+    pool = {"name": "main", "replicas": 1, "resources": {"cpu": 1, "memory": "2Gi"}}
+    return "a one-pool fleet of the run's model", FleetSpec.model_validate(
+        {"models": [{"name": "m", "model": ctx.model, "engine": {"max_num_seqs": 16}, "pools": [pool]}]}
+    )
+
+
+def shown_path(path: Path) -> str:
+    """A path as the text shows it: relative to the working directory when it is inside it."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def render_kserve(spec) -> list[dict]:
+    from inferd.deploy.k8s import K8sOptions, render
+
+    objs = render(spec, K8sOptions())["kserve.yaml"]
+    if not objs:
+        raise InferdError("the fleet has only disaggregated models, which KServe's manifests leave out")
+    return objs
+
+
+def broken_copy(llm: dict) -> tuple[dict, int]:
+    """The LLMInferenceService with fields broken the ways hands break YAML; (the copy, how many breaks)."""
+    bad = copy.deepcopy(llm)
+    bad["spec"]["replica"] = bad["spec"].pop("replicas", 1)  # a misspelt field
+    bad["spec"]["model"]["uri"] = 42  # a wrong type
+    container = bad["spec"]["template"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe", {})  # a misspelt field, deep in the pod
+    return bad, 3
+
+
+def validation(objs: list[dict]) -> dict[str, Any]:
+    from inferd.deploy.validate import body, errors, leaf_fields
+
+    per_object = [
+        {"kind": o["kind"], "name": o["metadata"]["name"], "fields": len(leaf_fields(body(o))), "errors": errors(o)}
+        for o in objs
+    ]
+    bad, breaks = broken_copy(next(o for o in objs if o["kind"] == "LLMInferenceService"))
+    caught = errors(bad)
+    return {"per_object": per_object, "breaks": breaks, "caught": [str(e) for e in caught]}
+
+
+# -- the field table ------------------------------------------------------------------------------------------
+def _arg_rows(args: list[str]) -> list[tuple[str, str, str, str]]:
+    rows = []
+    i = 1  # args[0] is the subcommand (serve)
+    while i < len(args):
+        flag = args[i]
+        value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else ""
+        does, term = FLAGS.get(flag, ("an `inferd serve` flag (see --help)", "-"))
+        rows.append((f"c.args {flag}", value or "(on)", does, term))
+        i += 2 if value else 1
+    return rows
+
+
+def field_rows(llm: dict) -> list[tuple[str, str, str, str]]:
+    """(field, value rendered, what it does, glossary term) for the LLMInferenceService's fields."""
+    spec = llm["spec"]
+    pod = spec["template"]
+    c = pod["containers"][0]
+    res = c["resources"]
+    start = c["startupProbe"]
+    rows = [
+        ("apiVersion, kind", f"{llm['apiVersion']} {llm['kind']}", "KServe's LLM API (llm-d underneath)", "KServe"),
+        ("spec.model.uri", spec["model"]["uri"], "where the weights come from", "KServe"),
+        ("spec.model.name", spec["model"]["name"], "the name clients send as `model`", "vLLM"),
+    ]
+    if "storageInitializer" in spec:
+        rows.append(
+            ("spec.storageInitializer.enabled", str(spec["storageInitializer"]["enabled"]).lower(),
+             "no download step: the image carries this model", "KServe")
+        )  # fmt: skip
+    rows += [
+        ("spec.replicas", str(spec["replicas"]), "engine pods, each with its own weights and KV pool", "throughput"),
+        ("spec.router.gateway", "{}", "attach to the cluster's inference Gateway", "KServe"),
+        ("spec.router.route", "{}", "KServe creates the HTTPRoute to this model", "KServe"),
+        ("spec.router.scheduler", "{}", "KServe deploys llm-d's scheduler: pods picked by queue, KV use, prefix",
+         "NVIDIA Dynamo"),
+        ("c.image", c["image"], "inferd's image (`inferd serve`)", "-"),
+    ]  # fmt: skip
+    rows += _arg_rows(c["args"])
+    rows += [
+        ("c.resources.requests.cpu", str(res["requests"]["cpu"]), "cores reserved; no CPU limit (throttling a "
+         "decode loop costs latency)", "GPU economics"),
+        ("c.resources.requests.memory", str(res["requests"]["memory"]), "memory reserved: weights + KV pool + "
+         "runtime (measured below)", "KV cache"),
+        ("c.resources.limits.memory", str(res["limits"]["memory"]), "past this the pod is OOM-killed", "KV cache"),
+    ]  # fmt: skip
+    if "nvidia.com/gpu" in res["requests"]:
+        rows.append(("c.resources.requests[nvidia.com/gpu]", str(res["requests"]["nvidia.com/gpu"]), "GPUs per pod",
+                     "GPU economics"))  # fmt: skip
+    rows += [
+        ("c.startupProbe", f"/health, {start['periodSeconds'] * start['failureThreshold']} s",
+         "time to load the model before the pod is restarted", "inference-aware autoscaling"),
+        ("c.readinessProbe", f"/health every {c['readinessProbe']['periodSeconds']} s",
+         "a draining or sick pod leaves the route", "-"),
+        ("spec.template.terminationGracePeriodSeconds", str(pod["terminationGracePeriodSeconds"]),
+         "longer than the drain: the running batch finishes", "continuous batching"),
+        ("spec.template.securityContext", "non-root, read-only root", "the pod's hardening", "-"),
+        ("spec.template.volumes[0]", "emptyDir" if "emptyDir" in pod["volumes"][0] else "PVC",
+         "Hugging Face downloads and compiled kernels", "-"),
+    ]  # fmt: skip
+    return rows
+
+
+def table(rows: list[tuple[str, str, str, str]]) -> str:
+    lines = ["| field | value rendered | what it does | glossary |", "|---|---|---|---|"]
+    lines += [f"| `{f}` | `{v}` | {d} | {t} |" for f, v, d, t in rows]
+    return "\n".join(lines)
+
+
+# -- what a replica takes ---------------------------------------------------------------------------------
+def _rss(pid: int) -> float:
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        with suppress(psutil.NoSuchProcess):
+            total += child.memory_info().rss
+    return float(total)
+
+
+def _peak_rss(pid: int) -> float | None:
+    """The kernel's high-water mark of the process's RSS (Linux)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def pool_config(spec, model, pool):
+    """The engine config `inferd serve` builds from the pool's flags, as the manifest runs it."""
+    from inferd.cli import build_parser
+    from inferd.config import engine_config_from_args
+
+    return engine_config_from_args(build_parser().parse_args(["serve", *spec.serve_argv(model, pool)]))
+
+
+def replica_flags(ctx: LabContext, spec, model, pool) -> list[str]:
+    """The pool's `inferd serve` flags, less the model (the run's model is measured) and its name."""
+    argv = spec.serve_argv(model, pool)
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in ("--model", "--served-model-name"):
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    out += ["--device", ctx.device]
+    if ctx.quick:
+        out += ["--attention-backend", "torch"]  # no native-kernel build in a quick run
+    return out
+
+
+def replica_memory(ctx: LabContext, flags: list[str], seqs: int, prompt_len: int, out_len: int) -> dict[str, float]:
+    """Start `inferd serve` with the pool's flags, read its RSS idle, then at its peak under `seqs` concurrent
+    requests of `prompt_len` + `out_len` tokens."""
+    from inferd.labs.procs import start_replica
+    from inferd.procs import wait_http
+
+    proc = start_replica(ctx.model, ctx.workdir, *flags)
+    try:
+        wait_http(proc, "/health", timeout=600)
+        pid = proc.popen.pid
+        idle = _rss(pid)
+        seen = [idle]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.05):
+                seen.append(_rss(pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        started = time.monotonic()
+        with ThreadPoolExecutor(seqs) as pool:
+            codes = list(pool.map(lambda i: _complete(proc.url, i, prompt_len, out_len), range(seqs)))
+        burst = time.monotonic() - started
+        done.set()
+        sampler.join(timeout=5)
+        peak = max(max(seen), _peak_rss(pid) or 0.0)
+    finally:
+        proc.stop()
+    return {"rss_idle": idle, "rss_peak": peak, "burst_s": burst, "burst_errors": sum(c != 200 for c in codes)}
+
+
+def _complete(url: str, i: int, prompt_len: int, out_len: int) -> int:
+    prompt = [16 + (i * 31 + k * 7) % 480 for k in range(prompt_len)]
+    body = {"model": "m", "prompt": prompt, "max_tokens": out_len, "ignore_eos": True, "temperature": 0}
+    return httpx.post(url + "/v1/completions", json=body, timeout=600).status_code
+
+
+def weight_bytes(ctx: LabContext) -> float:
+    """Bytes of the model's weights: its decoder layers, its embedding and, unless tied to it, its LM head, at
+    the engine's dtype (counted from the shapes: packed CPU layers hold no dense parameter to sum)."""
+    facts = ctx.facts()
+    tied = bool(getattr(ctx.llm().engine.model.config, "tie_word_embeddings", False))
+    embedding = facts.vocab * facts.hidden
+    return float((facts.body_params + embedding + (0 if tied else facts.lm_head_params)) * facts.elem_bytes)
+
+
+def kv_pool_bytes(config, per_token: int) -> int:
+    """The KV pool the engine allocates at start: --num-blocks, else as many blocks as --kv-cache-memory holds."""
+    block = config.cache.block_size
+    blocks = config.cache.num_blocks or config.cache.kv_cache_memory // (block * per_token)
+    return blocks * block * per_token
+
+
+def max_model_len(config) -> int:
+    """The engine's max_model_len for this config: the flag, else the model's own limit, capped as the engine does."""
+    from inferd.engine.engine import _MAX_DEFAULT_LEN
+    from inferd.models import loader
+
+    if config.max_model_len:
+        return config.max_model_len
+    folder = loader.resolve_model(config.model)
+    return min(loader.model_max_len(loader.text_config(loader.load_config(folder))), _MAX_DEFAULT_LEN)
+
+
+# -- the lab ------------------------------------------------------------------------------------------------
+def measure(ctx: LabContext) -> Measurement:
+    import yaml
+
+    from inferd.config import parse_memory
+
+    source, spec = read_fleet(ctx)
+    objs = render_kserve(spec)
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    (ctx.out / "kserve.yaml").write_text(yaml.safe_dump_all(objs, sort_keys=False))
+    checked = validation(objs)
+    llm = next(o for o in objs if o["kind"] == "LLMInferenceService")
+    model, pool = next((m, p) for m in spec.models for p in m.pools if f"inferd-{p.name}" == llm["metadata"]["name"])
+    config = dataclasses.replace(pool_config(spec, model, pool), model=ctx.model)  # the model this run measures
+    facts = ctx.facts()
+    block = config.cache.block_size
+    pool_bytes = kv_pool_bytes(config, facts.kv_bytes_per_token)
+    max_len = max_model_len(config)
+    seqs = config.scheduler.max_num_seqs
+    prompt_len = min(ctx.size(128, 512), max_len - 16)
+    mem = replica_memory(ctx, replica_flags(ctx, spec, model, pool), seqs, prompt_len, 16)
+    on_host = str(ctx.torch_device).startswith("cpu")  # on a GPU, weights and KV live in device memory
+    weights = weight_bytes(ctx)
+    limit = parse_memory(llm["spec"]["template"]["containers"][0]["resources"]["limits"]["memory"])
+    request = parse_memory(llm["spec"]["template"]["containers"][0]["resources"]["requests"]["memory"])
+    n: dict[str, float] = {
+        "objects": len(objs),
+        "models": sum(1 for o in objs if o["kind"] == "LLMInferenceService"),
+        "fields_validated": sum(o["fields"] for o in checked["per_object"]),
+        "validation_errors": sum(len(o["errors"]) for o in checked["per_object"]),
+        "broken_edits": checked["breaks"],
+        "broken_errors": len(checked["caught"]),
+        "replicas": llm["spec"]["replicas"],
+        "max_num_seqs": seqs,
+        "max_model_len": max_len,
+        "block_size": block,
+        "kv_bytes_per_token": facts.kv_bytes_per_token,
+        "kv_pool_mib": pool_bytes / MIB,
+        "kv_pool_tokens": pool_bytes // facts.kv_bytes_per_token,
+        "full_tokens": seqs * max_len,
+        "kv_full_mib": seqs * max_len * facts.kv_bytes_per_token / MIB,
+        "full_seqs_fit": (pool_bytes // facts.kv_bytes_per_token) // max_len,
+        "weights_mib": weights / MIB,
+        "burst_seqs": seqs,
+        "burst_tokens": seqs * (prompt_len + 16),
+        "burst_kv_mib": seqs * (prompt_len + 16) * facts.kv_bytes_per_token / MIB,
+        "burst_errors": mem["burst_errors"],
+        "rss_idle_mib": mem["rss_idle"] / MIB,
+        "rss_peak_mib": mem["rss_peak"] / MIB,
+        "host_kv_mib": pool_bytes / MIB if on_host else 0.0,
+        "host_weights_mib": weights / MIB if on_host else 0.0,
+        "request_mib": request / MIB,
+        "limit_mib": limit / MIB,
+    }
+    n["runtime_mib"] = max(0.0, n["rss_peak_mib"] - n["host_kv_mib"] - n["host_weights_mib"])
+    n["spare_mib"] = n["limit_mib"] - n["rss_peak_mib"]
+    n["suggested_mib"] = 256 * math.ceil(1.25 * n["rss_peak_mib"] / 256)
+    settings = {
+        "fleet": source,
+        "fleet_model": model.model,
+        "measured_model": ctx.model_label,
+        "pool": pool.name,
+        "out_yaml": shown_path(ctx.out / "kserve.yaml"),
+        "cluster": _cluster(),
+        "prompt_len": prompt_len,
+    }
+    series = {
+        "objects": [{k: v for k, v in o.items() if k != "errors"} | {"errors": len(o["errors"])} for o in
+                    checked["per_object"]],
+        "caught": checked["caught"],
+        "fields": field_rows(llm),
+    }  # fmt: skip
+    return Measurement(numbers=n, series=series, settings=settings)
+
+
+def _cluster() -> str:
+    """Whether kubectl and a kubeconfig are here (the lab never uses them)."""
+    kubectl = shutil.which("kubectl")
+    config = Path((os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")).split(os.pathsep)[0])
+    if kubectl and config.exists():
+        return f"kubectl and a kubeconfig ({config}) are here, but the lab does not apply anything"
+    return "no cluster is configured on this machine" + ("" if kubectl else " (and no kubectl)")
+
+
+def explain(m: Measurement) -> Explanation:
+    n, s = m.numbers, m.settings
+    kinds = ", ".join(f"{o['kind']} {o['name']} ({o['fields']} fields)" for o in m.series["objects"])
+    claims = [
+        decide(
+            n,
+            "validation_errors <= 0",
+            must=True,
+            yes="The {objects} objects validate against KServe's CRD schemas with unknown fields rejected: "
+            "{fields_validated} fields checked, {validation_errors} errors.",
+            no="The rendered objects broke KServe's CRD schemas: {validation_errors} errors in {fields_validated} "
+            "fields.",
+        ),
+        decide(
+            n,
+            "broken_errors >= broken_edits",
+            must=True,
+            yes="The check is not a formality: the same LLMInferenceService with {broken_edits} fields broken (a "
+            "misspelt `replica`, a number for `model.uri`, a misspelt `readinesProbe`) drew {broken_errors} errors.",
+            no="A manifest with {broken_edits} broken fields drew only {broken_errors} errors.",
+        ),
+        decide(
+            n,
+            "limit_mib >= rss_peak_mib",
+            textbook=False,
+            yes="The pod's memory limit ({limit_mib} MiB, from resources.memory) covers a replica's measured peak of "
+            "{rss_peak_mib} MiB with {spare_mib} MiB to spare.",
+            no="The pod's memory limit ({limit_mib} MiB) is below a replica's measured peak of {rss_peak_mib} MiB: "
+            "Kubernetes would OOM-kill it under load. Raise resources.memory to about {suggested_mib} MiB.",
+        ),
+        decide(
+            n,
+            "rss_idle_mib >= host_kv_mib",
+            textbook=False,
+            yes="An idle replica already held {rss_idle_mib} MiB, the {host_kv_mib} MiB KV pool included: the engine "
+            "reserves the pool at start, so the request must cover it before the first request arrives; "
+            "{burst_seqs} requests at once ({burst_tokens} tokens, {burst_kv_mib} MiB of KV) raised it to "
+            "{rss_peak_mib} MiB.",
+            no="An idle replica held {rss_idle_mib} MiB, less than its {host_kv_mib} MiB KV pool: the pool's pages "
+            "were not all touched yet.",
+        ),
+        decide(
+            n,
+            "kv_pool_mib >= weights_mib",
+            yes="The KV pool ({kv_pool_mib} MiB) outweighs the weights ({weights_mib} MiB), as the glossary says: "
+            "the KV cache, not the model, sets how much a replica can serve at once.",
+            no="Here the weights ({weights_mib} MiB) outweigh the KV pool ({kv_pool_mib} MiB): this spec gives the "
+            "cache less memory than the model, so concurrency, not memory for weights, is what it rations.",
+        ),
+        decide(
+            n,
+            "kv_pool_tokens >= full_tokens",
+            textbook=False,
+            yes="At {kv_bytes_per_token} bytes of KV per token, the pool holds {kv_pool_tokens} tokens: all "
+            "{max_num_seqs} sequences at the full {max_model_len} tokens ({full_tokens} tokens, {kv_full_mib} MiB).",
+            no="At {kv_bytes_per_token} bytes of KV per token, the pool holds {kv_pool_tokens} tokens: "
+            "{full_seqs_fit} sequences at the full {max_model_len} tokens, not all {max_num_seqs} (that would be "
+            "{full_tokens} tokens, {kv_full_mib} MiB). Paged blocks let the batch fill with shorter sequences; "
+            "past the pool the scheduler queues or preempts.",
+        ),
+    ]
+    intro = [
+        f"KServe, in the glossary's words: {DEFINITION}",
+        f"This lab rendered the fleet spec ({s['fleet']}) the way `inferd deploy k8s` writes kserve.yaml: "
+        f"{kinds}. It validated them offline against KServe's CRD schemas (shipped in inferd/deploy/crds) and "
+        f"wrote them to {s['out_yaml']}. The memory numbers come from `inferd serve` started with pool "
+        f"{s['pool']}'s flags on this machine, serving {s['measured_model']} (the spec names {s['fleet_model']}).",
+        "The LLMInferenceService, field by field (`c` is spec.template.containers[0], the engine):\n\n"
+        + table([tuple(r) for r in m.series["fields"]]),
+    ]
+    why = [
+        f"No cluster was used: {s['cluster']}. On a cluster with KServe's CRDs and controller, `kubectl apply -f "
+        f"{Path(s['out_yaml']).name}` would store the objects (the API server checks them against the same "
+        "schemas); KServe's controller would then create the engine Deployment from the pod template, an "
+        "HTTPRoute on the inference Gateway and llm-d's scheduler (an InferencePool with its endpoint picker), "
+        "and, for the InferenceService, a predictor from the `inferd` ServingRuntime. Without KServe installed, "
+        "kubectl stops at the first object: no matches for kind LLMInferenceService.",
+        "Why it matters: on Kubernetes a model is a resource to declare, not a server to babysit. The fields "
+        "that decide cost and latency are the ones above: replicas, the batch and KV settings, and the memory "
+        f"request, which must hold the weights, the whole KV pool and the runtime with its activations "
+        f"({fmt(n['runtime_mib'])} MiB here at the peak) from the moment the pod starts.",
+    ]
+    return Explanation(intro, claims, why)
+
+
+def plot(m: Measurement, fig) -> None:
+    a, b = fig.subplots(1, 2, width_ratios=[3, 2])
+    n = m.numbers
+    parts = [("weights", n["host_weights_mib"]), ("KV pool", n["host_kv_mib"])]
+    parts.append(("runtime + activations", n["runtime_mib"]))
+    bottom = 0.0
+    for i, (label, v) in enumerate(parts):
+        a.bar(["replica, measured peak"], [v], bottom=bottom, label=label, color=f"C{i}")
+        bottom += v
+    a.bar(["replica, idle"], [n["rss_idle_mib"]], color="C7", label="idle RSS")
+    a.bar(["pod limit (manifest)"], [n["limit_mib"]], color="C4", label="resources.memory")
+    a.axhline(n["suggested_mib"], color="k", ls=":", label=f"1.25 x peak ({fmt(n['suggested_mib'])} MiB)")
+    a.set(ylabel="MiB", title="Memory: what the manifest asks, what a replica takes")
+    a.legend(fontsize=8)
+    objs = m.series["objects"]
+    b.barh([o["kind"] for o in objs], [o["fields"] for o in objs], color="C2", label="fields validated")
+    b.barh(["LLMInferenceService,\nfields broken"], [n["broken_errors"]], color="C3", label="errors caught")
+    for i, o in enumerate(objs):
+        b.text(o["fields"], i, f" {o['errors']} errors", va="center", fontsize=8)
+    b.text(n["broken_errors"], len(objs), f" {fmt(n['broken_errors'])} errors", va="center", fontsize=8)
+    b.set(xlabel="fields (green), errors (red)", title="Against KServe's CRD schemas")
+    b.margins(x=0.2)
+
+
+LAB = Lab("kserve", "KServe", DEFINITION, measure, explain, plot, timed=False)  # sizes and counts, not times

@@ -1,0 +1,563 @@
+"""Ray Serve: the fleet's Ray Serve application (`inferd/deploy/ray.py`) run on a local Ray instance and scaled
+by load from one engine replica to two and back. The lab records the autoscaling policy's decisions with
+their times and the signals they rest on (the policy runs inside Serve's controller; `RecordingPolicy` wraps
+inferd's `PoolAutoscalingPolicy` and writes each decision to a file), Serve's replica count as it followed
+them, and how the request router spread requests over the two replicas, read from each replica's own
+request counter: by load for distinct prompts, by prefix for prompts that share one.
+
+Ray is started for the lab alone (`address="local"`: never a cluster already running on the machine) and
+stopped when the lab ends, on failure too; the lab then checks that every process Ray started is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inferd.errors import InferdError
+from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.context import LabContext
+
+DEFINITION = (
+    "Python-native serving on a Ray cluster: deployments of replicas composed in code, with request routing and "
+    "autoscaling built in; where LLM serving meets general Python pipelines."
+)
+APP, POOL, MODEL = "inferd", "lab", "m"
+MAX_SEQS = 4  # per replica: more concurrent requests than this wait, and waiting is what the policy scales on
+TARGET_WAITING = 1  # per replica
+CLIENTS = 10  # MAX_SEQS run on one replica, MAX_SEQS more wait there (max_ongoing_requests = 2 x), 2 at the ingress
+
+
+# -- the policy, recorded ---------------------------------------------------------------------------------
+class RecordingPolicy:
+    """inferd's `PoolAutoscalingPolicy`, unchanged, plus a log. Serve calls it every control-loop tick (0.1 s);
+    a call whose outcome changed, or the first in half a second, is one JSON line: wall time, Serve's current
+    and target replicas, the signals summed over replicas, the policy's desired count (before Serve's bounds)."""
+
+    def __init__(self, log_path: str, **policy: Any):
+        from inferd.deploy.ray import PoolAutoscalingPolicy
+
+        self.inner = PoolAutoscalingPolicy(**policy)
+        self.log_path = log_path
+        self.last: tuple | None = None
+        self.last_t = 0.0
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        desired, state = self.inner(ctx)
+        metrics = ctx.aggregated_metrics or {}
+        totals = {name: round(sum(v.values()), 2) for name, v in metrics.items()}
+        key = (desired, ctx.current_num_replicas, ctx.target_num_replicas)
+        now = time.time()
+        if key != self.last or now - self.last_t >= 0.5:
+            self.last, self.last_t = key, now
+            line = {
+                "t": now,
+                "current": ctx.current_num_replicas,
+                "target": ctx.target_num_replicas,
+                "desired": desired,
+                "waiting": totals.get("waiting", 0.0),
+                "running": totals.get("running", 0.0),
+            }
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return desired, state
+
+
+# -- the fleet and the app --------------------------------------------------------------------------------
+def lab_fleet(ctx: LabContext):
+    """One model, one pool of 1 to 2 replicas, scaled on waiting requests with short windows (seconds, not a
+    production policy's minutes, so the lab sees both directions)."""
+    from inferd.fleet.spec import FleetSpec
+
+    engine: dict[str, Any] = {"max_model_len": 512, "kv_cache_memory": "32MiB", "max_num_seqs": MAX_SEQS}
+    engine["num_threads"] = 1  # two replicas share this machine's cores
+    if ctx.quick:
+        engine["attention_backend"] = "torch"
+    policy = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "targets": {"waiting": TARGET_WAITING},
+        "interval_s": 0.5,
+        "window_s": 2.0,
+        "scale_up_stabilization_s": 0.0,
+        # longer than the routing phase, so both replicas serve it; the default model's requests take longer
+        "scale_down_stabilization_s": ctx.size(6.0, 20.0),
+        "cooldown_s": ctx.size(6.0, 20.0),
+    }
+    pool = {"name": POOL, "replicas": 1, "resources": {"cpu": 1, "memory": "1Gi"}, "autoscaling": policy}
+    return FleetSpec.model_validate(
+        {"models": [{"name": MODEL, "model": ctx.model, "engine": engine, "pools": [pool]}]}
+    )
+
+
+def build_lab_app(spec, log_path: Path):
+    """`inferd.deploy.ray.build`, with the policy wrapped in `RecordingPolicy` and Serve's metrics pushed at the
+    policy's `interval_s` (Serve's default is every 10 s)."""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    from inferd.deploy.ray import EngineReplica, OpenAIIngress, RayOptions, deployment_options
+
+    engines = {}
+    for m, p in spec.pools():
+        options = deployment_options(m, p, RayOptions())
+        auto = options["autoscaling_config"]
+        auto["metrics_interval_s"] = p.autoscaling.interval_s
+        auto["policy"] = {
+            "policy_function": f"{__name__}:RecordingPolicy",
+            "policy_kwargs": {"log_path": str(log_path), **auto["policy"]["policy_kwargs"]},
+        }
+        options["request_router_config"] = RequestRouterConfig(**options["request_router_config"])
+        options["autoscaling_config"] = AutoscalingConfig(**auto)
+        engines[p.name] = serve.deployment(EngineReplica).options(**options).bind(spec.model_dump(mode="json"), p.name)
+    return OpenAIIngress.bind(spec.model_dump(mode="json"), engines)
+
+
+@dataclass
+class RayRun:
+    """What the lab's Ray instance left behind: its processes, and whether they all ended."""
+
+    pids: list[int] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)
+
+
+def _ray_pids() -> list[int]:
+    """The processes this driver's Ray node started (GCS, raylet, log monitor, ...), and their children."""
+    import psutil
+    import ray
+
+    node = ray._private.worker._global_node
+    roots = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
+    pids = set(roots)
+    for pid in roots:
+        with suppress(psutil.NoSuchProcess):
+            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    return sorted(pids)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@contextmanager
+def local_ray(run: RayRun, port: int) -> Iterator[None]:
+    """A Ray instance of the lab's own with Serve's HTTP proxy on `port`; Serve and Ray shut down at the end
+    whatever happened, and `run.left` names any process of theirs still alive 20 s later."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise InferdError("the Ray Serve lab needs Ray: pip install 'inferd[ray]'") from None
+    from inferd.procs import child_env
+
+    env = {"PYTHONPATH": child_env()["PYTHONPATH"], "TOKENIZERS_PARALLELISM": "false"}
+    for attempt in range(2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it once
+        try:
+            ray.init(
+                address="local",
+                num_cpus=4,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env={"env_vars": env},
+            )
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield
+    finally:
+        try:
+            with suppress(Exception):  # the node's processes and their children (workers, replicas) now
+                run.pids = _ray_pids()
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            deadline = time.monotonic() + 20
+            while (left := _alive(run.pids)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            run.left = left
+
+
+@contextmanager
+def quiet(logger: str) -> Iterator[None]:
+    """`logger` at WARNING for the block (and back to its level after)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+# -- watching and driving ---------------------------------------------------------------------------------
+class ReplicaWatch:
+    """Serve's count of running engine replicas, polled from its status, as a list of (time, count) changes."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.changes: list[tuple[float, int]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def running(self) -> int:
+        from ray import serve
+
+        app = serve.status().applications.get(APP)
+        dep = app.deployments.get(f"engine-{POOL}") if app else None
+        return int(dep.replica_states.get("RUNNING", 0)) if dep else 0
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            try:
+                n = self.running()
+            except Exception:  # Serve shutting down
+                return
+            if not self.changes or self.changes[-1][1] != n:
+                self.changes.append((time.time() - self.t0, n))
+            self.stop.wait(0.25)
+
+    def count_between(self, start: float, end: float) -> list[int]:
+        """The running counts seen from `start` to `end` (seconds since t0): the one in force at `start`, and
+        every change up to `end`."""
+        before = [c for t, c in self.changes if t <= start][-1:]
+        return before + [c for t, c in self.changes if start < t <= end] or [0]
+
+    def wait_for(self, count: int, timeout: float) -> float:
+        """Seconds since t0 when `count` replicas were first seen running; raises after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.changes and self.changes[-1][1] == count:
+                return self.changes[-1][0]
+            time.sleep(0.1)
+        raise InferdError(f"Serve did not reach {count} running replicas within {timeout:.0f} s: {self.changes}")
+
+
+def wait_running(timeout: float) -> float:
+    """Until the app is RUNNING (every deployment healthy); its wall time then. Raises on failure or timeout."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(APP)
+        if app is not None and app.status == "RUNNING":
+            return time.time()
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise InferdError(f"the Ray Serve app failed to deploy: {app.message}")
+        time.sleep(0.2)
+    raise InferdError(f"the Ray Serve app was not running within {timeout:.0f} s")
+
+
+def replica_counters() -> dict[str, dict]:
+    """Each engine replica's own counters, as Serve's request router reads them (record_routing_stats)."""
+    import ray
+
+    out = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if name.startswith("SERVE_REPLICA::") and f"engine-{POOL}" in name:
+            try:
+                handle = ray.get_actor(name, namespace=actor["namespace"])
+                stats = ray.get(handle.record_routing_stats.remote(), timeout=10)
+            except Exception:  # a replica going away
+                continue
+            out[stats["replica"]] = stats
+    return out
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def load_until(url: str, clients: int, prompt_len: int, out_len: int, until: threading.Event) -> list[int]:
+    """`clients` threads sending long completions back to back until `until` is set; their status codes."""
+    codes: list[int] = []
+
+    def client(i: int) -> None:
+        n = 0
+        while not until.is_set():
+            prompt = [16 + (i * 37 + n * 11 + k) % 400 for k in range(prompt_len)]
+            codes.append(complete(url, prompt, out_len).status_code)
+            n += 1
+
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(client, i) for i in range(clients)]:
+            f.result()
+    return codes
+
+
+def routed(url: str, prompts: list[list[int]], concurrency: int) -> tuple[dict[str, float], list[int], Counter]:
+    """Send `prompts`; each replica's request counter before and after, the codes, the replicas that answered."""
+    before = replica_counters()
+    with ThreadPoolExecutor(concurrency) as pool:
+        responses = list(pool.map(lambda p: complete(url, p, 2), prompts))
+    after = replica_counters()
+    deltas = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0.0) for rid in after}
+    seen = Counter(r.headers.get("x-inferd-replica", "?") for r in responses)
+    return deltas, [r.status_code for r in responses], seen
+
+
+def read_decisions(path: Path, t0: float) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r | {"t": r["t"] - t0} for r in rows]
+
+
+# -- the lab ------------------------------------------------------------------------------------------------
+def scale_up(ctx: LabContext, url: str, watch: ReplicaWatch) -> dict[str, float]:
+    """Load one replica past its batch until Serve runs two; times in seconds since deploy."""
+    prompt_len, out_len = ctx.size((16, 48), (32, 32))  # closed loop: the queue stays; the drain at the end is short
+    codes: list[int] = []
+    stop = threading.Event()
+    loader = threading.Thread(target=lambda: codes.extend(load_until(url, CLIENTS, prompt_len, out_len, stop)))
+    load_start = time.time() - watch.t0
+    loader.start()
+    try:
+        scaled_up = watch.wait_for(2, ctx.size(90, 300))
+    finally:
+        stop.set()
+        loader.join(timeout=180)
+    return {
+        "load_start_s": load_start,
+        "scaled_up_s": scaled_up,
+        "load_end_s": time.time() - watch.t0,
+        "load_requests": len(codes),
+        "load_errors": sum(c != 200 for c in codes),
+    }
+
+
+def routing(url: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Over the two replicas: distinct prompts (load decides), then prompts sharing a prefix (the cache decides)."""
+    distinct = [[16 + (i * 53 + k * 7) % 400 for k in range(32)] for i in range(16)]
+    spread, spread_codes, spread_seen = routed(url, distinct, 4)
+    head = [16 + (k * 13) % 400 for k in range(64)]
+    shared = [head + [16 + (i * 29 + k) % 400 for k in range(8)] for i in range(8)]
+    affine, affine_codes, affine_seen = routed(url, shared, 1)
+    spread_counts = sorted(spread.values(), reverse=True) + [0.0]
+    n = {
+        "spread_requests": len(distinct),
+        "spread_max": spread_counts[0],
+        "spread_min": spread_counts[1],
+        "spread_replicas": sum(1 for v in spread.values() if v > 0),
+        "affine_requests": len(shared),
+        "affine_max": max(affine.values(), default=0.0),
+        "affine_replicas": sum(1 for v in affine.values() if v > 0),
+        "routing_errors": sum(c != 200 for c in spread_codes + affine_codes),
+        "header_mismatch": _mismatch(spread, spread_seen) + _mismatch(affine, affine_seen),
+    }
+    n["affine_max_pct"] = 100 * n["affine_max"] / n["affine_requests"]
+    return n, {"spread": spread, "affine": affine}
+
+
+def decision_numbers(decisions: list[dict], load_end: float) -> dict[str, float]:
+    """The policy's first scale-up decision, and its first scale-down once the load stopped."""
+    up = next((d for d in decisions if d["desired"] > d["current"]), None)
+    down = next((d for d in decisions if d["t"] >= load_end and d["desired"] < d["current"]), None)
+    return {
+        "decisions": len(decisions),
+        "up_decision_s": up["t"] if up else -1.0,
+        "up_waiting": up["waiting"] if up else 0.0,
+        "up_desired": up["desired"] if up else 0,
+        "down_decision_s": down["t"] if down else -1.0,
+    }
+
+
+def measure(ctx: LabContext) -> Measurement:
+    from ray import serve
+
+    from inferd.procs import free_port
+
+    # Serve 2.60 still reads metrics_interval_s, and warns (at every parse of the config) that an environment
+    # variable will replace it
+    warnings.filterwarnings("ignore", message="The `metrics_interval_s` field", category=DeprecationWarning)
+    spec = lab_fleet(ctx)
+    log = ctx.workdir / f"ray-decisions-{os.getpid()}-{time.time_ns()}.jsonl"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    run = RayRun()
+    started = time.monotonic()
+    n: dict[str, float] = {"max_seqs": MAX_SEQS, "target_waiting": TARGET_WAITING, "load_clients": CLIENTS}
+    with local_ray(run, port), quiet("httpx"):  # hundreds of requests: no line each
+        n["ray_start_s"] = time.monotonic() - started
+        watch = ReplicaWatch(time.time())
+        serve.run_many([serve.RunTarget(build_lab_app(spec, log), name=APP, route_prefix="/")],
+                       wait_for_applications_running=False)  # fmt: skip
+        watch.thread.start()
+        try:
+            n["first_replica_s"] = wait_running(ctx.size(120, 300)) - watch.t0
+            n.update(scale_up(ctx, url, watch))
+            n["routing_start_s"] = time.time() - watch.t0
+            routing_numbers, per_replica = routing(url)
+            n.update(routing_numbers)
+            n["idle_start_s"] = time.time() - watch.t0
+            n["scaled_down_s"] = watch.wait_for(1, ctx.size(60, 120))
+        finally:
+            watch.stop.set()
+            watch.thread.join(timeout=5)
+        decisions = read_decisions(log, watch.t0)
+    n.update(decision_numbers(decisions, n["load_end_s"]))
+    n["routing_replicas_min"] = min(watch.count_between(n["routing_start_s"], n["idle_start_s"]))
+    n["up_replica_start_s"] = n["scaled_up_s"] - max(n["up_decision_s"], n["load_start_s"])
+    n["errors"] = n["load_errors"] + n["routing_errors"]
+    n["requests"] = n["load_requests"] + n["spread_requests"] + n["affine_requests"]
+    n["ray_processes"], n["ray_left"] = len(run.pids), len(run.left)
+    n["lab_s"] = time.monotonic() - started
+    settings = {"model": ctx.model_label, "fleet": spec.model_dump(mode="json"), "clients": CLIENTS}
+    series = {"decisions": decisions, "replicas": watch.changes, **per_replica}
+    return Measurement(numbers=n, series=series, settings=settings)
+
+
+def _mismatch(counted: dict[str, float], seen: Counter) -> int:
+    """Requests on which a replica's own counter and the replica named in the answers' headers disagree."""
+    return int(sum(abs(counted.get(rid, 0.0) - seen.get(rid, 0)) for rid in set(counted) | set(seen)))
+
+
+def explain(m: Measurement) -> Explanation:
+    n = m.numbers
+    claims = [
+        decide(
+            n,
+            "up_desired >= 2",
+            must=True,
+            yes="Under load ({load_clients} clients sending long completions to one replica that runs {max_seqs} at "
+            "a time) the policy saw {up_waiting} requests waiting against a target of {target_waiting} per replica "
+            "and asked for {up_desired} replicas at {up_decision_s} s (ceil(waiting / target); Serve caps it at "
+            "the pool's maximum, 2); the second replica was running at {scaled_up_s} s, {up_replica_start_s} s "
+            "later: what starting a replica and loading the model costs before scaling relieves a queue.",
+            no="Under load the policy never asked for a second replica (it saw {up_waiting} waiting).",
+        ),
+        decide(
+            n,
+            "down_decision_s >= load_end_s",
+            must=True,
+            yes="When the load stopped (at {load_end_s} s; the routing requests below came a few at a time) the "
+            "signals fell and the policy asked for one replica fewer at {down_decision_s} s; Serve removed it at "
+            "{scaled_down_s} s, after the scale-down delay (the policy's stabilisation window and cooldown), and "
+            "kept the pool's minimum of one.",
+            no="After the load stopped the policy made no scale-down decision.",
+        ),
+        decide(
+            n,
+            "errors <= 0",
+            must=True,
+            yes="All {requests} requests were answered 200 while a replica was added and removed ({errors} errors).",
+            no="{errors} of {requests} requests failed while the pool scaled.",
+        ),
+        decide(
+            n,
+            "header_mismatch <= 0",
+            must=True,
+            yes="Routing, read from the replicas' own request counters: each of the {spread_requests} + "
+            "{affine_requests} requests below was counted by the replica whose id came back in its answer "
+            "(disagreements: {header_mismatch}).",
+            no="The replicas' counters and the answers' replica ids disagreed on {header_mismatch} requests.",
+        ),
+        spread_claim(n),
+        decide(
+            n,
+            "affine_max_pct >= 75.0",
+            yes="{affine_requests} prompts sharing a 64-token prefix went {affine_max_pct}% to one replica "
+            "({affine_max} of {affine_requests}): the router sends a prefix to the replica whose KV cache holds "
+            "it, as inferd's gateway does.",
+            no="{affine_requests} prompts sharing a prefix were split, at most {affine_max_pct}% on one replica: "
+            "load outweighed prefix affinity here.",
+        ),
+        decide(
+            n,
+            "ray_left <= 0",
+            must=True,
+            yes="Ray was started for the lab alone ({ray_processes} processes by the end, up in {ray_start_s} s) and "
+            "shut down when it ended: {ray_left} of them left running.",
+            no="{ray_left} of the {ray_processes} processes Ray started were still running after shutdown.",
+        ),
+    ]
+    intro = [
+        f"Ray Serve, in the glossary's words: {DEFINITION}",
+        "`inferd deploy ray` turns the fleet spec into a Serve application: an engine deployment per pool whose "
+        "replicas run inferd's engine and OpenAI server in-process, an OpenAI ingress, a request router that "
+        "scores replicas with the gateway's scorers (queue, KV cache, prefix), and a custom autoscaling policy "
+        "that is inferd's own (replicas = ceil(fleet total / per-replica target), the largest over targets). This "
+        "lab ran it on a local Ray instance with a pool of 1 to 2 replicas scaled on waiting requests, with "
+        "windows of seconds instead of a production policy's minutes; times are seconds since the app was "
+        "deployed.",
+    ]
+    why = [
+        "Why it matters: on Ray the serving platform is Python code: a router that knows KV caches and prefixes "
+        "and a policy that scales on queues instead of CPU are a class each, and Ray places and restarts the "
+        "replicas. The price is a second control plane (Ray's) beside Kubernetes, and a scale-up that helps only "
+        "after a replica has loaded its model."
+    ]
+    return Explanation(intro, claims, why)
+
+
+def spread_claim(n: dict[str, float]):
+    """Distinct prompts over the pool; where it went to one replica, why: no queue to avoid, or a pool that had
+    already shrunk (the scale-down delay ran out during the routing phase on a busy machine)."""
+    if n["routing_replicas_min"] < 2:
+        why = "the pool was down to {routing_replicas_min} running replica during the routing phase"
+    else:
+        why = "at this load the router saw no queue worth avoiding"
+    return decide(
+        n,
+        "spread_replicas >= 2",
+        yes="{spread_requests} distinct prompts, 4 at a time, went to {spread_replicas} replicas ({spread_max} and "
+        "{spread_min}): with no prefix to follow, the router's queue and KV scorers spread the load.",
+        no="{spread_requests} distinct prompts, 4 at a time, all went to {spread_replicas} replica ({spread_max}): "
+        + why
+        + ".",
+        textbook=False,
+    )
+
+
+def plot(m: Measurement, fig) -> None:
+    a, b = fig.subplots(1, 2, width_ratios=[2, 1])
+    n, dec, reps = m.numbers, m.series["decisions"], m.series["replicas"]
+    if dec:
+        t = [d["t"] for d in dec]
+        a.plot(t, [d["waiting"] for d in dec], ".", label="waiting, summed over replicas", color="C2", alpha=0.5)
+        a.step(t, [d["desired"] for d in dec], where="post", label="policy: desired (before bounds)", color="C1")
+        a.step(t, [d["target"] for d in dec], where="post", label="Serve: target", color="C3", ls="--")
+    if reps:
+        end = max(n["scaled_down_s"], reps[-1][0]) + 1
+        a.step([r[0] for r in reps] + [end], [r[1] for r in reps] + [reps[-1][1]], where="post", label="running")
+    a.axvspan(n["load_start_s"], n["load_end_s"], color="grey", alpha=0.15, label="load")
+    a.set(xlabel="seconds since deploy", ylabel="replicas / requests", title="Autoscaling decisions")
+    a.legend(fontsize=8)
+    ids = sorted(set(m.series["spread"]) | set(m.series["affine"]))
+    x = range(len(ids))
+    b.bar([i - 0.2 for i in x], [m.series["spread"].get(r, 0) for r in ids], width=0.4, label="distinct prompts")
+    b.bar([i + 0.2 for i in x], [m.series["affine"].get(r, 0) for r in ids], width=0.4, label="shared prefix")
+    b.set(xticks=list(x), xticklabels=[f"replica {r[:6]}" for r in ids], ylabel="requests (replica's own counter)")
+    b.set_title("Routing over two replicas")
+    b.legend(fontsize=8)
+
+
+LAB = Lab("ray-serve", "Ray Serve", DEFINITION, measure, explain, plot)
