@@ -101,6 +101,8 @@ def measure(ctx: LabContext) -> Measurement:
     inputs = PlanInputs(1.0, SLO(ttft_p95_s=slo.ttft_s), price, PROMPT, OUTPUT, requests=ctx.size(800, 2000))
     ceiling = saturation(profile, inputs)["request_throughput"]
     per_replica, _ = max_rate_at_slo(profile, inputs, ceiling, iterations=ctx.size(7, 10))
+    if per_replica <= 0:
+        raise RuntimeError(f"one replica of this profile misses a {slo.ttft_s:.2f} s TTFT even at a trickle of load")
     mean_rate = 1.5 * per_replica  # the trough needs under one replica, the peak about 2.4, bursts more
     period = min(86400.0, ctx.size(3 * 3600.0, MAX_REQUESTS / mean_rate))
     scale = period / 86400
