@@ -101,6 +101,7 @@ class Simulator:
         self.recent_first: deque = deque()  # (time, ttft, prompt)
         self.recent_done: deque = deque()  # (time, prompt, output)
         self.recent_itl: deque = deque()  # (time, step, count)
+        self.recent_busy: deque = deque()  # (end, start, replica id) of each finished run of steps
         self.timeline: dict[str, list[float]] = {
             k: [] for k in ("t", "arrival_rate", "replicas", "ready", "ttft_p95_s", "queued")
         }
@@ -240,6 +241,8 @@ class Simulator:
             self.itl_values.append(step)
             self.itl_counts.append(itl_tokens)
             self.recent_itl.append((now, step, itl_tokens))
+        if self.scaler is not None:
+            self.recent_busy.append((now, rep.block_start, rep.id))
         rep.running = still
         rep.busy = False
         self._start_block(rep)
@@ -253,7 +256,7 @@ class Simulator:
             self._push(self.now + self.timeline_s, "tick")
 
     def _window(self, seconds: float) -> None:
-        for dq in (self.recent_first, self.recent_done, self.recent_itl):
+        for dq in (self.recent_first, self.recent_done, self.recent_itl, self.recent_busy):
             while dq and dq[0][0] < self.now - seconds:
                 dq.popleft()
 
@@ -278,6 +281,18 @@ class Simulator:
         if self.recent_itl:
             m.itl_p95_s = weighted_percentile([x[1] for x in self.recent_itl], [x[2] for x in self.recent_itl], 95)
         return m
+
+    def utilization(self) -> float:
+        """Sum over the ready replicas of the share of the window each spent inside steps: what CPU (or GPU)
+        utilisation reports for a replica. It saturates at 1 per replica as soon as one request keeps it
+        stepping, however many more could join the batch, which is why it is a poor LLM scaling signal."""
+        w = self.policy.window_s
+        self._window(w)
+        since = self.now - w
+        live = {r.id: r for r in self.replicas if r.stopped is None and r.ready_at <= self.now}
+        busy = sum(end - max(start, since) for end, start, rid in self.recent_busy if rid in live)
+        busy += sum(self.now - max(r.block_start, since) for r in live.values() if r.busy)
+        return busy / w
 
     def _decide(self) -> None:
         ready = self._serving()

@@ -15,6 +15,7 @@ import importlib
 LAB_MODULES = [
     "prefill",
     "decode",
+    "disaggregated",
     "kv_cache",
     "paged_attention",
     "continuous_batching",
@@ -27,7 +28,9 @@ LAB_MODULES = [
     "sglang",
     "kserve",
     "ray_serve",
+    "dynamo",
     "envoy_ai_gateway",
+    "autoscaling",
     "gpu_economics",
     "cost",
 ]

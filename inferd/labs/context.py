@@ -297,15 +297,18 @@ class LabContext:
 
         key = (count, extra)
         if key not in self._replicas:
-            flags = ["--device", self.device, "--max-model-len", str(self.max_model_len), "--kv-cache-memory", "256MiB"]
-            if self.quick:
-                flags += ["--attention-backend", "torch"]
+            flags = self.replica_flags()
             procs = [start_replica(self.model, self.workdir, *flags, *extra) for _ in range(count)]  # later flags win
             self._replicas[key] = procs
             self.on_close(lambda: [p.stop() for p in procs])
             for p in procs:
                 wait_http(p, "/health", timeout=600)
         return self._replicas[key]
+
+    def replica_flags(self) -> list[str]:
+        """`inferd serve` flags every lab replica of this run starts with (a lab's own flags come after and win)."""
+        flags = ["--device", self.device, "--max-model-len", str(self.max_model_len), "--kv-cache-memory", "256MiB"]
+        return flags + (["--attention-backend", "torch"] if self.quick else [])
 
     def any_replicas(self) -> list:
         """Replicas this run already started (any flags), or one new one."""

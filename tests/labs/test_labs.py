@@ -4,8 +4,6 @@ says, and the checker that guarantees this does catch a false sentence."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 from pathlib import Path
@@ -23,19 +21,6 @@ pytestmark = pytest.mark.timeout(900)
 
 LAB_NAMES = [lab.name for lab in all_labs()]
 PRICE = 2.5
-
-
-@pytest.fixture(scope="session")
-def lab_run(tmp_path_factory) -> dict:
-    """`inferd lab all --quick --report DIR --price-per-hour 2.5` on one tiny model built for the session."""
-    root = tmp_path_factory.mktemp("labs")
-    model = tiny_model(root)
-    out = root / "report"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    argv = ["lab", "all", "--quick", "--model", str(model), "--report", str(out), "--price-per-hour", str(PRICE)]
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        rc = main(argv)
-    return {"rc": rc, "out": out, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
 
 
 def _result(lab_run, name: str) -> LabResult:
