@@ -155,7 +155,7 @@ def run_server(args, prompts: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-words", type=int, default=32, help="words per prompt")

@@ -60,11 +60,14 @@ def explain(m: Measurement) -> Explanation:
         decide(
             n,
             "continuous_slots_pct > static_slots_pct",
-            must=True,
+            # not `must`: it holds while requests queue; if the engine ran faster than its calibration (a busy
+            # machine freeing up mid-run), arrivals thin out and empty slots mean no requests, not batching
             yes="With continuous batching {continuous_slots_pct}% of the {batch} batch slots held a working request "
             "per step; with static batches {static_slots_pct}%, because a static batch keeps its finished "
             "requests' slots empty until its longest request ends.",
-            no="Continuous batching kept {continuous_slots_pct}% of slots working, static {static_slots_pct}%.",
+            no="Continuous batching kept {continuous_slots_pct}% of slots working, static {static_slots_pct}%: "
+            "here requests arrived more slowly than the engine served them (it ran faster than its calibration "
+            "said), so slots sat empty for want of requests, which no batching policy can fill.",
         ),
         decide(
             n,
