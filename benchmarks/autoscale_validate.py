@@ -3,10 +3,13 @@
 1. `inferd up` a fleet of one replica (fixed, no autoscaling) of --model;
 2. `inferd profile` that replica through the gateway (prefill rate, decode step by batch size up to
    --max-num-seqs, per-request overhead including the gateway's hop);
-3. `inferd bench` through the gateway: --num-prompts requests, Poisson at --rate, fixed lengths (ignore_eos);
+3. `inferd bench` through the gateway: --num-prompts requests, Poisson at --rate (default: --load x the
+   capacity the profile gives for this workload, 0.7 by default: above capacity the queue grows without
+   bound, and TTFT then measures how long the run lasted more than the model's fidelity), fixed lengths;
 4. `inferd simulate` the same arrival times (the bench's own schedule, same seed) and lengths with the
    measured profile; compare. JSON to benchmarks/results/autoscale_validation.json.
 
+    python benchmarks/autoscale_validate.py --model gemma3-270m --num-prompts 200          # rate: 0.7 x capacity
     python benchmarks/autoscale_validate.py --model gemma3-270m --rate 1.5 --num-prompts 200
 """
 
@@ -24,6 +27,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
+from benchmarks.common import write_json  # noqa: E402
 from inferd.autoscale.measure import ProfileRun, measure_profile
 from inferd.autoscale.sim import simulate
 from inferd.autoscale.workload import Workload
@@ -72,10 +77,18 @@ def rel(sim: float, real: float) -> float:
     return abs(sim - real) / real if real else float("inf")
 
 
+def saturated_throughput(profile, args) -> float:
+    """Requests/s one replica finishes with every request queued at once: the capacity for this workload."""
+    n = 4 * args.max_num_seqs
+    burst = Workload(np.zeros(n), np.full(n, args.input_len), np.full(n, args.output_len))
+    return simulate(profile, burst, replicas=1).report["request_throughput"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--rate", type=float, default=1.5)
+    ap.add_argument("--rate", type=float, default=None, help="requests/s (default: --load x the capacity)")
+    ap.add_argument("--load", type=float, default=0.7, help="offered load as a share of the simulated capacity")
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
@@ -102,16 +115,18 @@ def main() -> None:
         # measured through the gateway, as the bench runs: its hop is part of every request's overhead
         run = ProfileRun(gateway, "m", lens, batches, 32, 6, args.max_num_seqs, 0.0, "validate", tokenizer_url=replica)
         profile = measure_profile(run)
+        capacity = saturated_throughput(profile, args)
+        rate = args.rate if args.rate is not None else args.load * capacity
         server = preflight(gateway, None)
         tok = resolve_tokenizer("auto", replica, "m", None, None)  # the gateway has no /tokenize
         client = ClientConfig(base_url=gateway, model="m", ignore_eos=True)
-        cfg = BenchConfig(client=client, num_prompts=args.num_prompts, request_rate=args.rate, seed=args.seed)
+        cfg = BenchConfig(client=client, num_prompts=args.num_prompts, request_rate=rate, seed=args.seed)
         real = run_benchmark(cfg, RandomDataset(tok, args.input_len, args.output_len, seed=args.seed), tok, server)[0]
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(120)
     # the bench's own schedule for its first level (seed + 0), the same lengths
-    t = np.cumsum(inter_arrival_times(args.num_prompts, args.rate, 1.0, np.random.default_rng(args.seed)))
+    t = np.cumsum(inter_arrival_times(args.num_prompts, rate, 1.0, np.random.default_rng(args.seed)))
     n = args.num_prompts
     sim = simulate(profile, Workload(t, np.full(n, args.input_len), np.full(n, args.output_len)), replicas=1).report
     s = real.summary
@@ -124,13 +139,14 @@ def main() -> None:
     out = {
         "what": "inferd simulate vs a real inferd up run (one replica) on the same arrivals and lengths",
         "args": vars(args),
+        "rate": rate,
+        "simulated_capacity_rps": capacity,
+        "offered_load": rate / capacity,
         "profile": json.loads(profile.to_json()),
         "compare": {k: {"sim": a, "real": b, "relative_error": rel(a, b)} for k, (a, b) in compare.items()},
         "within_20_percent": all(rel(a, b) <= 0.2 for a, b in compare.values()),
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    path = write_json(Path(args.out), out)
     for k, v in out["compare"].items():
         print(f"{k:>20}: sim {v['sim']:.4f}  real {v['real']:.4f}  ({v['relative_error']:.0%} off)")
     print(f"wrote {path}")
