@@ -4,6 +4,7 @@ streaming; a started stream ends with a clean SSE error event), and SIGHUP reloa
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,13 +47,18 @@ def test_failover_when_a_replica_is_killed_mid_run(replicas, victim, gateway):
         {"name": "tiny", "backends": [{"pool": "both"}]},
         {"name": "doomed", "backends": [{"pool": "victim-only"}]},
     ]
-    gw = gateway(base_config(pools, models, retries=2, routing={"scorers": {"prefix": 0}}))
+    # round robin: half the requests reach the victim whatever its load (the scored picker could steer them
+    # all to the idle survivor, and the victim then never had two in flight)
+    gw = gateway(base_config(pools, models, retries=2, routing={"picker": "round_robin"}))
 
     stream_body = {"model": "doomed", "prompt": [5, 6], "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=stream_body, timeout=60) as stream:
         assert stream.status_code == 200
         chunks = stream.iter_raw()
         received = next(chunks)
+        # freeze the victim with the stream half-way, so it cannot finish before the kill on a fast machine;
+        # requests sent to it from now on hang in flight until the kill cuts them
+        os.kill(victim.popen.pid, signal.SIGSTOP)
 
         results: list[int] = []
         body = {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 48, "ignore_eos": True}
@@ -91,6 +97,9 @@ def test_sighup_reload_keeps_a_stream_in_flight(replicas, gateway):
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as stream:
         chunks = stream.iter_raw()
         received = next(chunks)
+        # freeze the victim with the stream half-way, so it cannot finish before the kill on a fast machine;
+        # requests sent to it from now on hang in flight until the kill cuts them
+        os.kill(victim.popen.pid, signal.SIGSTOP)
 
         # a broken file is refused and changes nothing
         gw.config_path.write_text("pools: [\n")
