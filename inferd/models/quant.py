@@ -23,8 +23,8 @@ low (6 in all, against bf16's 16 and int8's 8). Kernels (`kernels/int4_linear_cp
 each weight row is unpacked into float32 in L1 and dotted with every activation row (a decode step streams
 about a third of bf16's bytes); for many rows a chunk of weight rows is unpacked into the activations'
 dtype in a cache-sized buffer and goes through the dense matmul. A layer whose input width is not a
-multiple of 32 stays int8 (logged). Without a compiler int4 cannot run fast: it is then a ConfigError,
-not a silent crawl.
+multiple of 32 stays int8 (logged), and so does the LM head. Without a compiler int4 cannot run fast: it is
+then a ConfigError, not a silent crawl.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch import nn
 
 from inferd.errors import ConfigError
 from inferd.models.layers import Linear
+from inferd.models.lm_head import LMHead
 
 logger = logging.getLogger(__name__)
 
@@ -199,9 +200,15 @@ def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
     targets = [(parent, child_name, child) for parent in model.modules() for child_name, child in _linears(parent)]
     if not targets:
         raise ConfigError(f"--quantization {name}: {type(model).__name__} has no linear layers to quantize")
+    # int4 keeps the LM head in int8, as llama.cpp's Q4_K_M keeps its output tensor at 6 bits: every logit
+    # rests on it, and int4 there cost most of int4's perplexity on Gemma 3 270M (docs/performance.md)
+    head = {id(m) for m in getattr(getattr(model, "lm_head", None), "tiles", [])}
+    head |= {id(m) for m in getattr(model, "tiles", [])} if isinstance(model, LMHead) else set()
     kept_int8 = 0
     for parent, child_name, child in targets:
-        if int4 is not None and child.in_features % INT4_GROUP == 0:
+        if id(child) in head:
+            quantized = Int8Linear.from_linear(child, native)
+        elif int4 is not None and child.in_features % INT4_GROUP == 0:
             quantized = Int4Linear.from_linear(child, int4)
         else:
             kept_int8 += name == "int4"

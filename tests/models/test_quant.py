@@ -152,8 +152,9 @@ def test_engine_runs_quantized_end_to_end(tiny_models, arch, dtype, mode):
     llm = LLM(str(tiny_models[arch]), max_model_len=128, num_blocks=24, block_size=8, dtype=dtype, quantization=mode)
     model = llm.engine.model
     assert not any(isinstance(m, Linear) for m in model.modules()), "every linear layer is quantized"
+    assert isinstance(model.lm_head.tiles[0], quant.Int8Linear)  # int4 too keeps the LM head in int8
     layer_class = quant.Int8Linear if mode == "int8" else quant.Int4Linear
-    assert isinstance(model.lm_head.tiles[0], layer_class)
+    assert isinstance(model.model.layers[0].mlp.down_proj, layer_class)
     texts = ["The quick brown fox", "def add(a, b):", "Question: What is the capital of France?", "Paged"]
     prompts = [t for t in texts for _ in range(3)]  # each prompt greedy, greedy with logprobs, sampled
     params = [
