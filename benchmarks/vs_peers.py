@@ -373,7 +373,7 @@ def bench_level(server: Server, port: int, model: Model, workload: str, level: i
         if done.returncode != 0:
             raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}")
         result = json.loads((RESULTS_DIR / "raw" / cmd[cmd.index("--result-filename") + 1]).read_text())
-        run = result["runs"][0]
+        run = result["runs"][0] if "runs" in result else result  # one level: the summary is the file itself
         runs.append({k: run.get(k) for k in SUMMARY_KEYS})
     return {"num_prompts": num_prompts(level), "runs": runs, "median": median_of_runs(runs)}
 
@@ -483,6 +483,7 @@ def write_summary(entries: dict[str, dict], args: argparse.Namespace) -> dict:
         "runs": args.runs,
     }  # fmt: skip
     summary["machine"] = machine_info()
+    summary["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     summary.setdefault("servers", {}).update(entries)
     summary["ratios_best_inferd_over_peer"] = ratios(summary)
     summary["targets"] = target(summary["ratios_best_inferd_over_peer"])

@@ -30,6 +30,28 @@ def _level(key: str) -> int:
     return int(re.sub(r"\D", "", key))
 
 
+def _workload_name(entry: dict) -> str | None:
+    """The workload a summary holds for a server ("mixed" first), or None for the older one-workload format."""
+    names = list(entry.get("workloads", {}))
+    return "mixed" if "mixed" in names else (names[0] if names else None)
+
+
+def _figures(entry: dict) -> dict[str, dict]:
+    """level -> figures for one server, in either summary format (medians of runs in the newer one)."""
+    name = _workload_name(entry)
+    if name is None:
+        return entry["levels"]
+    return {level: v["median"] for level, v in entry["workloads"][name].items()}
+
+
+def _workload_text(data: dict, entry: dict) -> str:
+    name = _workload_name(entry)
+    if name is None:
+        w = data["workload"]
+        return f"{w['input_len']}-token prompts and {w['output_len']} tokens out"
+    return f"the same prompts (the {name} workload: {data['workloads'][name]})"
+
+
 def _stored_date(path: Path) -> str:
     """The run's date, from the vLLM result file beside the summary (20261129-143303 -> 2026-11-29 14:33)."""
     detail = path.parent / "vs_peers" / "vllm.json"
@@ -48,17 +70,19 @@ def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
         raise InferdError(f"no stored vLLM result at {stored}; measure one with: {HOW_TO_RUN}")
     data = json.loads(stored.read_text())
     servers = data["servers"]
-    levels = sorted(servers["vllm"]["levels"], key=_level)
-    m.settings.update(machine=data["machine"], workload=data["workload"], date=_stored_date(stored))
+    by_level = {name: _figures(servers[name]) for name in ("inferd", "vllm")}
+    levels = sorted(by_level["vllm"], key=_level)
+    m.settings.update(machine=data["machine"], workload=_workload_text(data, servers["vllm"]))
+    m.settings["date"] = data.get("date") or _stored_date(stored)
     m.series = {"concurrency": [_level(k) for k in levels]}
     for name in ("inferd", "vllm"):
-        m.series[name] = [servers[name]["levels"][k]["output_throughput"] for k in levels]
-        m.series[name + "_ttft_ms"] = [servers[name]["levels"][k]["mean_ttft_ms"] for k in levels]
+        m.series[name] = [by_level[name][k]["output_throughput"] for k in levels]
+        m.series[name + "_ttft_ms"] = [by_level[name][k]["mean_ttft_ms"] for k in levels]
     lo, hi = levels[0], levels[-1]
     for side, key in (("lo", lo), ("hi", hi)):
         m.numbers[f"c_{side}"] = _level(key)
         for name in ("inferd", "vllm"):
-            m.numbers[f"{name}_tok_s_{side}"] = servers[name]["levels"][key]["output_throughput"]
+            m.numbers[f"{name}_tok_s_{side}"] = by_level[name][key]["output_throughput"]
     m.numbers["ratio_hi"] = m.numbers["inferd_tok_s_hi"] / m.numbers["vllm_tok_s_hi"]
     m.numbers["vllm_gain"] = m.numbers["vllm_tok_s_hi"] / m.numbers["vllm_tok_s_lo"]
     return m
@@ -94,8 +118,8 @@ def explain(m: Measurement) -> Explanation:
     intro = [
         f"vLLM, in the glossary's words: {DEFINITION}",
         f"These numbers are stored, not measured now: {s['stored']}, run on {cpu} with "
-        f"{machine.get('cpu_count')} cores on {s['date']}, serving Gemma 3 270M to both servers with the same "
-        f"{s['workload']['input_len']}-token prompts and {s['workload']['output_len']} tokens out. Compare only "
+        f"{machine.get('cpu_count')} cores on {s['date']}, serving Gemma 3 270M to both servers with "
+        f"{s['workload']}. Compare only "
         "figures from one run: the CPU generation changes from machine to machine.",
         f"{installed}: {s['how_to_run']}",
     ]
