@@ -97,9 +97,6 @@ def test_sighup_reload_keeps_a_stream_in_flight(replicas, gateway):
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as stream:
         chunks = stream.iter_raw()
         received = next(chunks)
-        # freeze the victim with the stream half-way, so it cannot finish before the kill on a fast machine;
-        # requests sent to it from now on hang in flight until the kill cuts them
-        os.kill(victim.popen.pid, signal.SIGSTOP)
 
         # a broken file is refused and changes nothing
         gw.config_path.write_text("pools: [\n")
