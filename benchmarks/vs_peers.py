@@ -46,6 +46,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
 from benchmarks.common import portable, write_json  # noqa: E402
 
-RESULTS_DIR = ROOT / "results" / "vs_peers"  # server logs and raw bench JSON (not committed)
+RESULTS_DIR = ROOT / "results" / "vs_peers"  # raw bench JSON, paths made portable (not committed)
+# the servers' own logs name this machine's paths, so they stay out of benchmarks/results
+LOG_DIR = Path(tempfile.gettempdir()) / "inferd-vs-peers"
 SUMMARY = ROOT / "results" / "vs_peers.json"
 PEERS_DIR = Path(os.environ.get("INFERD_PEERS_DIR", Path.home() / ".cache" / "inferd-peers"))
 SERVED_NAME = "m"  # one request model name for the peers; inferd serves under its own alias
@@ -372,7 +375,9 @@ def bench_level(server: Server, port: int, model: Model, workload: str, level: i
         done = subprocess.run(cmd, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}")
-        result = json.loads((RESULTS_DIR / "raw" / cmd[cmd.index("--result-filename") + 1]).read_text())
+        raw = RESULTS_DIR / "raw" / cmd[cmd.index("--result-filename") + 1]
+        result = json.loads(raw.read_text())
+        write_json(raw, result)  # the same, without this machine's paths
         run = result["runs"][0] if "runs" in result else result  # one level: the summary is the file itself
         runs.append({k: run.get(k) for k in SUMMARY_KEYS})
     return {"num_prompts": num_prompts(level), "runs": runs, "median": median_of_runs(runs)}
@@ -389,7 +394,8 @@ def run_server(server: Server, port: int, model: Model, args: argparse.Namespace
         print(f"[{server.name}] would start: {entry['start_command']}")
         print(f"[{server.name}] would run, per workload, level and seed: {entry['bench_command_example']}")
         return entry
-    log = RESULTS_DIR / f"{server.name}.server.log"
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / f"{server.name}.server.log"
     with log.open("w") as f:
         proc = subprocess.Popen(server.command, stdout=f, stderr=subprocess.STDOUT, env=os.environ | server.env,
                                 start_new_session=True)  # fmt: skip
