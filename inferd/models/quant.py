@@ -64,7 +64,17 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What every quantized layer shares: a fused q/k/v or gate/up layer splits its output as FusedLinear's
+    does (`out_sizes` is copied from the layer it replaces)."""
+
+    out_sizes: list[int]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.out_sizes, dim=-1)
+
+
+class Int8Linear(QuantizedLinear):
     """A linear layer with int8 weights and per-channel float32 scales; activations in any float dtype."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, native: Callable | None):
@@ -107,9 +117,6 @@ class Int8Linear(nn.Module):
                 y = y + self.bias.to(dtype)
         return y.view(*shape[:-1], self.out_features)
 
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:  # as FusedLinear's, for the fused q/k/v
-        return y.split(self.out_sizes, dim=-1)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
 
@@ -136,7 +143,7 @@ def dequantize_int4(packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor)
     return (q * step[..., None] + low[..., None]).view(n, -1)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """A linear layer with group-wise int4 weights (native kernels only); activations fp32 or bf16."""
 
     def __init__(self, packed, step, low, bias: torch.Tensor | None, kernels):
@@ -164,13 +171,9 @@ class Int4Linear(nn.Module):
         else:
             if dtype not in (torch.float32, torch.bfloat16):
                 x2 = x2.float()
-            bias = None if self.bias is None else self.bias
-            y = self.kernels.int4_linear_chunked(x2, self.qweight, self.step, self.low, bias, INT4_CHUNK_ROWS)
+            y = self.kernels.int4_linear_chunked(x2, self.qweight, self.step, self.low, self.bias, INT4_CHUNK_ROWS)
             y = y.to(dtype)
         return y.view(*shape[:-1], self.out_features)
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:  # as FusedLinear's, for the fused q/k/v
-        return y.split(self.out_sizes, dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {INT4_GROUP}"
@@ -200,8 +203,8 @@ def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
     targets = [(parent, child_name, child) for parent in model.modules() for child_name, child in _linears(parent)]
     if not targets:
         raise ConfigError(f"--quantization {name}: {type(model).__name__} has no linear layers to quantize")
-    # int4 keeps the LM head in int8, as llama.cpp's Q4_K_M keeps its output tensor at 6 bits: every logit
-    # rests on it, and int4 there cost most of int4's perplexity on Gemma 3 270M (docs/performance.md)
+    # int4 keeps the LM head in int8, as llama.cpp keeps its output tensor at 6-8 bits: every logit rests on
+    # it, and int4 there cost about a quarter of int4's perplexity loss on Gemma 3 270M (docs/performance.md)
     head = {id(m) for m in getattr(getattr(model, "lm_head", None), "tiles", [])}
     head |= {id(m) for m in getattr(model, "tiles", [])} if isinstance(model, LMHead) else set()
     kept_int8 = 0
