@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
 from benchmarks.common import write_json  # noqa: E402
-from inferd.autoscale.measure import ProfileRun, measure_profile
+from inferd.autoscale.measure import ProfileRun, StepRecorder, measure_profile
 from inferd.autoscale.sim import simulate
 from inferd.autoscale.workload import Workload
 from inferd.bench.arrivals import inter_arrival_times
@@ -73,6 +73,36 @@ def wait_replica(state: Path, gateway: str, timeout: float = 600) -> str:
     raise RuntimeError("the replica did not become ready")
 
 
+def step_summary(steps: list[dict], profile) -> dict:
+    """The replica's steps during the bench against the profile's model of a step (decode step by batch
+    size + prompt tokens / prefill rate), mixed steps apart; and the gaps between steps (the server's
+    own time per step, outside the engine)."""
+    st = steps
+    if len(st) < 10:
+        return {"steps": len(st)}
+    dur = np.array([s["dur"] for s in st])
+    p = np.array([s["p"] for s in st], dtype=float)
+    d = np.array([s["d"] for s in st], dtype=float)
+    (a, b, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(p), d, p], 1), dur, rcond=None)
+    start = np.array([s["ts"] for s in st]) - dur
+    gaps = start[1:] - np.array([s["ts"] for s in st])[:-1]
+    busy = gaps[gaps < 0.5]  # a step that followed another (longer gaps: the replica was idle)
+    n = np.array([s["n"] for s in st], dtype=float)
+    model = np.array([profile.step_s(max(1, int(k))) for k in d + n]) + p / profile.prefill_tokens_per_s
+    mixed = p > 0
+    return {
+        "steps": len(st),
+        "fit_s": {"base": a, "per_decode": b, "per_prefill_token": c},
+        "fit_prefill_tokens_per_s": 1 / c if c > 0 else None,
+        "decode_only_step_s_median": float(np.median(dur[~mixed])) if (~mixed).any() else None,
+        "mixed_step_s_median": float(np.median(dur[mixed])) if mixed.any() else None,
+        "mixed_prefill_tokens_median": float(np.median(p[mixed])) if mixed.any() else None,
+        "gap_between_steps_s_median": float(np.median(busy)) if busy.size else None,
+        "profile_over_real_decode_only": float(model[~mixed].sum() / dur[~mixed].sum()) if (~mixed).any() else None,
+        "profile_over_real_mixed": float(model[mixed].sum() / dur[mixed].sum()) if mixed.any() else None,
+    }
+
+
 def rel(sim: float, real: float) -> float:
     return abs(sim - real) / real if real else float("inf")
 
@@ -114,14 +144,16 @@ def main() -> None:
         lens = (max(16, args.input_len // 4), args.input_len, args.input_len * 2)
         # measured through the gateway, as the bench runs: its hop is part of every request's overhead
         run = ProfileRun(gateway, "m", lens, batches, 32, 6, args.max_num_seqs, 0.0, "validate", tokenizer_url=replica)
-        profile = measure_profile(run)
+        profile = measure_profile(run)  # its prompts come from other seeds than the bench's
         capacity = saturated_throughput(profile, args)
         rate = args.rate if args.rate is not None else args.load * capacity
         server = preflight(gateway, None)
         tok = resolve_tokenizer("auto", replica, "m", None, None)  # the gateway has no /tokenize
         client = ClientConfig(base_url=gateway, model="m", ignore_eos=True)
         cfg = BenchConfig(client=client, num_prompts=args.num_prompts, request_rate=rate, seed=args.seed)
+        recorder = StepRecorder(replica + "/dashboard/events")
         real = run_benchmark(cfg, RandomDataset(tok, args.input_len, args.output_len, seed=args.seed), tok, server)[0]
+        recorder.stop()
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(120)
@@ -145,11 +177,14 @@ def main() -> None:
         "profile": json.loads(profile.to_json()),
         "compare": {k: {"sim": a, "real": b, "relative_error": rel(a, b)} for k, (a, b) in compare.items()},
         "within_20_percent": all(rel(a, b) <= 0.2 for a, b in compare.values()),
+        "replica_steps": step_summary(recorder.steps, profile),
     }
+    (work / "steps.json").write_text(json.dumps(recorder.steps))
     path = write_json(Path(args.out), out)
     for k, v in out["compare"].items():
         print(f"{k:>20}: sim {v['sim']:.4f}  real {v['real']:.4f}  ({v['relative_error']:.0%} off)")
-    print(f"wrote {path}")
+    print(json.dumps(out["replica_steps"], indent=1))
+    print(f"wrote {path} (every step: {work / 'steps.json'})")
 
 
 if __name__ == "__main__":

@@ -4,15 +4,30 @@
   TTFT against the prompt length is 1 / prefill tokens per second, and what is left at length 0 after one
   decode step is the per-request overhead (HTTP, tokenizing);
 - decode: `b` requests at a time (concurrency b, short prompts, fixed outputs with ignore_eos) for each
-  batch size b; the median TPOT is the decode step at that batch size.
+  batch size b; the median TPOT is the decode step at that batch size;
+- mixed: the longest batch size with prompts of the middle length, so that prompts are prefilled in the
+  same steps as other requests' decodes, as they are under load.
+
+Every level draws fresh prompts (its own seed): a prompt that shared its start with an earlier level's
+would hit the prefix cache and make prefill look nearly free.
+
+Where the replica offers its step events (`/dashboard/events`, an inferd server), the prefill rate is
+read from the steps themselves rather than from TTFTs: every step that prefilled at least `MIN_CHUNK`
+prompt tokens took `step_s(its batch)` (the decode step measured above) plus its prompt tokens / the
+rate, which is exactly the simulator's model of a step, fitted over the steps the sweeps ran (prefill
+alone and mixed with decodes). The TTFT fit then gives only the per-request overhead. A server without
+step events (another engine, or none reachable) falls back to the TTFT slope.
 
 Cold start cannot be seen from a running server: pass what you measured (`inferd up` reports it).
 """
 
 from __future__ import annotations
 
+import json
+import threading
 from dataclasses import dataclass
 
+import httpx
 import numpy as np
 
 from inferd.autoscale.profile import Profile
@@ -21,6 +36,8 @@ from inferd.bench.datasets import RandomDataset
 from inferd.bench.runner import BenchConfig, preflight, run_benchmark
 from inferd.bench.tokenizers import resolve_tokenizer
 from inferd.errors import InferdError
+
+MIN_CHUNK = 32  # prompt tokens a step must prefill to count in the fit (short chunks are mostly noise)
 
 
 @dataclass
@@ -36,11 +53,73 @@ class ProfileRun:
     name: str = "measured"
     api_key: str | None = None
     tokenizer_url: str | None = None  # where /tokenize is, when base_url has none (a gateway)
+    events_url: str | None = None  # the replica's step events (default: /dashboard/events of tokenizer_url or base)
+    mixed: bool = True  # also run the mixed level (prompts prefilled beside decodes)
+    seed: int = 1_000_003  # prompts of level i come from seed + i
 
 
-def _level(client: ClientConfig, tok, server, input_len: int, output_len: int, n: int, concurrency: int) -> dict:
+class StepRecorder:
+    """Every step of one inferd replica, read from its dashboard event stream on a thread.
+
+    `steps` holds `{"ts", "dur", "p", "n", "d"}` per step: end time, seconds, prompt tokens prefilled, in
+    how many chunks, and requests decoded. `ok` is False when the stream could not be opened (not an
+    inferd server)."""
+
+    def __init__(self, url: str, api_key: str | None = None, connect_timeout: float = 5.0):
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.steps: list[dict] = []
+        self.ok = True
+        self._opened = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url,), daemon=True, name="step-recorder")
+        self._thread.start()
+        self._opened.wait(connect_timeout)
+
+    def _read(self, url: str) -> None:
+        try:
+            with httpx.stream("GET", url, headers=self._headers, timeout=httpx.Timeout(5.0, read=None)) as r:
+                self.ok = r.status_code == 200
+                self._opened.set()
+                if self.ok:
+                    self._consume(r)
+        except (httpx.HTTPError, ValueError, KeyError):
+            self.ok = bool(self.steps)
+        finally:
+            self._opened.set()
+
+    def _consume(self, r: httpx.Response) -> None:
+        for line in r.iter_lines():
+            if self._stop.is_set():
+                return
+            if not line.startswith("data: ") or '"events"' not in line[:40]:
+                continue
+            for e in json.loads(line[6:])["events"]:
+                if e.get("type") == "step":
+                    chunks = [n for _, n, kind, _ in e["reqs"] if kind == "p"]
+                    decode = sum(1 for _, _, kind, _ in e["reqs"] if kind == "d")
+                    step = {"ts": e["ts"], "dur": e["dur_ms"] / 1000, "p": sum(chunks), "n": len(chunks), "d": decode}
+                    self.steps.append(step)
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        return self.steps
+
+
+def fit_prefill_rate(steps: list[dict], step_s) -> float | None:
+    """Prompt tokens per second over the steps that prefilled at least MIN_CHUNK tokens, each step's
+    decode part (`step_s` of its batch: decodes + the prompts in it, as the simulator counts it) taken
+    away; None if too few."""
+    chunks = [s for s in steps if s["p"] >= MIN_CHUNK]
+    if len(chunks) < 3:
+        return None
+    extra = sum(s["dur"] - step_s(max(1, s["d"] + s["n"])) for s in chunks)
+    tokens = sum(s["p"] for s in chunks)
+    return tokens / extra if extra > 0 else None
+
+
+def _level(client, tok, server, input_len: int, output_len: int, n: int, concurrency: int, seed: int) -> dict:
     cfg = BenchConfig(client=client, num_prompts=n, max_concurrency=concurrency, show_progress=False)
-    result = run_benchmark(cfg, RandomDataset(tok, input_len, output_len), tok, server)[0]
+    result = run_benchmark(cfg, RandomDataset(tok, input_len, output_len, seed=seed), tok, server)[0]
     if not result.summary.get("completed"):
         raise InferdError(f"no request completed at prompt {input_len}, concurrency {concurrency}")
     return result.summary
@@ -54,14 +133,34 @@ def measure_profile(run: ProfileRun) -> Profile:
         raise InferdError("the server lists no models; pass --model")
     tok = resolve_tokenizer("auto", normalize_base_url(run.tokenizer_url or base), model, None, run.api_key)
     client = ClientConfig(base_url=base, model=model, ignore_eos=True, api_key=run.api_key)
-    ttfts = [
-        _level(client, tok, server, n, 1, run.requests_per_point, 1)["median_ttft_ms"] / 1000 for n in run.prompt_lens
-    ]
-    steps = []
-    for b in run.batches:
-        s = _level(client, tok, server, 16, run.output_len, max(run.requests_per_point, 2 * b), b)
-        steps.append(s["median_tpot_ms"] / 1000)
+    seeds = iter(range(run.seed, run.seed + 1000))
+    events = run.events_url or normalize_base_url(run.tokenizer_url or base) + "/dashboard/events"
+    recorder = StepRecorder(events, run.api_key)
+    try:
+        ttfts = [
+            _level(client, tok, server, n, 1, run.requests_per_point, 1, next(seeds))["median_ttft_ms"] / 1000
+            for n in run.prompt_lens
+        ]
+        steps = []
+        for b in run.batches:
+            s = _level(client, tok, server, 16, run.output_len, max(run.requests_per_point, 2 * b), b, next(seeds))
+            steps.append(s["median_tpot_ms"] / 1000)
+        if run.mixed:
+            mid = sorted(run.prompt_lens)[len(run.prompt_lens) // 2]
+            b = max(run.batches)
+            _level(client, tok, server, mid, run.output_len, 3 * b, b, next(seeds))
+    finally:
+        recorded = recorder.stop()
     prefill, overhead, note = _prefill_fit(list(run.prompt_lens), ttfts, steps[0])
+    decode = Profile("fit", 1.0, list(run.batches), steps, max(run.batches))
+    from_steps = fit_prefill_rate(recorded, decode.step_s) if recorder.ok else None
+    if from_steps is not None:
+        chunks = sum(1 for s in recorded if s["p"] >= MIN_CHUNK)
+        note += f"; prefill rate from {chunks} steps' times (TTFT slope gave {prefill:.0f} tok/s)"
+        overhead = _overhead(list(run.prompt_lens), ttfts, steps[0], from_steps)
+        prefill = from_steps
+    else:
+        note += "; prefill rate from the TTFT slope (no step events)"
     return Profile(
         name=run.name,
         prefill_tokens_per_s=prefill,
@@ -74,6 +173,11 @@ def measure_profile(run: ProfileRun) -> Profile:
         source=f"inferd profile: prompts {list(run.prompt_lens)} (TTFT {[round(t, 4) for t in ttfts]} s), "
         f"batches {list(run.batches)}, {run.output_len} output tokens{note}",
     )
+
+
+def _overhead(lens: list[int], ttfts: list[float], step_s: float, rate: float) -> float:
+    """The median of TTFT - one step - prompt / rate over the lone-request levels (at least 0)."""
+    return max(0.0, float(np.median([t - step_s - n / rate for n, t in zip(lens, ttfts, strict=True)])))
 
 
 def _prefill_fit(lens: list[int], ttfts: list[float], step_s: float) -> tuple[float, float, str]:
