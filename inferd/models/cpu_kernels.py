@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
 _INT8_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.cpp"
 _INT4_SOURCE = Path(__file__).parent / "kernels" / "int4_linear_cpu.cpp"
+_NORM_SOURCE = Path(__file__).parent / "kernels" / "rms_norm_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -83,6 +84,13 @@ def int8_linear_kernel() -> Callable | None:
 def int4_kernels():
     """The compiled int4 module: `int4_linear` (few rows), `int4_linear_chunked` (many), `int4_dequantize`."""
     return _build("inferd_int4_linear", _INT4_SOURCE, "CPU int4 linear kernel")
+
+
+@functools.cache
+def rms_norm_kernel() -> Callable | None:
+    """The compiled `rms_norm(x, weight, eps, unit_offset)` (float32 or bfloat16, weight in x's dtype)."""
+    module = _build("inferd_rms_norm", _NORM_SOURCE, "CPU RMS norm kernel")
+    return None if module is None else module.rms_norm
 
 
 def _stable_copy(source: Path, name: str) -> Path:
