@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
 _INT8_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.cpp"
 _INT4_SOURCE = Path(__file__).parent / "kernels" / "int4_linear_cpu.cpp"
-_NORM_SOURCE = Path(__file__).parent / "kernels" / "rms_norm_cpu.cpp"
+_NORM_SOURCE = Path(__file__).parent / "kernels" / "norm_rope_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -87,10 +87,22 @@ def int4_kernels():
 
 
 @functools.cache
+def _norm_rope_module():
+    # no fused multiply-add: the reference rounds each product before the sum
+    return _build("inferd_norm_rope", _NORM_SOURCE, "CPU RMS norm and rotary kernels", ["-ffp-contract=off"])
+
+
 def rms_norm_kernel() -> Callable | None:
     """The compiled `rms_norm(x, weight, eps, unit_offset)` (float32 or bfloat16, weight in x's dtype)."""
-    module = _build("inferd_rms_norm", _NORM_SOURCE, "CPU RMS norm kernel")
+    module = _norm_rope_module()
     return None if module is None else module.rms_norm
+
+
+def qk_norm_rope_kernel() -> Callable | None:
+    """The compiled `qk_norm_rope(qkv, heads, kv_heads, head_dim, cos, sin, q_weight, k_weight, unit_offset,
+    eps) -> [q, k]` (weights empty for no norm; everything in qkv's dtype)."""
+    module = _norm_rope_module()
+    return None if module is None else module.qk_norm_rope
 
 
 def _stable_copy(source: Path, name: str) -> Path:
@@ -106,12 +118,13 @@ def _stable_copy(source: Path, name: str) -> Path:
     return target
 
 
-def _build(prefix: str, source: Path, what: str):
+def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None):
     if os.environ.get("INFERD_DISABLE_CPU_KERNELS"):
         return None
     try:
         from torch.utils.cpp_extension import load
 
+        flags = ["-O3", "-march=native", "-fopenmp", *(cflags or [])]
         name = f"{prefix}_{_cpu_fingerprint()}_{_source_hash(source)}"
         with _build_lock(name):
             return load(
@@ -119,7 +132,7 @@ def _build(prefix: str, source: Path, what: str):
                 sources=[str(_stable_copy(source, name))],
                 # -fopenmp: at::parallel_for is inline OpenMP; without the flag it runs on one thread.
                 # The library links libgomp.so.1, the soname torch loads already, so one runtime serves both.
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

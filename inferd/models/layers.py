@@ -107,23 +107,24 @@ class Linear(nn.Linear):
         return y.view(*shape[:-1], -1)
 
 
-def use_native_norms(model: nn.Module) -> bool:
-    """Give every RMSNorm of a CPU float32/bfloat16 model the native one-call kernel, if it builds.
+def use_native_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Give a CPU float32/bfloat16 model the native fused small ops, if they build: every RMSNorm its
+    one-call kernel, every attention with a `qk_rope` slot the q/k norm + rotary kernel.
 
-    At small batches a step is mostly the fixed cost of small ops, and the reference norm is ten of them,
-    six times a layer in Gemma 3 (see inferd/models/kernels/rms_norm_cpu.cpp)."""
-    from inferd.models.cpu_kernels import rms_norm_kernel
+    At small batches a step is mostly the fixed cost of small ops: the reference norm is ten of them, six
+    times a layer in Gemma 3, and q/k's split, norms and rotary some thirty a layer
+    (inferd/models/kernels/norm_rope_cpu.cpp). The kernels do the same arithmetic."""
+    from inferd.models.cpu_kernels import qk_norm_rope_kernel, rms_norm_kernel
 
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    if not norms or norms[0].weight.device.type != "cpu" or norms[0].weight.dtype not in _NATIVE_NORM_DTYPES:
+    if dtype not in (torch.float32, torch.bfloat16):
         return False
-    kernel = rms_norm_kernel()
-    for m in norms:
-        m.native = kernel
-    return kernel is not None
-
-
-_NATIVE_NORM_DTYPES = (torch.float32, torch.bfloat16)
+    norm, rope = rms_norm_kernel(), qk_norm_rope_kernel()
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.native = norm
+        elif hasattr(m, "qk_rope"):
+            m.qk_rope = rope
+    return norm is not None
 
 
 def pack_linears_for_cpu(model: nn.Module) -> bool:

@@ -38,17 +38,34 @@ class Attention(nn.Module):
         self.softcap = None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset_norm) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset_norm) if qk_norm else None
+        self.qk_rope = None  # the native q/k norm + rotary (use_native_kernels): the same arithmetic in one call
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        if self.qk_rope is not None and qkv.dtype == cos.dtype and qkv.dim() == 2 and qkv.device.type == "cpu":
+            q, k = self._native_qk(qkv, cos, sin)
+            v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim :]
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(o)
+
+    def _native_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.q_norm
+        qw, kw = (norm.weight, self.k_norm.weight) if norm is not None else (_NO_WEIGHT, _NO_WEIGHT)
+        eps, unit = (norm.eps, norm.unit_offset) if norm is not None else (0.0, False)
+        q, k = self.qk_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, unit, eps)
+        return q, k
+
+
+_NO_WEIGHT = torch.empty(0)
 
 
 class GatedMLP(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import ModelLoadError
 from inferd.models.base import CausalLM
-from inferd.models.layers import pack_linears_for_cpu, use_native_norms
+from inferd.models.layers import pack_linears_for_cpu, use_native_kernels
 from inferd.models.quant import quantize_model
 from inferd.models.registry import model_class_for
 
@@ -207,7 +207,7 @@ def load_model(
     if device.type == "cpu" and dtype == torch.float32 and cpu_linear == "onednn":
         pack_linears_for_cpu(model)
     if device.type == "cpu":
-        use_native_norms(model)
+        use_native_kernels(model, dtype)
     model.eval().requires_grad_(False)
     return model
 

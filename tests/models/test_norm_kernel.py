@@ -7,8 +7,8 @@ import platform
 import pytest
 import torch
 
-from inferd.models.cpu_kernels import rms_norm_kernel
-from inferd.models.layers import RMSNorm
+from inferd.models.cpu_kernels import qk_norm_rope_kernel, rms_norm_kernel
+from inferd.models.layers import RMSNorm, apply_rotary
 from inferd.models.loader import load_model
 from tests.conftest import build_tiny_model
 
@@ -59,3 +59,52 @@ def test_a_cpu_model_loads_with_native_norms(tmp_path, dtype):
     model = load_model(folder, config, dtype, torch.device("cpu"), 64)
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.native is rms_norm_kernel() for m in norms)
+    attentions = [m for m in model.modules() if hasattr(m, "qk_rope")]
+    assert attentions and all(m.qk_rope is qk_norm_rope_kernel() for m in attentions)
+
+
+def _reference_qk(qkv, heads, kv_heads, d, cos, sin, q_norm, k_norm):
+    q = qkv[:, : heads * d].reshape(-1, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(-1, kv_heads, d)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+@needs_kernel
+@pytest.mark.parametrize("norm", [None, "unit", "plain"])  # Llama, Gemma 3, Qwen 3
+@pytest.mark.parametrize("rot", [32, 16])  # full and partial rotary
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_qk_norm_rope_matches_the_reference(norm, rot, dtype):
+    heads, kv_heads, d, tokens = 4, 2, 32, 9
+    torch.manual_seed(rot)
+    wide = torch.randn(tokens, (heads + 2 * kv_heads) * d + 8).to(dtype)
+    qkv = wide[:, 8:]  # rows strided, as a slice of a wider projection would be
+    angles = torch.rand(tokens, 1, rot // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    q_norm = k_norm = None
+    if norm is not None:
+        q_norm, k_norm = _pair(d, norm == "unit", dtype), _pair(d, norm == "unit", dtype)
+        k_norm.weight.data.mul_(0.5)
+    ref_q, ref_k = _reference_qk(qkv, heads, kv_heads, d, cos, sin, q_norm, k_norm)
+    qw, kw = (q_norm.weight, k_norm.weight) if norm else (torch.empty(0), torch.empty(0))
+    eps, unit = (q_norm.eps, q_norm.unit_offset) if norm else (0.0, False)
+    q, k = qk_norm_rope_kernel()(qkv, heads, kv_heads, d, cos, sin, qw, kw, unit, eps)
+    assert q.shape == ref_q.shape and k.shape == ref_k.shape and q.dtype == dtype
+    for got, ref in ((q, ref_q), (k, ref_k)):
+        if norm is None:  # no reduction: the same operations in the same order
+            assert torch.equal(got, ref)
+        else:
+            step = 2**-8 if dtype == torch.bfloat16 else 2**-22
+            assert (got.float() - ref.float()).abs().max().item() <= 2 * step * max(ref.float().abs().max().item(), 1)
+
+
+@needs_kernel
+def test_native_qk_norm_rope_refuses_what_it_cannot_do():
+    qkv = torch.randn(3, 64)
+    cos = sin = torch.ones(3, 1, 16)
+    with pytest.raises(RuntimeError, match="narrower"):
+        qk_norm_rope_kernel()(qkv, 4, 2, 16, cos, sin, torch.empty(0), torch.empty(0), False, 0.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        qk_norm_rope_kernel()(qkv, 2, 1, 16, cos.to(torch.bfloat16), sin, torch.empty(0), torch.empty(0), False, 0.0)

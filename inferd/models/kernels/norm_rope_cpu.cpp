@@ -1,0 +1,170 @@
+// RMS norm, and queries/keys out of the fused qkv projection with per-head RMS norm and rotary, for
+// float32 and bfloat16 tensors on CPU: small ops fused, because at small batches a step pays the fixed
+// cost of each op more than its arithmetic.
+//
+// rms_norm: the reference (inferd/models/layers.py RMSNorm) is ~10 small ops per call (to float, pow,
+// mean, add, rsqrt, mul, the weight to float, add 1, mul, back to the dtype); a Gemma 3 step calls it 6
+// times per layer. Same arithmetic, same order per element, in float32, in one call:
+//   n = x * (1 / sqrt(mean(x^2) + eps))
+//   unit_offset (Gemma):  out = to_dtype(n * (1 + w))
+//   otherwise (Llama):    out = w * to_dtype(n)        (the product in the dtype, as transformers does)
+// Only the sum of squares is added up in a different order from torch's reduction (16 lanes), which
+// moves the result by a rounding step at most.
+//
+// qk_norm_rope: the reference (inferd/models/llama.py Attention.forward) is a split, three views, two RMS
+// norms and two rotaries of ~8 ops each, some 30 small ops per layer. Same arithmetic, rounding to the
+// dtype where the reference's ops round:
+//   n   = RMSNorm(x) as above                          (if norm weights are given)
+//   out = to_dtype(to_dtype(n * c) + to_dtype(rotate_half(n) * s))   over the first `rot` dims
+//   out = n                                                          over the rest (partial rotary)
+// with c, s the cos/sin tables already in the dtype. In float32 every to_dtype is exact.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float f(float v) { return v; }
+inline float f(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }  // round to T and back
+
+template <typename T>
+float inv_rms(const T* x, int64_t d, float eps) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += f(x[i + l]) * f(x[i + l]);
+  float sum = 0.f;
+  for (; i < d; ++i) sum += f(x[i]) * f(x[i]);
+  for (int l = 0; l < 16; ++l) sum += acc[l];
+  return 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
+}
+
+// one row normalized, as floats already rounded to T (what the reference's norm hands on)
+template <typename T>
+inline void norm_row(const T* x, const T* w, float* n, int64_t d, float eps, bool unit_offset) {
+  const float inv = inv_rms(x, d, eps);
+  for (int64_t i = 0; i < d; ++i)
+    n[i] = unit_offset ? rnd<T>((f(x[i]) * inv) * (1.f + f(w[i]))) : rnd<T>(f(w[i]) * rnd<T>(f(x[i]) * inv));
+}
+
+template <typename T>
+void norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t d, float eps, bool unit_offset) {
+  // enough rows per task that a thread's share outweighs waking it
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> n(d);
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row(x + r * d, w, n.data(), d, eps, unit_offset);
+      for (int64_t i = 0; i < d; ++i) out[r * d + i] = static_cast<T>(n[i]);
+    }
+  });
+}
+
+template <typename T>
+void one_head(const T* x, T* out, const T* w, bool unit_offset, float eps, const T* c, const T* s, int64_t d,
+              int64_t rot, float* n) {
+  if (w != nullptr) {
+    norm_row(x, w, n, d, eps, unit_offset);
+  } else {
+    for (int64_t i = 0; i < d; ++i) n[i] = f(x[i]);
+  }
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = static_cast<T>(rnd<T>(n[i] * f(c[i])) + rnd<T>(-n[i + half] * f(s[i])));
+    out[i + half] = static_cast<T>(rnd<T>(n[i + half] * f(c[i + half])) + rnd<T>(n[i] * f(s[i + half])));
+  }
+  for (int64_t i = rot; i < d; ++i) out[i] = static_cast<T>(n[i]);
+}
+
+template <typename T>
+void run(const torch::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t d, const torch::Tensor& cos,
+         const torch::Tensor& sin, const T* qw, const T* kw, bool unit_offset, float eps, torch::Tensor& q,
+         torch::Tensor& k) {
+  const int64_t tokens = qkv.size(0), stride = qkv.stride(0), rot = cos.size(-1);
+  const T* src = reinterpret_cast<const T*>(qkv.data_ptr());
+  const T* cp = reinterpret_cast<const T*>(cos.data_ptr());
+  const T* sp = reinterpret_cast<const T*>(sin.data_ptr());
+  T* qo = reinterpret_cast<T*>(q.data_ptr());
+  T* ko = reinterpret_cast<T*>(k.data_ptr());
+  const int64_t per_token = heads + kv_heads;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, tokens * per_token, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> n(d);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t t = job / per_token, h = job % per_token;
+      const bool is_q = h < heads;
+      const T* x = src + t * stride + h * d;  // q heads, then k heads, in the projection's order
+      T* out = is_q ? qo + (t * heads + h) * d : ko + (t * kv_heads + (h - heads)) * d;
+      one_head<T>(x, out, is_q ? qw : kw, unit_offset, eps, cp + t * rot, sp + t * rot, d, rot, n.data());
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool unit_offset) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight need the same dtype");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "rms_norm: weight must be [", d, "]");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t rows = d == 0 ? 0 : xc.numel() / d;
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32) {
+    norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), rows, d, e, unit_offset);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    auto* xp = reinterpret_cast<const c10::BFloat16*>(xc.data_ptr<at::BFloat16>());
+    auto* wp = reinterpret_cast<const c10::BFloat16*>(wc.data_ptr<at::BFloat16>());
+    auto* op = reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>());
+    norm_rows(xp, wp, op, rows, d, e, unit_offset);
+  } else {
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only, not ", x.scalar_type());
+  }
+  return out;
+}
+
+// qkv: [tokens, >= (heads + kv_heads) * d] (rows may be strided); cos, sin: [tokens, rot] in qkv's dtype;
+// q_weight, k_weight: [d] or empty (no norm). Returns q [tokens, heads, d], k [tokens, kv_heads, d].
+std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, int64_t heads, int64_t kv_heads, int64_t d,
+                                        torch::Tensor cos, torch::Tensor sin, torch::Tensor q_weight,
+                                        torch::Tensor k_weight, bool unit_offset, double eps) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qk_norm_rope: CPU [tokens, n] rows");
+  TORCH_CHECK(qkv.size(1) >= (heads + kv_heads) * d, "qk_norm_rope: qkv is narrower than its heads");
+  const int64_t tokens = qkv.size(0);
+  auto c = cos.reshape({tokens, -1}).contiguous(), s = sin.reshape({tokens, -1}).contiguous();
+  TORCH_CHECK(c.sizes() == s.sizes() && c.size(1) <= d && c.size(1) % 2 == 0, "qk_norm_rope: bad cos/sin");
+  TORCH_CHECK(c.scalar_type() == qkv.scalar_type(), "qk_norm_rope: cos/sin must be in qkv's dtype");
+  const bool norm = q_weight.numel() > 0;
+  TORCH_CHECK(!norm || (q_weight.numel() == d && k_weight.numel() == d), "qk_norm_rope: norm weights must be [d]");
+  TORCH_CHECK(!norm || (q_weight.scalar_type() == qkv.scalar_type() && k_weight.scalar_type() == qkv.scalar_type()),
+              "qk_norm_rope: norm weights must be in qkv's dtype");
+  auto q = torch::empty({tokens, heads, d}, qkv.options());
+  auto k = torch::empty({tokens, kv_heads, d}, qkv.options());
+  auto qw = q_weight.contiguous(), kw = k_weight.contiguous();
+  const float e = static_cast<float>(eps);
+  if (qkv.scalar_type() == torch::kFloat32) {
+    run<float>(qkv, heads, kv_heads, d, c, s, norm ? qw.data_ptr<float>() : nullptr,
+               norm ? kw.data_ptr<float>() : nullptr, unit_offset, e, q, k);
+  } else if (qkv.scalar_type() == torch::kBFloat16) {
+    using B = c10::BFloat16;
+    run<B>(qkv, heads, kv_heads, d, c, s, norm ? reinterpret_cast<const B*>(qw.data_ptr()) : nullptr,
+           norm ? reinterpret_cast<const B*>(kw.data_ptr()) : nullptr, unit_offset, e, q, k);
+  } else {
+    TORCH_CHECK(false, "qk_norm_rope: float32 or bfloat16 only, not ", qkv.scalar_type());
+  }
+  return {q, k};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMS norm over the last dimension (CPU, float32 or bfloat16)");
+  m.def("qk_norm_rope", &qk_norm_rope, "q and k from the qkv projection: per-head RMS norm and rotary (CPU)");
+}
