@@ -1,9 +1,10 @@
 """`inferd up` with a disaggregated model: a prefill pool, a decode pool and the proxy in front, end to end.
 
 The fleet comes up, serves streamed and whole completions through the gateway with the prompt's KV handed
-from a prefill replica to the decode replica, the prefill pool grows from 1 to 2 replicas under its own
-policy (the decode replica, started first, accepts KV from the new one) and back to 1, no request fails,
-and after SIGTERM no process of the fleet is left.
+from a prefill replica to a decode replica; under load each pool grows from 1 to 2 replicas under its own
+policy (request rate for prefill, running requests for decode), every replica takes part in handoffs (the
+decode replica started first accepts KV from the prefill replica started later, the new decode replica is
+used by the proxy), both pools come back to 1, no request fails, and after SIGTERM no process is left.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ models:
         role: decode
         replicas: 1
         resources: {{cpu: 1}}
+        autoscaling:
+          min_replicas: 1
+          max_replicas: 2
+          targets: {{waiting: null, kv_cache_usage: null, running: 2}}
+          interval_s: 0.5
+          window_s: 3
+          scale_down_stabilization_s: 2
+          cooldown_s: 2
 gateway:
   scrape: {{interval_s: 0.25}}
 """
@@ -87,7 +96,7 @@ def stream_text(url: str, body: dict) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_disaggregated_fleet_hands_kv_over_and_scales_its_prefill_pool_to_two_and_back(tmp_path):
+def test_a_disaggregated_fleet_hands_kv_over_and_scales_both_pools_to_two_and_back(tmp_path):
     model = build_tiny_model("llama", tmp_path / "tiny")
     config = tmp_path / "fleet.yaml"
     config.write_text(FLEET.format(model=model))
@@ -98,7 +107,7 @@ def test_a_disaggregated_fleet_hands_kv_over_and_scales_its_prefill_pool_to_two_
     argv += ["--status-every", "1"]
     up = spawn("up", argv, port, tmp_path)
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-    prefill_list = state / "tiny-prefill.replicas"
+    prefill_list, decode_list = state / "tiny-prefill.replicas", state / "tiny-decode.replicas"
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "temperature": 0}
     statuses: list[int] = []
     stop = threading.Event()
@@ -118,28 +127,28 @@ def test_a_disaggregated_fleet_hands_kv_over_and_scales_its_prefill_pool_to_two_
         wait_for(lambda: len(listed(prefill_list)) == 1, 60, "the prefill replica")
         assert stream_text(up.url, body) == first.json()["choices"][0]["text"]
         (proxy,) = listed(state / "tiny-decode.front")
-        (decode,) = listed(state / "tiny-decode.replicas")
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(send, i) for i in range(4)]
             try:
-                wait_for(lambda: len(listed(prefill_list)) == 2, 120, "a second prefill replica")
-                prefills = listed(prefill_list)
+                wait_for(lambda: len(listed(prefill_list)) == len(listed(decode_list)) == 2, 120, "two of each")
+                prefills, decodes = listed(prefill_list), listed(decode_list)
                 served = len(statuses)
-                wait_for(lambda: len(statuses) >= served + 8, 60, "requests served by two prefill replicas")
+                wait_for(lambda: len(statuses) >= served + 8, 60, "requests served by both pools at two")
                 leases = {u: replica_metrics(u).get("inferd:kv_leases_created_total", 0) for u in prefills}
+                pulled = {u: replica_metrics(u) for u in decodes}
             finally:
                 stop.set()
                 for f in futures:
                     f.result(timeout=150)
-        assert all(n > 0 for n in leases.values()), leases  # the decode replica took KV from the newcomer too
-        d = replica_metrics(decode)
-        assert d["inferd:remote_prefills_total"] > 0 and d["inferd:kv_transfer_blocks_total"] > 0, d
-        assert d.get("inferd:kv_transfer_params_rejected_total", 0) == 0
+        assert all(n > 0 for n in leases.values()), leases  # the first decode replica took KV from the newcomer
+        for d in pulled.values():
+            assert d["inferd:remote_prefills_total"] > 0 and d["inferd:kv_transfer_blocks_total"] > 0, d
+            assert d.get("inferd:kv_transfer_params_rejected_total", 0) == 0
         assert replica_metrics(proxy)["inferd:disagg_proxy_prefills_total"] >= len(statuses)
         peers = state / "tiny-prefill.kv-peers"
         assert len(listed(peers)) == 2
         # unlisted for the proxy first; admitted as a KV peer until its process has drained and exited
-        wait_for(lambda: len(listed(prefill_list)) == 1, 60, "the prefill pool's scale-down")
+        wait_for(lambda: len(listed(prefill_list)) == len(listed(decode_list)) == 1, 60, "both scale-downs")
         wait_for(lambda: len(listed(peers)) == 1, 60, "the drained prefill replica's exit")
         wait_for(lambda: fleet_replicas(metrics).get("draining") == 0, 10, "no replica draining")
         assert statuses and set(statuses) == {200}, statuses
@@ -153,7 +162,7 @@ def test_a_disaggregated_fleet_hands_kv_over_and_scales_its_prefill_pool_to_two_
             os.kill(pid, signal.SIGKILL)
     assert up.popen.returncode == 0, up.log_tail()
     assert not leftover, leftover
-    for url in [proxy, decode, *prefills]:
+    for url in [proxy, *decodes, *prefills]:
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=1)
     summary = json.loads((state / "summary.json").read_text())
@@ -163,8 +172,8 @@ def test_a_disaggregated_fleet_hands_kv_over_and_scales_its_prefill_pool_to_two_
     }
     assert all(h > 0 for h in summary["replica_hours"].values()) and summary["proxies"]["tiny"] == proxy
     scales = [(e["pool"], e["text"].split(":", 1)[0]) for e in summary["events"] if e["kind"] == "scale"]
-    assert ("tiny-prefill", "1 -> 2") in scales and ("tiny-prefill", "2 -> 1") in scales, scales
-    assert all(pool == "tiny-prefill" for pool, _ in scales)  # the decode pool has no policy: it stays
+    for pool in ("tiny-prefill", "tiny-decode"):
+        assert (pool, "1 -> 2") in scales and (pool, "2 -> 1") in scales, scales
     log = up.log.read_text()
     assert "disaggregation proxy of tiny" in log and "tiny-prefill (prefill)" in log and "tiny-decode (decode)" in log
 
