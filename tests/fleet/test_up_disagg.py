@@ -209,3 +209,33 @@ def test_replica_argv_of_the_two_roles_and_the_gateway_sends_the_model_to_its_pr
     (pool,) = spec.gateway_config(fleet.gateway_endpoints()).pools
     assert pool.name == "tiny-decode" and pool.replicas_file == front.front_file
     fleet.client.close()
+
+
+def test_a_prefill_replica_stops_once_its_leases_are_pulled_and_a_prefill_pool_at_zero_wakes_with_its_model(
+    tmp_path, monkeypatch
+):
+    import inferd.fleet.up as up
+    from inferd.autoscale.signals import Measured
+    from inferd.fleet.spec import parse_fleet
+
+    spec = parse_fleet(FLEET.format(model="gemma3-270m"))
+    fleet = up.LocalFleet(spec, up.UpOptions(state_dir=tmp_path))
+    out = {"n": 1.0}
+    monkeypatch.setattr(up, "leases_active", lambda client, url: out["n"])
+    prefill = up.ReplicaProc("tiny-prefill", 1, None, 0.0, tmp_path / "log", kv_port=2, state="draining", term_at=10.0)
+    assert not fleet._leases_done(prefill, 11.0)  # a decode replica has still to pull one of its leases
+    assert fleet._leases_done(prefill, 10.0 + up.LEASE_WAIT_S)  # ... but not for ever
+    out["n"] = 0.0
+    assert fleet._leases_done(prefill, 11.0)
+    decode = up.ReplicaProc("tiny-decode", 3, None, 0.0, tmp_path / "log", state="draining", term_at=10.0)
+    out["n"] = 5.0
+    assert fleet._leases_done(decode, 10.0)  # a decode replica has no leases to wait for
+
+    p, d = fleet.pools["tiny-prefill"], fleet.pools["tiny-decode"]
+    d.last = Measured()
+    assert fleet._gateway_share(d, 3.0) == 3.0  # the decode pool owns the gateway's queue
+    assert fleet._gateway_share(p, 0.0) == 0.0  # no prefill replica (none started) and nothing for the model
+    assert fleet._gateway_share(p, 3.0) == 1.0  # requests wait at the gateway for the model
+    d.last = Measured(running=2.0)
+    assert fleet._gateway_share(p, 0.0) == 1.0  # the model has requests: one waiting, enough to wake it
+    fleet.client.close()
