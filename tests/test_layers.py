@@ -20,6 +20,7 @@ FORBIDDEN = {
     "inferd.yaml_config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.fleet.spec": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.fleet.up": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    "inferd.fleet.disagg": {"inferd."},  # processes and list files only
     "inferd.request": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.chat": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},

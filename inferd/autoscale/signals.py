@@ -151,7 +151,7 @@ class DirectSource:
     def __init__(self, window_s: float, timeout_s: float = 2.0, client: httpx.Client | None = None):
         self.window_s = window_s
         self.client = client or httpx.Client(timeout=timeout_s)
-        self.history: dict[str, deque[Scrape]] = {}
+        self.history: dict[str, dict[str, deque[Scrape]]] = {}  # pool -> replica URL -> its scrapes
 
     def close(self) -> None:
         self.client.close()
@@ -165,13 +165,15 @@ class DirectSource:
                 scrapes.append((url, parse_scrape(r.text, at)))
             except (httpx.HTTPError, ValueError):
                 continue  # a replica that does not answer adds nothing this round
-        return self.add(scrapes, at)
+        return self.add(scrapes, at, pool)
 
-    def add(self, scrapes: list[tuple[str, Scrape]], at: float) -> Measured:
-        """Fold in this round's scrapes (also how tests feed synthetic pages) and measure the window."""
+    def add(self, scrapes: list[tuple[str, Scrape]], at: float, pool: str = "") -> Measured:
+        """Fold in this round's scrapes of `pool` (also how tests feed synthetic pages), measure the window.
+        Each pool keeps its own history: reading one pool forgets none of another's."""
+        history = self.history.setdefault(pool, {})
         seen = {url for url, _ in scrapes}
         for url, s in scrapes:
-            h = self.history.setdefault(url, deque())
+            h = history.setdefault(url, deque())
             h.append(s)
             while len(h) > 2 and h[1].at <= at - self.window_s:
                 h.popleft()
@@ -180,7 +182,7 @@ class DirectSource:
         per_s: dict[str, float] = {}
         hists: dict[str, dict[float, float]] = {}
         for url in seen:
-            h = self.history[url]
+            h = history[url]
             last = h[-1]
             m.waiting += last.values.get("waiting", 0.0)
             m.running += last.values.get("running", 0.0)
@@ -197,8 +199,8 @@ class DirectSource:
                 old = first.hist.get(name, {})
                 for le, c in buckets.items():
                     merged[le] = merged.get(le, 0.0) + _increase(c, old.get(le, 0.0))
-        for url in set(self.history) - seen:
-            del self.history[url]
+        for url in set(history) - seen:
+            del history[url]
         m.request_rate = per_s.get("requests", 0.0)
         m.prompt_token_rate = per_s.get("prompt_tokens", 0.0)
         m.generation_token_rate = per_s.get("generation_tokens", 0.0)

@@ -43,6 +43,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="decode: the prefill instances' KV channels (host:port) it may pull from; others are refused (400). "
         "A DNS name admits every address it resolves to (a Kubernetes headless Service)",
     )
+    g.add_argument(
+        "--kv-peers-file",
+        default=None,
+        help="decode: a file of more allowed KV channels (one host:port a line), read again whenever it changes; "
+        "for prefill instances that come and go (inferd up rewrites it as it scales the prefill pool)",
+    )
     g.add_argument("--kv-lease-ttl", type=float, default=30.0, help="prefill: seconds a lease pins its blocks")
     g.add_argument(
         "--kv-transport",
@@ -62,12 +68,15 @@ def make_connector(args: argparse.Namespace, engine):
 
     if not args.kv_secret:
         raise ConfigError(f"--role {args.role} needs --kv-secret (or ${SECRET_ENV}), the same on every instance")
-    if args.role == "decode" and not args.kv_peers:
-        raise ConfigError("--role decode needs --kv-peers: the prefill instances' KV channels it may pull from")
+    peers_file = getattr(args, "kv_peers_file", None)
+    if args.role == "decode" and not args.kv_peers and not peers_file:
+        raise ConfigError(
+            "--role decode needs --kv-peers (or --kv-peers-file): the prefill instances' KV channels it may pull from"
+        )
     settings = DisaggSettings(
         role=args.role,
         secret=args.kv_secret.encode(),
-        peers=Peers(args.kv_peers),
+        peers=Peers(args.kv_peers, file=peers_file),
         lease_ttl=args.kv_lease_ttl,
         kv_host=args.kv_host,
         kv_port=args.kv_port,
@@ -100,8 +109,21 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("disagg", help="disaggregated prefill/decode serving")
     sub = p.add_subparsers(dest="disagg_command", required=True)
     proxy = sub.add_parser("proxy", help="an OpenAI front that prefills on one pool and decodes on another")
-    proxy.add_argument("--prefill", nargs="+", required=True, help="prefill instances' base URLs")
-    proxy.add_argument("--decode", nargs="+", required=True, help="decode instances' base URLs")
+    for side in ("prefill", "decode"):
+        g = proxy.add_mutually_exclusive_group(required=True)
+        g.add_argument(f"--{side}", nargs="+", help=f"{side} instances' base URLs")
+        g.add_argument(
+            f"--{side}-file",
+            default=None,
+            help=f"a file of {side} instances' base URLs (one a line), read again whenever it changes "
+            "(inferd up rewrites it as it scales the pool); it may be empty",
+        )
+    proxy.add_argument(
+        "--decode-wait",
+        type=float,
+        default=30.0,
+        help="seconds a request waits for a decode instance to be listed when none is, before a 503",
+    )
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8000)
     proxy.add_argument("--api-key", default=os.environ.get("INFERD_API_KEY"), help="sent to the instances as a bearer")
@@ -122,14 +144,18 @@ def run_proxy(args: argparse.Namespace) -> int:
     from inferd.disagg.proxy import ProxySettings, create_app
 
     settings = ProxySettings(
-        prefill=list(args.prefill),
-        decode=list(args.decode),
+        prefill=list(args.prefill or []),
+        decode=list(args.decode or []),
+        prefill_file=args.prefill_file,
+        decode_file=args.decode_file,
+        decode_wait=args.decode_wait,
         api_key=args.api_key,
         prefill_timeout=args.prefill_timeout,
         decider=args.decider,
     )
     app = create_app(settings)
     level = logging.getLevelName(logging.getLogger().level).lower()
-    logger.info("disagg proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
+    prefill, decode = args.prefill or args.prefill_file, args.decode or args.decode_file
+    logger.info("disagg proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, prefill, decode)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=False)).run()
     return 0

@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Container, Iterable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 VERSION = 1
@@ -173,26 +174,55 @@ class Peers:
     name resolves to on the same port: on Kubernetes the prefill pool's headless Service names every ready
     pod, and each pod advertises its own IP (`--kv-advertise-host $(POD_IP)`). Names are resolved again at
     most every `ttl_s`; a name that does not resolve admits nothing.
+
+    With `file`, the entries written there (one a line, `#` comments) are admitted too, read again whenever
+    the file changes (checked on every lookup: one `stat`): `inferd up` lists a prefill replica's channel
+    there before the replica starts and removes it once the process is gone, so a decode replica accepts
+    KV from prefill replicas started after it. A missing file admits nothing.
     """
 
-    def __init__(self, entries: Iterable[str], ttl_s: float = 5.0, resolve=None):
-        self.entries = frozenset(entries)
+    def __init__(self, entries: Iterable[str], ttl_s: float = 5.0, resolve=None, file: str | Path | None = None):
+        self.static = frozenset(entries)
+        self.file = None if file is None else Path(file)
         self.ttl_s = ttl_s
         self._resolve = resolve or _addresses
         self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+        self._listed: tuple[tuple | None, frozenset[str]] = (None, frozenset())  # (file's stat key, its entries)
+
+    @property
+    def entries(self) -> frozenset[str]:
+        return self.static | self._from_file()
+
+    def _from_file(self) -> frozenset[str]:
+        if self.file is None:
+            return frozenset()
+        try:
+            st = self.file.stat()
+        except OSError:
+            return frozenset()
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._listed[0] != key:
+            try:
+                lines = self.file.read_text().splitlines()
+            except OSError:
+                return frozenset()
+            entries = frozenset(x.split("#", 1)[0].strip() for x in lines) - {""}
+            self._listed = (key, entries)  # one assignment: threads reading it see the old or the new pair
+        return self._listed[1]
 
     def __bool__(self) -> bool:
-        return bool(self.entries)
+        return bool(self.static) or self.file is not None
 
     def __contains__(self, peer: object) -> bool:
         if not isinstance(peer, str):
             return False
-        if peer in self.entries:
+        entries = self.entries
+        if peer in entries:
             return True
         host, _, port = peer.rpartition(":")
         return any(
             e_port == port and host in self._addresses_of(e_host)
-            for e_host, _, e_port in (e.rpartition(":") for e in self.entries)
+            for e_host, _, e_port in (e.rpartition(":") for e in entries)
         )
 
     def _addresses_of(self, host: str) -> frozenset[str]:

@@ -15,6 +15,12 @@ faster than the handoff: the prompt's tokens over the decode pool's measured pre
 prefill pool's queue wait plus its prefill time plus the measured transfer overhead (all running
 averages of what the proxy saw).
 
+The pools are fixed URL lists, or list files (`--prefill-file`, `--decode-file`, one URL a line) read
+again whenever they change, checked on every pick (one `stat`): `inferd up` lists a replica there once it
+is ready and unlists it before it stops, so the proxy follows both pools as they scale. A list may be
+empty: with no prefill instance every request prefills on its decode instance (`no_prefill_instance`);
+with no decode instance a request waits up to `--decode-wait` seconds for one to be listed, then gets 503.
+
 This module runs beside any server speaking the protocol: it imports no engine, model or torch.
 """
 
@@ -28,11 +34,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from inferd import strict_json
 from inferd.errors import InvalidRequestError
@@ -49,6 +56,9 @@ class ProxySettings:
     api_key: str | None = None
     prefill_timeout: float = 60.0
     decider: str = "always"  # always | cost
+    prefill_file: str | None = None  # a list file followed as it changes (instead of `prefill`)
+    decode_file: str | None = None
+    decode_wait: float = 30.0  # seconds a request waits for a decode instance when none is listed
 
 
 @dataclass
@@ -59,12 +69,47 @@ class Instance:
 
 
 class Pool:
-    """Least-loaded choice: fewest requests in flight, then the least picked."""
+    """Least-loaded choice: fewest requests in flight, then the least picked.
 
-    def __init__(self, urls: list[str]):
+    With `file`, the instances are the URLs listed there, read again when the file changes (its inode,
+    mtime or size): an instance that stays keeps its counters, one that leaves is no longer picked (the
+    requests it has in flight finish on it).
+    """
+
+    def __init__(self, urls: list[str], file: str | Path | None = None, on_change=None):
         self.instances = [Instance(u.rstrip("/")) for u in urls]
+        self.file = None if file is None else Path(file)
+        self.on_change = on_change
+        self._key: tuple | None = ()  # the file's (inode, mtime, size) when last read; () never
+        self.refresh()
 
-    def pick(self) -> Instance:
+    def refresh(self) -> None:
+        if self.file is None:
+            return
+        try:
+            st = self.file.stat()
+            key: tuple | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            key = None  # a missing file lists nothing
+        if key == self._key:
+            return
+        try:
+            text = "" if key is None else self.file.read_text()
+        except OSError:
+            key, text = None, ""
+        self._key = key
+        urls = list(dict.fromkeys(u.strip().rstrip("/") for u in text.splitlines() if u.strip()))
+        if urls != [i.url for i in self.instances]:
+            known = {i.url: i for i in self.instances}
+            self.instances = [known.get(u) or Instance(u) for u in urls]
+            logger.info("%s: now %s", self.file, urls)
+            if self.on_change is not None:
+                self.on_change(len(self.instances))
+
+    def pick(self) -> Instance | None:
+        self.refresh()
+        if not self.instances:
+            return None
         inst = min(self.instances, key=lambda i: (i.in_flight, i.picks))
         inst.picks += 1
         return inst
@@ -111,14 +156,18 @@ class ProxyMetrics:
         self.prefill_seconds = Histogram(
             "inferd:disagg_proxy_prefill_seconds", "Round trip of the remote prefill.", registry=r
         )
+        self.instances = Gauge("inferd:disagg_proxy_instances", "Instances listed, by pool.", ["pool"], registry=r)
 
 
 class Proxy:
     def __init__(self, settings: ProxySettings):
         self.settings = settings
-        self.prefill = Pool(settings.prefill)
-        self.decode = Pool(settings.decode)
         self.metrics = ProxyMetrics()
+        gauge = self.metrics.instances
+        self.prefill = Pool(settings.prefill, settings.prefill_file, gauge.labels("prefill").set)
+        self.decode = Pool(settings.decode, settings.decode_file, gauge.labels("decode").set)
+        gauge.labels("prefill").set(len(self.prefill.instances))
+        gauge.labels("decode").set(len(self.decode.instances))
         self.cost = CostModel()
         self.client: httpx.AsyncClient | None = None
 
@@ -134,6 +183,8 @@ class Proxy:
         """(kv_transfer_params, None, "") on success; (None, response, "") for a 4xx to pass through;
         (None, None, reason) when the decode instance should prefill itself."""
         inst = self.prefill.pick()
+        if inst is None:
+            return None, None, "no_prefill_instance"
         inst.in_flight += 1
         t0 = time.monotonic()
         try:
@@ -176,6 +227,8 @@ class Proxy:
             return _error(400, f"the body is not valid JSON: {e}")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
+        if not await self.wait_for_decode():  # before a prefill whose lease nobody would collect
+            return _no_decode()
         headers = self.headers(raw)
         kv, early, reason = None, None, "cost"
         if not self._decide_local(body):
@@ -197,7 +250,9 @@ class Proxy:
     async def forward_decode(self, path: str, body: dict, headers: dict, remote: bool) -> Response:
         if not body.get("stream"):
             return await self._decode_once(path, body, headers, remote)
-        inst = self.decode.pick()
+        inst = await self.decode_instance()
+        if inst is None:
+            return _no_decode()
         inst.in_flight += 1
         t0 = time.monotonic()
         request = self.client.build_request("POST", inst.url + path, json=body, headers=headers, timeout=None)
@@ -220,7 +275,9 @@ class Proxy:
 
     async def _decode_once(self, path: str, body: dict, headers: dict, remote: bool) -> Response:
         """A non-streaming answer, read whole first: a decode instance dying mid-answer is a clear 502."""
-        inst = self.decode.pick()
+        inst = await self.decode_instance()
+        if inst is None:
+            return _no_decode()
         inst.in_flight += 1
         t0 = time.monotonic()
         try:
@@ -256,8 +313,24 @@ class Proxy:
         elif tokens:
             self.cost.local_prefill_per_token.add(ttfb / tokens)
 
+    async def wait_for_decode(self) -> bool:
+        """While no decode instance is listed, wait up to `decode_wait` for one; False if none came."""
+        deadline = time.monotonic() + self.settings.decode_wait
+        self.decode.refresh()
+        while not self.decode.instances and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            self.decode.refresh()
+        return bool(self.decode.instances)
+
+    async def decode_instance(self) -> Instance | None:
+        """The least-loaded decode instance (waiting for one as `wait_for_decode`)."""
+        await self.wait_for_decode()
+        return self.decode.pick()
+
     async def models(self, raw: Request) -> Response:
-        inst = self.decode.pick()
+        inst = await self.decode_instance()
+        if inst is None:
+            return _no_decode()
         try:
             resp = await self.client.get(inst.url + "/v1/models", headers=self.headers(raw), timeout=10)
         except httpx.HTTPError as e:
@@ -288,6 +361,10 @@ def _rough_prompt_tokens(body: dict) -> int:
 def _passthrough(resp: httpx.Response) -> Response:
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
     return Response(resp.content, status_code=resp.status_code, headers=headers)
+
+
+def _no_decode() -> JSONResponse:
+    return _error(503, "no decode instance is ready; try again later", "service_unavailable")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:

@@ -12,14 +12,19 @@ or from Prometheus), asks the pool's `PoolAutoscaler` and starts or stops replic
 that is loading is counted but is not capacity, and is never the one stopped. Cold starts (process start
 to ready) are measured; every scaling event and cold start goes to the status lines and `summary.json`.
 
-Ctrl-C or SIGTERM: the gateway stops first (finishing the requests it holds), then the replicas drain,
-then Prometheus if this started it. Disaggregated models (prefill/decode pools) are refused for now.
+A disaggregated model (a prefill pool and a decode pool) also gets an `inferd disagg proxy` in front of
+its pools, which the gateway sends its requests to; the two pools scale separately, each with its own
+policy, and the proxy and the decode replicas follow them through list files (`inferd/fleet/disagg.py`).
+
+Ctrl-C or SIGTERM: the gateway stops first (finishing the requests it holds), then the disaggregation
+proxies, then the replicas drain, then Prometheus if this started it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -37,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferd.autoscale.policy import Decision, FleetAutoscaler
 from inferd.autoscale.prom import PrometheusProcess, start_prometheus, write_targets
 from inferd.autoscale.signals import DirectSource, Measured, PrometheusError, PrometheusSource, buckets_around
-from inferd.errors import ConfigError
+from inferd.fleet.disagg import LEASE_WAIT_S, SECRET_ENV, DisaggFront, kv_secret, leases_active, write_list
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec
 
 logger = logging.getLogger(__name__)
@@ -68,6 +73,7 @@ class ReplicaProc:
     popen: subprocess.Popen
     started: float
     log: Path
+    kv_port: int | None = None  # a prefill replica's KV channel
     state: str = "loading"  # loading -> ready -> draining
     ready_at: float | None = None
     term_at: float | None = None  # draining: when SIGTERM is due
@@ -112,19 +118,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_runnable(spec: FleetSpec) -> None:
-    split = [m.name for m in spec.models if m.disaggregated]
-    if split:
-        raise ConfigError(
-            f"inferd up does not yet run disaggregated models (prefill/decode pools): {split}; "
-            "give them one `both` pool, or deploy them with the disaggregation proxy"
-        )
-
-
-def replica_argv(spec: FleetSpec, run: PoolRun, port: int, opts: UpOptions) -> list[str]:
+def replica_argv(
+    spec: FleetSpec,
+    run: PoolRun,
+    port: int,
+    opts: UpOptions,
+    kv_port: int | None = None,
+    front: DisaggFront | None = None,
+) -> list[str]:
+    """`inferd serve` for one replica; a prefill replica's KV channel on `kv_port`, a decode replica
+    admitting the channels in `front`'s peers file (the KV secret comes in the environment)."""
     argv = [opts.python, "-m", "inferd.cli", "--log-level", opts.log_level, "serve"]
     argv += spec.serve_argv(run.model, run.spec) + ["--host", "127.0.0.1", "--port", str(port)]
     argv += ["--drain-timeout", f"{opts.drain_timeout_s:g}"]
+    if run.spec.role == "prefill" and kv_port is not None:
+        argv += ["--kv-host", "127.0.0.1", "--kv-port", str(kv_port)]
+    if run.spec.role == "decode" and front is not None:
+        argv += ["--kv-peers-file", str(front.peers_file)]
     t = run.policy.targets if run.policy else None
     if t is not None and (t.ttft_p95_s or t.predicted_ttft_s):
         fine = buckets_around([x for x in (t.ttft_p95_s, t.predicted_ttft_s) if x], TTFT_BUCKETS)
@@ -149,11 +159,18 @@ def gateway_queue(url: str, client: httpx.Client) -> float:
 
 class LocalFleet:
     def __init__(self, spec: FleetSpec, opts: UpOptions, say: Callable[[str], None] = print):
-        check_runnable(spec)
         self.spec, self.opts, self.say = spec, opts, say
         self.dir = opts.state_dir
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.pools = {p.name: PoolRun(m, p, self.dir / f"{p.name}.replicas") for m, p in spec.pools()}
+        self.fronts: dict[str, DisaggFront] = {}  # pool name -> its model's proxy (disaggregated models)
+        for m in spec.models:
+            if m.disaggregated:
+                roles = {p.role: p.name for p in m.pools}
+                front = DisaggFront(m.name, roles["prefill"], roles["decode"], self.dir)
+                self.fronts[front.prefill_pool] = self.fronts[front.decode_pool] = front
+        self.env = {**os.environ, SECRET_ENV: kv_secret()} if self.fronts else None
+        self._ports: set[int] = set()
         self.autoscaler = FleetAutoscaler({n: r.policy for n, r in self.pools.items() if r.policy is not None})
         reg = self.autoscaler.registry
         self.replica_gauge = Gauge("inferd_fleet_replicas", "Replicas by state.", ["pool", "state"], registry=reg)
@@ -177,10 +194,27 @@ class LocalFleet:
         if self.opts.metrics_port is not None:
             self._http = start_http_server(self.opts.metrics_port, addr="127.0.0.1", registry=self.autoscaler.registry)
         self._start_prometheus()
+        for front in self.proxies():
+            self._start_proxy(front)
         self._start_gateway()
         for run in self.pools.values():
             for _ in range(run.spec.replicas):
                 self._start_replica(run)
+
+    def proxies(self) -> list[DisaggFront]:
+        return list(dict.fromkeys(self.fronts.values()))
+
+    def _port(self) -> int:
+        """A free port not handed out before in this run (two asked in a row may otherwise be the same)."""
+        while (port := free_port()) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
+
+    def _start_proxy(self, front: DisaggFront) -> None:
+        front.start(self._port(), self._spawn, self.opts.python, self.opts.log_level)
+        self._publish(self.pools[front.decode_pool])
+        self.say(f"disaggregation proxy of {front.model} on {front.url} (prefill and decode pools follow their lists)")
 
     def _window(self) -> float:
         return min((r.policy.window_s for r in self.pools.values() if r.policy), default=30.0)
@@ -198,8 +232,15 @@ class LocalFleet:
             self.say(f"prometheus on {p} (scraping every {interval:g}s)")
         self.source = PrometheusSource(p, self._window())
 
+    def gateway_endpoints(self) -> dict[str, dict[str, str]]:
+        """Each front pool's list file; a disaggregated model's front is its proxy (`<decode pool>.front`)."""
+        endpoints = {n: {"replicas_file": str(r.replicas_file)} for n, r in self.pools.items()}
+        for front in self.proxies():
+            endpoints[front.decode_pool] = {"replicas_file": str(front.front_file)}
+        return endpoints
+
     def _start_gateway(self) -> None:
-        cfg = self.spec.gateway_config({n: {"replicas_file": str(r.replicas_file)} for n, r in self.pools.items()})
+        cfg = self.spec.gateway_config(self.gateway_endpoints())
         port = self.opts.port if self.opts.port is not None else cfg.listen.port
         cfg.listen.host, cfg.listen.port = self.opts.host, port
         self.unlist_grace_s = 2 * cfg.scrape.interval_s + 0.5  # the gateway re-reads lists each scrape round
@@ -225,15 +266,19 @@ class LocalFleet:
     def _spawn(self, argv: list[str], log: Path) -> subprocess.Popen:
         f = log.open("ab")
         try:
-            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         finally:
             f.close()
 
     def _start_replica(self, run: PoolRun) -> None:
-        port = free_port()
+        port = self._port()
         log = self.dir / "logs" / f"{run.spec.name}-{port}.log"
-        popen = self._spawn(replica_argv(self.spec, run, port, self.opts), log)
-        run.replicas.append(ReplicaProc(run.spec.name, port, popen, time.monotonic(), log))
+        front = self.fronts.get(run.spec.name)
+        kv_port = self._port() if run.spec.role == "prefill" else None
+        if kv_port is not None:  # admitted by the decode replicas before it can hand out a lease
+            front.publish_peers([r.kv_port for r in run.replicas] + [kv_port])
+        popen = self._spawn(replica_argv(self.spec, run, port, self.opts, kv_port, front), log)
+        run.replicas.append(ReplicaProc(run.spec.name, port, popen, time.monotonic(), log, kv_port))
 
     # -- the loop ------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -244,6 +289,8 @@ class LocalFleet:
             self._poll_replicas(run, now)
         self._last_tick = now
         queued = gateway_queue(self.gateway_url, self.client)
+        for front in self.proxies():
+            self._poll_proxy(front)
         for run in self.pools.values():
             if now >= run.next_decision:
                 run.next_decision = now + (run.policy.interval_s if run.policy else 1.0)
@@ -255,10 +302,21 @@ class LocalFleet:
             self.say(self.status_line(queued))
 
     def _gateway_share(self, run: PoolRun, queued: float) -> float:
-        """The gateway's queue is one for all pools: a lone pool owns it; else the pools serving nothing."""
-        if len(self.pools) == 1:
+        """The gateway's queue is one for the front pools (`both`, `decode`): a lone one owns it; else those
+        serving nothing share it. A prefill pool has no queue at the gateway (without it the decode replicas
+        prefill): with no replica ready, it counts one request waiting while its model has requests, so a
+        prefill pool scaled to zero comes back with the traffic."""
+        if run.spec.role == "prefill":
+            if run.serving():
+                return 0.0
+            decode = self.pools[self.fronts[run.spec.name].decode_pool]
+            m = decode.last if decode.policy is not None and decode.last else self.measure(decode, time.monotonic())
+            busy = m.waiting + m.running + m.request_rate + self._gateway_share(decode, queued) > 0
+            return 1.0 if busy else 0.0
+        fronts = [r for r in self.pools.values() if r.spec.role != "prefill"]
+        if len(fronts) == 1:
             return queued
-        empty = [r for r in self.pools.values() if not r.serving()]
+        empty = [r for r in fronts if not r.serving()]
         return queued / len(empty) if run in empty else 0.0
 
     def _poll_replicas(self, run: PoolRun, now: float) -> None:
@@ -268,18 +326,36 @@ class LocalFleet:
                 if r.state != "draining":
                     self._event(run, "replica_exited", f"{r.url} exited with {r.popen.returncode}; see {r.log}")
                 run.replicas.remove(r)
-                changed |= r.state == "ready"
+                changed |= r.state == "ready" or r.kv_port is not None  # a prefill replica leaves the peers
             elif r.state == "loading" and self._healthy(r):
                 r.state, r.ready_at = "ready", now
                 self._event(run, "replica_ready", f"{r.url} ready, cold start {r.cold_start_s:.1f}s", r.cold_start_s)
                 changed = True
-            elif r.state == "draining" and r.kill_at is None and now >= r.term_at:
+            elif r.state == "draining" and r.kill_at is None and now >= r.term_at and self._leases_done(r, now):
                 r.popen.send_signal(signal.SIGTERM)
                 r.kill_at = now + self.opts.drain_timeout_s + 10
             elif r.state == "draining" and r.kill_at is not None and now >= r.kill_at:
                 r.popen.kill()
         if changed:
             self._publish(run)
+
+    def _leases_done(self, r: ReplicaProc, now: float) -> bool:
+        """A prefill replica stops once no decode replica has a lease of it still to pull (or LEASE_WAIT_S)."""
+        if r.kv_port is None or now >= r.term_at + LEASE_WAIT_S:
+            return True
+        return leases_active(self.client, r.url) == 0
+
+    def _poll_proxy(self, front: DisaggFront) -> None:
+        """A proxy that exited is started again (on a new port); meanwhile the gateway lists none."""
+        if front.alive():
+            return
+        self._event(
+            self.pools[front.decode_pool],
+            "proxy_exited",
+            f"the proxy of {front.model} exited ({front.popen.returncode}), starting it again; see {front.log}",
+        )
+        self._publish(self.pools[front.decode_pool])
+        self._start_proxy(front)
 
     def _healthy(self, r: ReplicaProc) -> bool:
         try:
@@ -288,11 +364,15 @@ class LocalFleet:
             return False
 
     def _publish(self, run: PoolRun) -> None:
-        """Rewrite the pool's list for the gateway (and for Prometheus): ready replicas only."""
+        """Rewrite the pool's list for the gateway or the proxy (and for Prometheus): ready replicas only;
+        for a disaggregated model also the KV peers (prefill) and the gateway's view of the proxy (decode)."""
         urls = [r.url for r in run.serving()]
-        tmp = run.replicas_file.with_suffix(".tmp")
-        tmp.write_text("".join(u + "\n" for u in urls))
-        tmp.replace(run.replicas_file)
+        write_list(run.replicas_file, urls)
+        front = self.fronts.get(run.spec.name)
+        if front is not None and run.spec.role == "prefill":
+            front.publish_peers([r.kv_port for r in run.replicas if r.kv_port is not None])
+        elif front is not None:
+            front.publish_front(bool(urls))
         if self.opts.prometheus is not None:
             targets = self.dir / "prometheus" / "targets"
             targets.mkdir(parents=True, exist_ok=True)
@@ -340,8 +420,9 @@ class LocalFleet:
             m = run.last or Measured()
             ttft = f"{m.ttft_p95_s * 1000:.0f}ms" if m.ttft_p95_s is not None else "-"
             desired = run.last_decision.desired if run.last_decision else run.spec.replicas
+            role = f" ({run.spec.role})" if run.spec.role != "both" else ""
             parts.append(
-                f"{run.spec.name}: {run.count('ready')} ready {run.count('loading')} loading"
+                f"{run.spec.name}{role}: {run.count('ready')} ready {run.count('loading')} loading"
                 f" {run.count('draining')} draining (want {desired}), waiting {m.waiting:g} running {m.running:g}"
                 f", TTFT p95 {ttft}"
             )
@@ -363,6 +444,7 @@ class LocalFleet:
         wait = self.opts.drain_timeout_s + 10
         if self.gateway is not None:
             _terminate([self.gateway], wait)
+        _terminate([f.popen for f in self.proxies() if f.popen is not None], wait)
         _terminate([r.popen for run in self.pools.values() for r in run.replicas], wait)
         if self.prom is not None:
             self.prom.stop()
@@ -387,6 +469,8 @@ class LocalFleet:
             "cold_starts_s": [round(c, 3) for c in colds],
             "cold_start_mean_s": round(sum(colds) / len(colds), 3) if colds else None,
             "replica_hours": {n: round(r.replica_seconds / 3600, 6) for n, r in self.pools.items()},
+            "pools": {n: {"model": r.model.name, "role": r.spec.role} for n, r in self.pools.items()},
+            "proxies": {f.model: f.url for f in self.proxies()},
             "events": self.events,
             "options": {k: str(v) for k, v in asdict(self.opts).items()},
         }

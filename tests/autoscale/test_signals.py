@@ -125,6 +125,17 @@ def test_a_scrape_outside_the_window_drops_out_and_a_restarted_counter_counts_fr
     assert m.request_rate == pytest.approx(1 / 10)  # one request since the base scrape at t=1
 
 
+def test_pools_read_in_turn_keep_their_own_history():
+    a, b = FakeReplica(), FakeReplica()
+    src = DirectSource(window_s=10)
+    for t in (0.0, 2.0):
+        for _ in range(4 if t else 0):
+            a.serve_one(ttft=0.1)
+        ma = src.add([("http://a", parse_scrape(a.page(), t))], t, pool="prefill")
+        mb = src.add([("http://b", parse_scrape(b.page(), t))], t, pool="decode")
+    assert ma.request_rate == pytest.approx(2.0) and mb.request_rate == 0.0  # reading b forgot none of a
+
+
 @pytest.mark.timeout(90)
 def test_a_real_prometheus_reads_the_signals_through_its_http_api(tmp_path):
     rep = FakeReplica(ttft_buckets=buckets_around([0.5], VLLM_TTFT))

@@ -120,16 +120,10 @@ def test_a_burst_grows_the_fleet_to_two_and_back_to_one_without_a_failed_request
     assert "cold start" in log and "TTFT p95" in log and "stopping" in log
 
 
-def test_up_refuses_disaggregated_models_and_sets_fine_buckets_around_the_targets(tmp_path):
-    from inferd.errors import ConfigError
+def test_up_sets_fine_buckets_around_the_targets(tmp_path):
     from inferd.fleet.spec import parse_fleet
-    from inferd.fleet.up import LocalFleet, PoolRun, UpOptions, replica_argv
+    from inferd.fleet.up import PoolRun, UpOptions, replica_argv
 
-    split = parse_fleet(
-        "models:\n  - name: s\n    pools:\n      - {name: p, role: prefill}\n      - {name: d, role: decode}\n"
-    )
-    with pytest.raises(ConfigError, match="does not yet run disaggregated"):
-        LocalFleet(split, UpOptions(state_dir=tmp_path))
     spec = parse_fleet(FLEET.format(model="gemma3-270m").replace("waiting: 2,", "ttft_p95_s: 0.5, itl_p95_s: 0.04,"))
     model, pool = spec.pools()[0]
     argv = replica_argv(spec, PoolRun(model, pool, tmp_path / "x"), 1234, UpOptions(state_dir=tmp_path))
