@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
 import uvicorn
 
@@ -132,9 +133,18 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server = _DrainingServer(uv_config, on_exit=app.state.inferd.begin_drain)
     logger.info("serving %s as %s on http://%s:%d", args.model, settings.served_model_names, args.host, args.port)
+    # uvicorn drains, puts the default SIGTERM handler back and raises the signal again, which would end
+    # the process before the `finally` below: end it with SystemExit instead (exit status 143, as a shell
+    # reports a SIGTERM), so the KV connector's shared memory and channel are closed.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         server.run()
     finally:
         if connector is not None:
             connector.close()
+        logger.info("stopped")
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)

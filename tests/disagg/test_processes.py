@@ -280,3 +280,17 @@ def test_prefill_killed_mid_run_requests_still_complete(cluster: Cluster):
     proxy = replica_metrics(cluster.proxy.url)
     assert proxy["inferd:disagg_proxy_prefills_total"] >= len(bodies) + 1
     _wait_idle(cluster.decode)
+
+
+def test_sigterm_closes_the_prefill_side_kv_channel(tmp_path, tiny_models):
+    """uvicorn re-raises SIGTERM once drained; `inferd serve` turns it into an exit (143) that still runs its
+    clean-up, so a prefill instance closes its KV channel and shared memory instead of leaking them."""
+    proc = _prefill(tiny_models["llama"], tmp_path, free_port())
+    try:
+        wait_http(proc, "/health", timeout=180)
+        out = _completion(proc.url, {"prompt": _prompt(40, 1), "max_tokens": 1})  # a lease, then the channel's use
+        assert out["usage"]["prompt_tokens"] >= 40
+    finally:
+        proc.stop()
+    assert proc.popen.returncode == 143, proc.log_tail()
+    assert "leaked shared_memory" not in proc.log.read_text(), proc.log_tail()
