@@ -88,7 +88,8 @@ def start_server(args, port: int) -> subprocess.Popen:
     for flag, value in engine_kwargs(args).items():
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = os.environ | dict(kv.split("=", 1) for kv in args.server_env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -163,6 +164,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--server-env", nargs="*", default=[], help="KEY=VALUE for the server's environment only")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
 
@@ -181,6 +183,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "input_words": args.input_words,
         "output_len": args.output_len,
+        "server_env": args.server_env,
         "offline": offline,
         "server": server,
         "ratio": ratio,

@@ -8,6 +8,9 @@
 - mixed: the longest batch size with prompts of the middle length, so that prompts are prefilled in the
   same steps as other requests' decodes, as they are under load.
 
+The steps also give the replica's token budget per step (`max_num_batched_tokens`), which the simulator
+uses to cut prompts into chunks as the scheduler does.
+
 Every level draws fresh prompts (its own seed): a prompt that shared its start with an earlier level's
 would hit the prefix cache and make prefill look nearly free.
 
@@ -61,9 +64,9 @@ class ProfileRun:
 class StepRecorder:
     """Every step of one inferd replica, read from its dashboard event stream on a thread.
 
-    `steps` holds `{"ts", "dur", "p", "n", "d"}` per step: end time, seconds, prompt tokens prefilled, in
-    how many chunks, and requests decoded. `ok` is False when the stream could not be opened (not an
-    inferd server)."""
+    `steps` holds `{"ts", "dur", "p", "n", "d", "budget"}` per step: end time, seconds, prompt tokens
+    prefilled, in how many chunks, requests decoded, and the step's token budget. `ok` is False when the
+    stream could not be opened (not an inferd server)."""
 
     def __init__(self, url: str, api_key: str | None = None, connect_timeout: float = 5.0):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -98,6 +101,7 @@ class StepRecorder:
                     chunks = [n for _, n, kind, _ in e["reqs"] if kind == "p"]
                     decode = sum(1 for _, _, kind, _ in e["reqs"] if kind == "d")
                     step = {"ts": e["ts"], "dur": e["dur_ms"] / 1000, "p": sum(chunks), "n": len(chunks), "d": decode}
+                    step["budget"] = e.get("budget")
                     self.steps.append(step)
 
     def stop(self) -> list[dict]:
@@ -161,6 +165,7 @@ def measure_profile(run: ProfileRun) -> Profile:
         prefill = from_steps
     else:
         note += "; prefill rate from the TTFT slope (no step events)"
+    budgets = [s["budget"] for s in recorded if s.get("budget")]
     return Profile(
         name=run.name,
         prefill_tokens_per_s=prefill,
@@ -168,6 +173,7 @@ def measure_profile(run: ProfileRun) -> Profile:
         decode_batch=list(run.batches),
         decode_step_s=steps,
         max_num_seqs=run.max_num_seqs or max(run.batches),
+        max_num_batched_tokens=max(budgets) if budgets else None,  # the replica's own, from its steps
         cold_start_s=run.cold_start_s,
         description=f"measured: {model} at {base}",
         source=f"inferd profile: prompts {list(run.prompt_lens)} (TTFT {[round(t, 4) for t in ttfts]} s), "

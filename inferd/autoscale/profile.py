@@ -7,6 +7,8 @@ Measured by `inferd profile` against a running replica, or written by hand. Fiel
   size, interpolated linearly between the points and extrapolated from the last two (one point: the same
   at every batch size);
 - `max_num_seqs`: the most requests running at once (the engine's --max-num-seqs);
+- `max_num_batched_tokens`: the tokens one step may compute (the engine's --max-num-batched-tokens;
+  None: no budget, every prompt is prefilled in the step it joins);
 - `cold_start_s`: process start to ready (loading the model);
 - `request_overhead_s`: latency every request pays outside the engine's steps (HTTP, tokenizing,
   detokenizing): added to its TTFT and end time, not to the replica's busy time.
@@ -36,11 +38,14 @@ class Profile:
     max_num_seqs: int
     cold_start_s: float = 30.0
     request_overhead_s: float = 0.0
+    max_num_batched_tokens: int | None = None
     description: str = ""
     source: str = ""  # measured (how, where) or example (from what)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"profile {self.name}: max_num_batched_tokens must be at least 1")
         if self.prefill_tokens_per_s <= 0 or self.max_num_seqs < 1 or self.cold_start_s < 0:
             raise ConfigError(f"profile {self.name}: rates and sizes must be positive")
         if len(self.decode_batch) != len(self.decode_step_s) or not self.decode_batch:

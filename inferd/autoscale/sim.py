@@ -2,9 +2,12 @@
 
 The model of a replica (from its `Profile`): requests wait in its queue and join the running batch
 between steps while fewer than `max_num_seqs` run. A step produces one token for every running request
-and takes `step_s(batch)`; a step in which requests join also prefills their prompts, taking
-`sum(prompt) / prefill_tokens_per_s` longer, and gives them their first token (so TTFT = queueing +
-that step). Between events the batch does not change, so the simulation jumps over runs of identical
+and takes `step_s(batch)`; a step that prefills prompt tokens takes `tokens / prefill_tokens_per_s`
+longer, and a request gets its first token at the end of the step that completes its prompt. With the
+profile's `max_num_batched_tokens` a step's tokens are budgeted as the engine's scheduler does (one per
+decode, then prompts already started, then newcomers), so a burst of long prompts is prefilled in
+chunks over several steps, each paying the decode step again; without it every newcomer's prompt is
+prefilled in the step it joins. Between events the batch does not change, so the simulation jumps over runs of identical
 steps at once (to the next completion, or to the step boundary after a request arrives), which keeps a
 24-hour trace fast. KV cache capacity is not modelled beyond `max_num_seqs`.
 
@@ -54,6 +57,7 @@ class Replica:
     block_step: float = 0.0
     block_steps: int = 0
     block_prefill: list = field(default_factory=list)  # requests whose first token this block gives
+    pending: dict = field(default_factory=dict)  # running requests whose prompt is not all prefilled: tokens left
     version: int = 0
 
     def load(self) -> int:
@@ -183,20 +187,16 @@ class Simulator:
 
     def _start_block(self, rep: Replica) -> None:
         """Plan the next run of identical steps from now."""
-        joined = []
-        while rep.queue and len(rep.running) < self.p.max_num_seqs:
-            req = rep.queue.popleft()
-            rep.running.append(req)
-            joined.append(req)
+        chunks, finished = self._plan_prefill(rep)
         if not rep.running:
             rep.busy = False
             if rep.draining:
                 rep.stopped = self.now
             return
         step = self.p.step_s(len(rep.running))
-        rep.busy, rep.block_start, rep.block_prefill = True, self.now, joined
-        if joined:  # one step that prefills the newcomers and decodes everyone
-            prefill = float(self.w.prompt_tokens[joined].sum()) / self.p.prefill_tokens_per_s
+        rep.busy, rep.block_start, rep.block_prefill = True, self.now, finished
+        if chunks or rep.pending:  # one step that prefills (chunks of) prompts and decodes the others
+            prefill = chunks / self.p.prefill_tokens_per_s
             rep.block_step, rep.block_steps = step + prefill, 1
             self.prefill_busy_s += prefill
         else:
@@ -204,6 +204,36 @@ class Simulator:
             rep.block_step, rep.block_steps = step, max(1, remaining)
         rep.version += 1
         self._push(self.now + rep.block_step * rep.block_steps, "block", (rep, rep.version))
+
+    def _plan_prefill(self, rep: Replica) -> tuple[int, list[int]]:
+        """The next step's prompt tokens, as the engine's scheduler gives them: each decode takes one token
+        of the budget, prompts already started go on first, then queued requests join while there are
+        slots and budget; a prompt longer than what is left is cut into chunks over several steps.
+        Returns (prompt tokens in the step, the requests whose prompt it completes)."""
+        budget = float(self.p.max_num_batched_tokens or math.inf)
+        budget -= sum(1 for r in rep.running if r not in rep.pending)
+        chunks, finished = 0, []
+
+        def take(req: int) -> None:
+            nonlocal budget, chunks
+            n = int(min(rep.pending[req], budget))
+            rep.pending[req] -= n
+            budget -= n
+            chunks += n
+            if rep.pending[req] == 0:
+                del rep.pending[req]
+                finished.append(req)
+
+        for req in list(rep.pending):
+            if budget <= 0:
+                break
+            take(req)
+        while rep.queue and len(rep.running) < self.p.max_num_seqs and budget > 0:
+            req = rep.queue.popleft()
+            rep.running.append(req)
+            rep.pending[req] = int(self.w.prompt_tokens[req])
+            take(req)
+        return chunks, finished
 
     def _cut_block(self, rep: Replica) -> None:
         """A request arrived mid-run: end the run at the next step boundary, where it can join."""
@@ -223,6 +253,9 @@ class Simulator:
         itl_tokens = 0
         still = []
         for req in rep.running:
+            if req in rep.pending:  # its prompt is not done: no token yet
+                still.append(req)
+                continue
             self.tokens[req] += steps
             if req in newcomers:
                 self.first[req] = now + self.p.request_overhead_s

@@ -32,6 +32,7 @@ def test_profile_measures_a_running_replica(tmp_path, capsys):
     source = json.loads(out.read_text())["source"]
     assert source.startswith("inferd profile")
     assert "steps' times" in source  # an inferd replica: the rate came from its own step events
+    assert p.max_num_batched_tokens == 512  # the engine's default budget, read from its steps
 
 
 def test_prefill_rate_fitted_from_steps_recovers_a_known_rate():

@@ -47,6 +47,30 @@ def test_a_saturated_replica_serves_at_its_batch_capacity():
     assert r.report["ttft_p95_s"] > 200  # the queue grew by 40 requests a second for a minute
 
 
+def test_a_token_budget_prefills_a_burst_in_chunks_as_the_scheduler_does():
+    """A request decoding (1-token prompt, from t=0), then two 300-token prompts at 0.5 s, which join at the
+    next step boundary (0.501). Step 0.1 s, 1000 prompt tokens/s. Without a budget both are prefilled in
+    one step (0.1 + 0.6 s); with 512 tokens a step, the decode takes one, the first prompt 300 and the
+    second 211 in step one (0.1 + 0.511), the second's last 89 in step two, which pays the decode step again."""
+    w = Workload(np.array([0.0, 0.5, 0.5]), np.array([1, 300, 300]), np.array([100, 1, 1]))
+    free = simulate(Profile("p", 1000.0, [1], [0.1], 8), w, replicas=1).ttft
+    assert free[1:] == pytest.approx([0.701, 0.701])
+    budget = simulate(Profile("p", 1000.0, [1], [0.1], 8, max_num_batched_tokens=512), w, replicas=1).ttft
+    assert budget[1:] == pytest.approx([0.612, 0.612 + 0.1 + 0.089])
+
+
+def test_a_token_budget_leaves_room_for_the_decodes_first():
+    """A long request decoding, then a 400-token prompt with a budget of 256: one token of each step goes
+    to the decode, so the prompt takes two steps (255 + 145 tokens) and the decode goes on meanwhile."""
+    w = Workload(np.array([0.0, 0.05]), np.array([10, 400]), np.array([20, 1]))
+    p = Profile("p", 1000.0, [1], [0.1], 8, max_num_batched_tokens=256)
+    result = simulate(p, w, replicas=1)
+    # the first is prefilled in 0.1 + 0.01 s; the second joins when that step ends (0.11)
+    assert result.ttft[0] == pytest.approx(0.11)
+    assert result.ttft[1] == pytest.approx(0.11 + (0.1 + 0.255) + (0.1 + 0.145) - 0.05)
+    assert result.report["finished"] == 2
+
+
 def test_the_autoscaler_follows_a_step_in_load_and_comes_back_down():
     t = np.concatenate([np.arange(0, 60, 0.5), np.arange(60, 180, 0.05), np.arange(180, 300, 0.5)])
     w = Workload(t, np.full(len(t), 1), np.full(len(t), 10))
