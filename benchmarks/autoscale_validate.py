@@ -103,6 +103,32 @@ def step_summary(steps: list[dict], profile) -> dict:
     }
 
 
+def per_request(real, planned: np.ndarray, sim_ttft: np.ndarray) -> dict:
+    """Each request in arrival order: planned and actual send time, real and simulated TTFT."""
+    from inferd.bench.results import detailed_lists
+
+    lists = detailed_lists(real.outputs, real.timings, real.start)
+    order = np.argsort(lists["start_times"], kind="stable")
+    return {
+        "planned_s": [float(x) for x in planned],
+        "sent_s": [float(lists["start_times"][i]) for i in order],
+        "ttft_real_s": [float(lists["ttfts"][i]) for i in order],
+        "ttft_sim_s": [float(x) for x in sim_ttft],
+    }
+
+
+def request_summary(r: dict) -> dict:
+    """Where real and simulated TTFTs part: how late the client sent, and the TTFT gap by quantile."""
+    lag = np.array(r["sent_s"]) - np.array(r["planned_s"])
+    real, sim = np.array(r["ttft_real_s"]), np.array(r["ttft_sim_s"])
+    worst = np.argsort(real - sim)[-5:][::-1]
+    return {
+        "send_lag_s": {"p50": float(np.median(lag)), "p95": float(np.percentile(lag, 95)), "max": float(lag.max())},
+        "ttft_real_minus_sim_s": {q: float(np.percentile(real - sim, int(q[1:]))) for q in ("p5", "p50", "p95")},
+        "worst": [{"i": int(i), "real": float(real[i]), "sim": float(sim[i])} for i in worst],
+    }
+
+
 def rel(sim: float, real: float) -> float:
     return abs(sim - real) / real if real else float("inf")
 
@@ -160,7 +186,8 @@ def main() -> None:
     # the bench's own schedule for its first level (seed + 0), the same lengths
     t = np.cumsum(inter_arrival_times(args.num_prompts, rate, 1.0, np.random.default_rng(args.seed)))
     n = args.num_prompts
-    sim = simulate(profile, Workload(t, np.full(n, args.input_len), np.full(n, args.output_len)), replicas=1).report
+    simulated = simulate(profile, Workload(t, np.full(n, args.input_len), np.full(n, args.output_len)), replicas=1)
+    sim = simulated.report
     s = real.summary
     compare = {
         "ttft_p50_s": (sim["ttft_p50_s"], s["median_ttft_ms"] / 1000),
@@ -178,8 +205,10 @@ def main() -> None:
         "compare": {k: {"sim": a, "real": b, "relative_error": rel(a, b)} for k, (a, b) in compare.items()},
         "within_20_percent": all(rel(a, b) <= 0.2 for a, b in compare.values()),
         "replica_steps": step_summary(recorder.steps, profile),
+        "requests": request_summary(per_request(real, t, simulated.ttft)),
     }
     (work / "steps.json").write_text(json.dumps(recorder.steps))
+    (work / "requests.json").write_text(json.dumps(per_request(real, t, simulated.ttft)))
     path = write_json(Path(args.out), out)
     for k, v in out["compare"].items():
         print(f"{k:>20}: sim {v['sim']:.4f}  real {v['real']:.4f}  ({v['relative_error']:.0%} off)")
