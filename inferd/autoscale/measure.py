@@ -3,8 +3,10 @@
 - prefill: one request at a time, one output token, at several prompt lengths; the slope of the median
   TTFT against the prompt length is 1 / prefill tokens per second, and what is left at length 0 after one
   decode step is the per-request overhead (HTTP, tokenizing);
-- decode: `b` requests at a time (concurrency b, short prompts, fixed outputs with ignore_eos) for each
-  batch size b; the median TPOT is the decode step at that batch size;
+- decode: `b` requests at a time (concurrency b, fixed outputs with ignore_eos) for each batch size b;
+  the decode step at that batch size is the median of the replica's decode-only steps with b requests
+  (prompts of the middle length: attention, and so the step, grows with the context), or without step
+  events the median TPOT (short prompts, so that others' prefills barely move it);
 - mixed: the longest batch size with prompts of the middle length, so that prompts are prefilled in the
   same steps as other requests' decodes, as they are under load.
 
@@ -145,17 +147,31 @@ def measure_profile(run: ProfileRun) -> Profile:
             _level(client, tok, server, n, 1, run.requests_per_point, 1, next(seeds))["median_ttft_ms"] / 1000
             for n in run.prompt_lens
         ]
-        steps = []
+        mid = sorted(run.prompt_lens)[len(run.prompt_lens) // 2]
+        # with step events the decode steps are read from the steps, so the decode levels can run at the
+        # workload's context length (attention grows with it); from TPOTs they need short prompts, whose
+        # prefills barely touch the other requests' inter-token times
+        decode_len = mid if recorder.ok else 16
+        steps, note = [], ""
         for b in run.batches:
-            s = _level(client, tok, server, 16, run.output_len, max(run.requests_per_point, 2 * b), b, next(seeds))
-            steps.append(s["median_tpot_ms"] / 1000)
+            first = len(recorder.steps)
+            n = max(run.requests_per_point, 2 * b)
+            s = _level(client, tok, server, decode_len, run.output_len, n, b, next(seeds))
+            from_steps = [st["dur"] for st in recorder.steps[first:] if st["p"] == 0 and st["d"] == b]
+            if recorder.ok and len(from_steps) >= 5:
+                steps.append(float(np.median(from_steps)))
+            else:
+                steps.append(s["median_tpot_ms"] / 1000)
+                note = f"; decode steps from TPOTs at {decode_len}-token prompts"
+        if recorder.ok and not note:
+            note = f"; decode steps from the replica's decode-only steps at {decode_len}-token prompts"
         if run.mixed:
-            mid = sorted(run.prompt_lens)[len(run.prompt_lens) // 2]
             b = max(run.batches)
             _level(client, tok, server, mid, run.output_len, 3 * b, b, next(seeds))
     finally:
         recorded = recorder.stop()
-    prefill, overhead, note = _prefill_fit(list(run.prompt_lens), ttfts, steps[0])
+    prefill, overhead, fit_note = _prefill_fit(list(run.prompt_lens), ttfts, steps[0])
+    note = fit_note + note
     decode = Profile("fit", 1.0, list(run.batches), steps, max(run.batches))
     from_steps = fit_prefill_rate(recorded, decode.step_s) if recorder.ok else None
     if from_steps is not None:
