@@ -66,17 +66,22 @@ def kv_peer(port: int) -> str:
     return f"127.0.0.1:{port}"
 
 
-def leases_active(client: httpx.Client, url: str) -> float:
-    """A prefill replica's `inferd:kv_leases_active`; 0 if it does not answer (nothing to wait for then)."""
+def scraped_value(client: httpx.Client, url: str, name: str, timeout: float | None = None) -> float:
+    """The first sample called `name` on `url`'s /metrics; 0 if it does not answer or has none."""
     try:
-        text = client.get(url + "/metrics", timeout=1.0).text
+        text = client.get(url + "/metrics", **({} if timeout is None else {"timeout": timeout})).text
     except httpx.HTTPError:
         return 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "inferd:kv_leases_active":
+            if s.name == name:
                 return s.value
     return 0.0
+
+
+def leases_active(client: httpx.Client, url: str) -> float:
+    """A prefill replica's `inferd:kv_leases_active`; 0 if it does not answer (nothing to wait for then)."""
+    return scraped_value(client, url, "inferd:kv_leases_active", timeout=1.0)
 
 
 @dataclass(eq=False)

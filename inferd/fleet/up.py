@@ -37,12 +37,19 @@ from pathlib import Path
 import httpx
 import yaml
 from prometheus_client import Gauge, start_http_server
-from prometheus_client.parser import text_string_to_metric_families
 
 from inferd.autoscale.policy import Decision, FleetAutoscaler
 from inferd.autoscale.prom import PrometheusProcess, start_prometheus, write_targets
 from inferd.autoscale.signals import DirectSource, Measured, PrometheusError, PrometheusSource, buckets_around
-from inferd.fleet.disagg import LEASE_WAIT_S, SECRET_ENV, DisaggFront, kv_secret, leases_active, write_list
+from inferd.fleet.disagg import (
+    LEASE_WAIT_S,
+    SECRET_ENV,
+    DisaggFront,
+    kv_secret,
+    leases_active,
+    scraped_value,
+    write_list,
+)
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec
 
 logger = logging.getLogger(__name__)
@@ -146,15 +153,7 @@ def replica_argv(
 
 def gateway_queue(url: str, client: httpx.Client) -> float:
     """Requests waiting at the gateway (its `inferd_gateway_queue_size`); 0 if it does not answer."""
-    try:
-        text = client.get(url + "/metrics").text
-    except httpx.HTTPError:
-        return 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "inferd_gateway_queue_size":
-                return s.value
-    return 0.0
+    return scraped_value(client, url, "inferd_gateway_queue_size")
 
 
 class LocalFleet:
