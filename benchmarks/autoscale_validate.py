@@ -136,13 +136,10 @@ def refit_profile(profile, steps: list[dict]):
     its prefill rate (`fit_prefill_rate`) taken from `steps` instead; what `steps` cannot tell stays."""
     import dataclasses
 
-    from inferd.autoscale.measure import fit_prefill_rate
+    from inferd.autoscale.measure import decode_step_s, fit_prefill_rate
 
-    decode = list(profile.decode_step_s)
-    for i, b in enumerate(profile.decode_batch):
-        durs = [st["dur"] for st in steps if st["p"] == 0 and st["d"] == b]
-        if len(durs) >= 5:
-            decode[i] = float(np.median(durs))
+    pairs = zip(profile.decode_batch, profile.decode_step_s, strict=True)
+    decode = [decode_step_s(steps, b) or old for b, old in pairs]
     refit = dataclasses.replace(profile, decode_step_s=decode)
     rate = fit_prefill_rate(steps, refit.step_s)
     return dataclasses.replace(refit, prefill_tokens_per_s=rate) if rate else refit

@@ -111,6 +111,12 @@ class StepRecorder:
         return self.steps
 
 
+def decode_step_s(steps: list[dict], batch: int, min_steps: int = 5) -> float | None:
+    """The median of the decode-only steps with `batch` requests; None if fewer than `min_steps` of them."""
+    durs = [s["dur"] for s in steps if s["p"] == 0 and s["d"] == batch]
+    return float(np.median(durs)) if len(durs) >= min_steps else None
+
+
 def fit_prefill_rate(steps: list[dict], step_s) -> float | None:
     """Prompt tokens per second over the steps that prefilled at least MIN_CHUNK tokens, each step's
     decode part (`step_s` of its batch: decodes + the prompts in it, as the simulator counts it) taken
@@ -157,9 +163,9 @@ def measure_profile(run: ProfileRun) -> Profile:
             first = len(recorder.steps)
             n = max(run.requests_per_point, 2 * b)
             s = _level(client, tok, server, decode_len, run.output_len, n, b, next(seeds))
-            from_steps = [st["dur"] for st in recorder.steps[first:] if st["p"] == 0 and st["d"] == b]
-            if recorder.ok and len(from_steps) >= 5:
-                steps.append(float(np.median(from_steps)))
+            from_steps = decode_step_s(recorder.steps[first:], b) if recorder.ok else None
+            if from_steps is not None:
+                steps.append(from_steps)
             else:
                 steps.append(s["median_tpot_ms"] / 1000)
                 note = f"; decode steps from TPOTs at {decode_len}-token prompts"

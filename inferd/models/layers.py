@@ -10,7 +10,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32. Gemma scales by (1 + weight); Llama-style models by weight.
 
-    `native` is the one-call CPU kernel (`use_native_norms`), the same arithmetic as the ops below."""
+    `native` is the one-call CPU kernel (`use_native_kernels`), the same arithmetic as the ops below."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
