@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -74,6 +75,7 @@ class StepRecorder:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.steps: list[dict] = []
         self.ok = True
+        self._last_at = time.monotonic()  # when the last step arrived (or the recorder started)
         self._opened = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, args=(url,), daemon=True, name="step-recorder")
@@ -105,8 +107,23 @@ class StepRecorder:
                     step = {"ts": e["ts"], "dur": e["dur_ms"] / 1000, "p": sum(chunks), "n": len(chunks), "d": decode}
                     step["budget"] = e.get("budget")
                     self.steps.append(step)
+                    self._last_at = time.monotonic()
+
+    def settle(self, quiet: float = 0.4, timeout: float = 5.0) -> None:
+        """Wait until no step has arrived for `quiet` seconds (at most `timeout`).
+
+        The replica sends its steps in batches, one every dashboard tick (0.1 s), so the last steps of a
+        level arrive after its last response; on a fast machine a whole level fits in one tick. Call this
+        after a level, with the replica idle, before reading the level's steps."""
+        deadline = time.monotonic() + timeout
+        while self.ok and time.monotonic() < deadline:
+            idle = time.monotonic() - self._last_at
+            if idle >= quiet:
+                return
+            time.sleep(quiet - idle)
 
     def stop(self) -> list[dict]:
+        self.settle()
         self._stop.set()
         return self.steps
 
@@ -159,10 +176,12 @@ def measure_profile(run: ProfileRun) -> Profile:
         # prefills barely touch the other requests' inter-token times
         decode_len = mid if recorder.ok else 16
         steps, note = [], ""
+        recorder.settle()
         for b in run.batches:
             first = len(recorder.steps)
             n = max(run.requests_per_point, 2 * b)
             s = _level(client, tok, server, decode_len, run.output_len, n, b, next(seeds))
+            recorder.settle()
             from_steps = decode_step_s(recorder.steps[first:], b) if recorder.ok else None
             if from_steps is not None:
                 steps.append(from_steps)
