@@ -77,6 +77,38 @@ def run_offline(args, prompts: list[str]) -> dict:
     return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of each thread of `pid` so far, by thread id, with its OS name (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = ((task / "comm").read_text().strip(), (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, IndexError, ValueError):  # the thread ended in between
+            continue
+    return out
+
+
+def cpu_split(pid: int, before: dict, after: dict, wall: float, client_s: float) -> dict:
+    """Where the 2 cores' time went during the timed run: the server's event loop (its main thread), the step
+    thread, the other server threads (torch's OpenMP workers, helpers) and the benchmark client."""
+    spent = {tid: (name, t - before.get(tid, (name, 0.0))[1]) for tid, (name, t) in after.items()}
+    main_s = spent.pop(pid, ("", 0.0))[1]
+    engine = sum(t for name, t in spent.values() if name == "inferd-engine" and t > 0)
+    others = sorted(
+        ((name, round(t, 3)) for name, t in spent.values() if name != "inferd-engine" and t > 0.01), key=lambda x: -x[1]
+    )
+    return {
+        "wall_s": wall,
+        "cores_s": wall * (os.cpu_count() or 1),
+        "server_event_loop_s": main_s,
+        "server_step_threads_s": engine,  # the step thread (and OpenMP workers it started, which take its name)
+        "server_other_threads_s": others,
+        "client_s": client_s,
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,7 +156,7 @@ async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
     return tokens
 
 
-async def _drive(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[int, float]:
+async def _drive(url: str, server_pid: int, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[int, float]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         await asyncio.gather(*(_one(client, p, 4) for p in prompts[:concurrency]))  # warm-up
@@ -137,20 +169,22 @@ async def _drive(url: str, prompts: list[str], concurrency: int, max_tokens: int
                 tokens = await _one(client, queue.pop(), max_tokens)  # not `total += await ...`: lost updates
                 total += tokens
 
-        start = time.perf_counter()
+        start, cpu0, threads0 = time.perf_counter(), time.process_time(), thread_cpu(server_pid)
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return total, time.perf_counter() - start
+        wall, client_s = time.perf_counter() - start, time.process_time() - cpu0
+        return total, wall, cpu_split(server_pid, threads0, thread_cpu(server_pid), wall, client_s)
 
 
 def run_server(args, prompts: list[str]) -> dict:
     port = free_port()
     proc = start_server(args, port)
     try:
-        tokens, elapsed = asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, args.concurrency, args.output_len))
+        url = f"http://127.0.0.1:{port}"
+        tokens, elapsed, cpu = asyncio.run(_drive(url, proc.pid, prompts, args.concurrency, args.output_len))
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed}
+    return {"output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed, "cpu": cpu}
 
 
 def main() -> None:
@@ -173,6 +207,13 @@ def main() -> None:
     print(f"offline: {offline['output_tokens_per_s']:.1f} output tok/s ({offline['seconds']:.1f} s)", flush=True)
     server = run_server(args, prompts)
     print(f"server:  {server['output_tokens_per_s']:.1f} output tok/s ({server['seconds']:.1f} s)", flush=True)
+    cpu = server["cpu"]
+    print(
+        f"cpu:     of {cpu['cores_s']:.1f} core-s: step threads {cpu['server_step_threads_s']:.1f}, event loop "
+        f"{cpu['server_event_loop_s']:.1f}, other server threads {cpu['server_other_threads_s'][:4]}, "
+        f"client {cpu['client_s']:.1f}",
+        flush=True,
+    )
     ratio = server["output_tokens_per_s"] / offline["output_tokens_per_s"]
     print(f"ratio:   {ratio:.3f} (target >= 0.90)")
     result = {

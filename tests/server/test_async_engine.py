@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +57,20 @@ def test_streams_refusals_and_cancellation(engine):
 
     asyncio.run(main())
     engine.check_idle()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read from /proc (Linux)")
+def test_step_thread_has_its_os_name(engine):
+    """The step thread names itself, so a benchmark can tell its CPU time from the event loop's."""
+
+    async def main() -> set[str]:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            [o async for o in ae.generate("a", [5, 6], params)]
+            return {p.read_text().strip() for p in Path(f"/proc/{os.getpid()}/task").glob("*/comm")}
+        finally:
+            await ae.stop()
+
+    assert "inferd-engine" in asyncio.run(main())
