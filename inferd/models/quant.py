@@ -19,7 +19,9 @@ Gemma 3 270M; see docs/performance.md):
 
 int4, group-wise and asymmetric (as llama.cpp's Q4_1): 32 consecutive weights of a row share a step and a
 low value, w ~= q * step + low with q in 0..15: 4 bits per weight plus 2 for the group's float32 step and
-low (6 in all, against bf16's 16 and int8's 8). Kernels (`kernels/int4_linear_cpu.cpp`): for a few rows
+low (6 in all, against bf16's 16 and int8's 8). A group already on a 16-level grid (a GGUF's 4-bit block
+dequantized to float) keeps its grid (to float rounding) instead of being quantized a second time.
+Kernels (`kernels/int4_linear_cpu.cpp`): for a few rows
 each weight row is unpacked into float32 in L1 and dotted with every activation row (a decode step streams
 about a third of bf16's bytes); for many rows a chunk of weight rows is unpacked into the activations'
 dtype in a cache-sized buffer and goes through the dense matmul. A layer whose input width is not a
@@ -123,16 +125,41 @@ class Int8Linear(QuantizedLinear):
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group-wise asymmetric int4 (groups of 32 along K): (packed [N, K/2] uint8, step [N, K/32], low
-    [N, K/32]) with w ~= q * step + low, q in 0..15; byte j of a group holds q[j] | q[j + 16] << 4."""
+    [N, K/32]) with w ~= q * step + low, q in 0..15; byte j of a group holds q[j] | q[j + 16] << 4.
+
+    A group whose values already lie on a grid of at most 16 evenly spaced levels (a GGUF's Q4_K, Q4_0 or
+    Q4_1 block dequantized to float) keeps that grid exactly (`_grid_steps`), so such a tensor is not
+    quantized twice; every other group spans its range: step = (max - min) / 15."""
     w = weight.detach().float()
     n, k = w.shape
     groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     step = ((high - low) / 15.0).clamp(min=1e-12)
+    grid = _grid_steps(groups, low)
+    step = torch.where(grid > 0, grid, step)
     q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
     half = INT4_GROUP // 2
     packed = (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2)
     return packed.contiguous(), step.contiguous(), low.contiguous()
+
+
+def _grid_steps(groups: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Per group, the step of the 16-level grid its values lie on exactly (0 where there is none).
+
+    The candidate is the smallest gap between two different values of the group; it is taken only if every
+    value is low + q * step with q in 0..15, to within float rounding (2^-18 of the group's largest |w|,
+    far below int4's own error of up to step / 2)."""
+    ordered = groups.sort(dim=-1).values
+    tol = groups.abs().amax(dim=-1) * 2.0**-18
+    gaps = ordered.diff(dim=-1)
+    gaps = torch.where(gaps > tol[..., None], gaps, torch.full_like(gaps, float("inf")))
+    step = gaps.amin(dim=-1)
+    ok = torch.isfinite(step)
+    step = torch.where(ok, step, torch.ones_like(step))
+    q = torch.round((groups - low[..., None]) / step[..., None])
+    exact = ((q * step[..., None] + low[..., None] - groups).abs() <= tol[..., None]).all(dim=-1)
+    ok &= exact & (q.amax(dim=-1) <= 15)
+    return torch.where(ok, step, torch.zeros_like(step))
 
 
 def dequantize_int4(packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:

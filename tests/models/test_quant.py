@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,3 +169,50 @@ def test_engine_runs_quantized_end_to_end(tiny_models, arch, dtype, mode):
         for greedy, with_logprobs in zip(outs[0::3], outs[1::3], strict=True):
             assert greedy.outputs[0].token_ids == with_logprobs.outputs[0].token_ids
     assert_idle(llm)
+
+
+def test_int4_keeps_a_4_bit_grid_exactly():
+    """Values dequantized from 4-bit blocks (w = d * q - m, q in 0..15, as a GGUF's Q4_K holds them) come back
+    to float rounding (where min-max would be off by up to half a step), even where a group does
+    not use the lowest or highest level (min-max would re-round them);
+    values with 17 or more levels, or off any grid, fall back to min-max."""
+    torch.manual_seed(0)
+    q = torch.randint(2, 14, (6, 64)).float()  # levels 2..13 only: min-max's step would differ
+    d = torch.tensor([0.0123, 0.5, 3.0, 1e-3, 7.25, 0.0625])[:, None]
+    w = q * d - 0.37 * d
+    w[5, 32:] = torch.randn(32)  # one group off any grid
+    packed, step, low = quant.quantize_int4(w)
+    back = quant.dequantize_int4(packed, step, low)
+    err = (back - w).abs().view(6, 2, 32).amax(-1)
+    top = w.abs().view(6, 2, 32).amax(-1)
+    on_grid = torch.ones(6, 2, dtype=torch.bool)
+    on_grid[5, 1] = False
+    assert (err[on_grid] <= top[on_grid] * 2.0**-20).all()  # float rounding, not int4's error
+    minmax = (w[:5] - w[:5].view(5, 2, 32).amin(-1).repeat_interleave(32, 1)) / (
+        (w[:5].view(5, 2, 32).amax(-1) - w[:5].view(5, 2, 32).amin(-1)) / 15
+    ).repeat_interleave(32, 1)
+    assert (minmax - minmax.round()).abs().max() > 0.1  # the grid was not min-max's: that would re-round
+    assert torch.allclose(step[:5], d[:5].expand(5, 2))
+    off = w[5, 32:]
+    assert step[5, 1] == pytest.approx(float(off.max() - off.min()) / 15)
+    wide = torch.arange(32.0).repeat(2, 1) * 0.1  # 32 levels: no 16-level grid
+    assert quant.quantize_int4(wide)[1] == pytest.approx((31 * 0.1) / 15)
+
+
+def test_int4_from_gguf_q4_k_blocks_is_not_quantized_twice():
+    """Q4_K blocks (random bytes, sane scales) dequantized by the gguf package, as the converter does, then
+    quantized to int4: the weights come back to float rounding, where min-max on the same values would not."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (8, 144 * 2), dtype=np.uint8)  # 8 rows of 2 blocks of 256 weights
+    for row in range(8):
+        for b in range(2):
+            raw[row, b * 144 : b * 144 + 4] = np.array([0.01 * (row + 1), 0.003], dtype=np.float16).view(np.uint8)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).copy())
+    back = quant.dequantize_int4(*quant.quantize_int4(w))
+    assert (back - w).abs().max() <= w.abs().max() * 2.0**-20
+    groups = w.view(8, -1, 32)
+    span = ((groups.amax(-1) - groups.amin(-1)) / 15).clamp(min=1e-12)
+    minmax = (groups - groups.amin(-1, keepdim=True)) / span[..., None]
+    assert (minmax - minmax.round()).abs().max() > 0.1
