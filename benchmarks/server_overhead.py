@@ -3,6 +3,7 @@
 Both sides use the same engine settings, with max_num_seqs = the client concurrency, so the batch sizes
 match and the difference is what HTTP, SSE and the step thread cost. Output tokens/s of both and their
 ratio go to benchmarks/results/server_overhead.json. Target: the server keeps >= 90% of offline throughput.
+The two run alternately (`--repeats`, medians), and each server run says where the cores' time went.
 
     .venv/bin/python benchmarks/server_overhead.py --num-requests 64 --output-len 64
 """
@@ -15,6 +16,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -63,11 +65,13 @@ def engine_kwargs(args) -> dict:
     )
 
 
-def run_offline(args, prompts: list[str]) -> dict:
+def make_llm(args) -> LLM:
     from inferd.config import parse_memory
 
-    kw = engine_kwargs(args) | {"kv_cache_memory": parse_memory(args.kv_cache_memory)}
-    llm = LLM(args.model, **kw)
+    return LLM(args.model, **engine_kwargs(args) | {"kv_cache_memory": parse_memory(args.kv_cache_memory)})
+
+
+def run_offline(args, llm: LLM, prompts: list[str]) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[: args.concurrency], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
@@ -198,24 +202,33 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--repeats", type=int, default=3, help="offline and server runs, alternated; medians")
     p.add_argument("--server-env", nargs="*", default=[], help="KEY=VALUE for the server's environment only")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
 
     prompts = make_prompts(args.num_requests, args.input_words)
-    offline = run_offline(args, prompts)
-    print(f"offline: {offline['output_tokens_per_s']:.1f} output tok/s ({offline['seconds']:.1f} s)", flush=True)
-    server = run_server(args, prompts)
-    print(f"server:  {server['output_tokens_per_s']:.1f} output tok/s ({server['seconds']:.1f} s)", flush=True)
-    cpu = server["cpu"]
-    print(
-        f"cpu:     of {cpu['cores_s']:.1f} core-s: step threads {cpu['server_step_threads_s']:.1f}, event loop "
-        f"{cpu['server_event_loop_s']:.1f}, other server threads {cpu['server_other_threads_s'][:4]}, "
-        f"client {cpu['client_s']:.1f}",
-        flush=True,
-    )
-    ratio = server["output_tokens_per_s"] / offline["output_tokens_per_s"]
-    print(f"ratio:   {ratio:.3f} (target >= 0.90)")
+    llm = make_llm(args)
+    runs = []
+    for i in range(args.repeats):  # alternated, so a drift of the machine's speed hits both sides alike
+        offline = run_offline(args, llm, prompts)
+        print(f"offline: {offline['output_tokens_per_s']:.1f} output tok/s ({offline['seconds']:.1f} s)", flush=True)
+        server = run_server(args, prompts)
+        print(f"server:  {server['output_tokens_per_s']:.1f} output tok/s ({server['seconds']:.1f} s)", flush=True)
+        cpu = server["cpu"]
+        print(
+            f"cpu:     of {cpu['cores_s']:.1f} core-s: step threads {cpu['server_step_threads_s']:.1f}, event loop "
+            f"{cpu['server_event_loop_s']:.1f}, other server threads {cpu['server_other_threads_s'][:4]}, "
+            f"client {cpu['client_s']:.1f}",
+            flush=True,
+        )
+        runs.append({"offline": offline, "server": server})
+        ratio = server["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        print(f"ratio:   {ratio:.3f} (run {i + 1})", flush=True)
+    offline_tps = statistics.median(r["offline"]["output_tokens_per_s"] for r in runs)
+    server_tps = statistics.median(r["server"]["output_tokens_per_s"] for r in runs)
+    ratio = server_tps / offline_tps
+    print(f"medians: offline {offline_tps:.1f}, server {server_tps:.1f} tok/s; ratio {ratio:.3f} (target >= 0.90)")
     result = {
         "benchmark": "server_overhead",
         "model": args.model,
@@ -225,9 +238,11 @@ def main() -> None:
         "input_words": args.input_words,
         "output_len": args.output_len,
         "server_env": args.server_env,
-        "offline": offline,
-        "server": server,
-        "ratio": ratio,
+        "repeats": args.repeats,
+        "runs": runs,
+        "offline_output_tokens_per_s": offline_tps,
+        "server_output_tokens_per_s": server_tps,
+        "ratio": ratio,  # of the medians
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "note": "CPU machine shared with other jobs; numbers are noisy",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

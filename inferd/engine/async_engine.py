@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import queue
 import sys
 import threading
@@ -97,6 +98,7 @@ class AsyncEngine:
     # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        free_openmp_pool()  # before the step thread makes its own: see free_openmp_pool
         self._thread = threading.Thread(target=self._run, name="inferd-engine", daemon=True)
         self._thread.start()
 
@@ -346,6 +348,23 @@ def name_os_thread(name: str) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: at most 15 bytes and a NUL
+
+
+def free_openmp_pool() -> bool:
+    """End the calling thread's OpenMP worker pool (libgomp's `omp_pause_resource_all`); True if it did.
+
+    libgomp gives every thread that starts parallel work its own pool of workers. The model is loaded and
+    warmed up on the event loop's thread, so its pool would sit beside the step thread's; libgomp then sees
+    more of its threads than CPUs and stops spin-waiting between parallel regions, so each of the thousands
+    of ops in a step waits for a worker to wake up. On 2 cores that made every step ~17% slower than the
+    same engine stepping on the main thread (`benchmarks/server_overhead.py`, docs/performance.md). A thread
+    that runs torch's parallel ops again later gets a new pool. Without libgomp (another OpenMP runtime, no
+    OpenMP) nothing happens."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the runtime torch already loaded
+        return gomp.omp_pause_resource_all(2) == 0  # omp_pause_hard: the pool's threads end
+    except (OSError, AttributeError):
+        return False
 
 
 def _resolve_all(replies: list[tuple[asyncio.Future, BaseException | None]]) -> None:
