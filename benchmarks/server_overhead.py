@@ -73,7 +73,8 @@ def make_llm(args) -> LLM:
 
 def run_offline(args, llm: LLM, prompts: list[str]) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[: args.concurrency], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    warm = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[: args.concurrency], warm)  # warm-up: a short one left the first timed run slow
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -163,7 +164,7 @@ async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
 async def _drive(url: str, server_pid: int, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[int, float]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(_one(client, p, 4) for p in prompts[:concurrency]))  # warm-up
+        await asyncio.gather(*(_one(client, p, max_tokens) for p in prompts[:concurrency]))  # warm-up
         queue = list(reversed(prompts))
         total = 0
 

@@ -353,13 +353,14 @@ def name_os_thread(name: str) -> None:
 def free_openmp_pool() -> bool:
     """End the calling thread's OpenMP worker pool (libgomp's `omp_pause_resource_all`); True if it did.
 
-    libgomp gives every thread that starts parallel work its own pool of workers. The model is loaded and
-    warmed up on the event loop's thread, so its pool would sit beside the step thread's; libgomp then sees
-    more of its threads than CPUs and stops spin-waiting between parallel regions, so each of the thousands
-    of ops in a step waits for a worker to wake up. On 2 cores that made every step ~17% slower than the
-    same engine stepping on the main thread (`benchmarks/server_overhead.py`, docs/performance.md). A thread
-    that runs torch's parallel ops again later gets a new pool. Without libgomp (another OpenMP runtime, no
-    OpenMP) nothing happens."""
+    libgomp gives every thread that starts parallel work its own pool of workers, and when it counts more of
+    its threads than CPUs it stops spin-waiting between parallel regions, so each of the thousands of ops in
+    a step waits for a worker to wake up. The model is loaded on the event loop's thread, whose pool would
+    then idle beside the step thread's. Measured on 2 cores: an engine stepping on a new thread after the
+    main thread had generated ran 12-19% slower than on the main thread, and as fast once the main thread's
+    pool was freed; `inferd serve`, whose main thread had only loaded the model, showed no difference beyond
+    the machine's noise (docs/performance.md). A thread that runs torch's parallel ops again later gets a new
+    pool. Without libgomp (another OpenMP runtime, no OpenMP) nothing happens."""
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the runtime torch already loaded
         return gomp.omp_pause_resource_all(2) == 0  # omp_pause_hard: the pool's threads end
