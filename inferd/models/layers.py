@@ -84,10 +84,14 @@ def build_rotary(config, max_positions: int, layer_type: str | None = None) -> R
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can hand its matmul to oneDNN on CPU.
+    """nn.Linear that can hand its matmul to oneDNN on CPU, and one bf16 row to a matrix-vector product.
 
     oneDNN's inner-product kernels use every vector unit the CPU has (AVX-512 where present) and are
     much faster than the dense sgemm path for the small batches of decoding; see benchmarks/.
+    A single bf16 row on CPU (a decode step at batch 1) goes through `torch.addmv`, torch's bf16 gemv
+    with float32 accumulation: `F.linear` there goes through a general matmul set up per call, and a
+    batch-1 step of the default model took 55-61 ms that way against 33 ms with gemv
+    (docs/performance.md).
     """
 
     _packed: torch.Tensor | None = None
@@ -99,12 +103,21 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
+            if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
+                return _gemv(self.weight, x, self.bias)
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         bias = None if self.bias is None else self.bias.detach()
         # dense in, dense out: no per-call conversion of activations to oneDNN tensors
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self._packed, bias, "none", [], "")
         return y.view(*shape[:-1], -1)
+
+
+def _gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """weight @ x for one row x, in x's shape with the last dimension the weight's rows."""
+    row = x.reshape(-1)
+    y = torch.mv(weight, row) if bias is None else torch.addmv(bias, weight, row)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def use_native_kernels(model: nn.Module, dtype: torch.dtype) -> bool:

@@ -78,3 +78,26 @@ def test_engine_runs_in_the_auto_dtype(tiny_models, flags, caplog, found, expect
     out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (48,), (1, 1, 48), (3, 48), (0, 48)])
+def test_one_bf16_row_takes_gemv_and_matches_linear(bias, shape, monkeypatch):
+    """A single bf16 row (decode at batch 1) goes through torch's gemv; any shape comes back as F.linear's,
+    equal to bf16 rounding of the float32 product."""
+    from inferd.models import layers
+
+    torch.manual_seed(0)
+    layer = layers.Linear(48, 40, bias=bias).bfloat16()
+    calls = []
+    monkeypatch.setattr(layers, "_gemv", lambda *a, real=layers._gemv: calls.append(1) or real(*a))
+    x = torch.randn(*shape).bfloat16()
+    y = layer(x)
+    bias_f = None if layer.bias is None else layer.bias.float()
+    ref = torch.nn.functional.linear(x.float(), layer.weight.float(), bias_f)
+    assert y.shape == ref.shape and y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
+    assert bool(calls) == (x.numel() == 48)
+    calls.clear()
+    layers.Linear(48, 40)(x.float())
+    assert not calls  # float32 rows stay on F.linear

@@ -5,8 +5,8 @@
 // consecutive weights. `scales` and `lows` [N, K/32] float32 (a group's step and its smallest value).
 //
 // Two paths, chosen by the caller from M:
-// - int4_linear (a few rows, decode): each weight row is unpacked into float32 in L1 once and dotted with
-//   every activation row; the step reads 4.5 bits per weight, which is what small batches are bound by.
+// - int4_linear (a few rows, decode): dequantization fused into the dot products, nothing unpacked to
+//   memory; the step reads 6 bits per weight (4 + the group's step and low), what small batches are bound by.
 // - int4_linear_chunked (many rows, prefill): a chunk of weight rows is unpacked into the activations'
 //   dtype in a buffer that stays in cache and multiplied with torch's dense matmul (AMX/AVX512_BF16 for
 //   bf16): compute-bound work keeps the fast matmul, and memory still only streams the int4 bytes.
@@ -75,6 +75,10 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, const torch::Ten
 }  // namespace
 
 // A few activation rows (float32) against int4 weights; returns float32 [M, N].
+// Fused: no weight row is unpacked to memory. Per group, x . w = step * (x . q) + low * sum(x), so the inner
+// loop is 16 lanes of x[j] * q_lo[j] + x[j + 16] * q_hi[j] scaled into 16 running sums (one vector register
+// with AVX-512, two with AVX2; no dependency chain through a single sum), and each activation row's group sums
+// are taken once per call.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor lows,
                           c10::optional<torch::Tensor> bias) {
   check(x, packed, scales, lows);
@@ -83,7 +87,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   packed = packed.contiguous();
   scales = scales.contiguous();
   lows = lows.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / kGroup;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
   auto y = torch::empty({M, N}, x.options());
@@ -93,17 +97,37 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const float* L = lows.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
+  std::vector<float> xsum(M * G);  // sum of each activation row over each group
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* xg = X + i * kGroup;
+    float t = 0.f;
+    for (int j = 0; j < kGroup; ++j) t += xg[j];
+    xsum[i] = t;
+  }
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> w(K);
     for (int64_t n = n0; n < n1; ++n) {
-      unpack_row(P + n * (K / 2), S + n * (K / kGroup), L + n * (K / kGroup), K, w.data());
+      const uint8_t* pn = P + n * (K / 2);
+      const float* sn = S + n * G;
+      const float* ln = L + n * G;
       const float add = B ? B[n] : 0.f;
       for (int64_t m = 0; m < M; ++m) {
         const float* xm = X + m * K;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < K; ++k) acc += xm[k] * w[k];
-        Y[m * N + n] = acc + add;
+        const float* xs = xsum.data() + m * G;
+        float acc[16] = {};
+        float offset = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* q = pn + g * (kGroup / 2);
+          const float* xg = xm + g * kGroup;
+          const float step = sn[g];
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) {
+            acc[j] += step * (xg[j] * static_cast<float>(q[j] & 15) + xg[j + 16] * static_cast<float>(q[j] >> 4));
+          }
+          offset += ln[g] * xs[g];
+        }
+        float total = 0.f;
+        for (int j = 0; j < 16; ++j) total += acc[j];
+        Y[m * N + n] = total + offset + add;
       }
     }
   });
