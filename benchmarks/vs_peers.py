@@ -233,8 +233,8 @@ def servers(model: Model, port: int) -> dict[str, Server]:
                 SERVED_NAME,
             ],  # fmt: skip
             bench_args=["--ignore-eos"],
-            ready=llama_server.exists(),
-            setup_hint="--setup llama-server",
+            ready=llama_server.exists() and built_for_this_cpu(llama_server),
+            setup_hint="--setup llama-server (again, if it was built on another CPU: -march=native)",
         ),
         "llama-cpp-python": Server(
             "llama-cpp-python",
@@ -269,6 +269,25 @@ def servers(model: Model, port: int) -> dict[str, Server]:
     }
 
 
+CPU_FLAGS_FILE = "cpu-flags.txt"
+
+
+def cpu_flags_line() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def built_for_this_cpu(binary: Path) -> bool:
+    """False when the binary's build folder says it was built (-march=native) on a CPU with other flags;
+    True when it matches or nothing says (a build from before the note)."""
+    note = binary.parent.parent / CPU_FLAGS_FILE
+    if not note.exists():
+        return True
+    return note.read_text().strip() == cpu_flags_line().strip()
+
+
 # -- setup ---------------------------------------------------------------------------------------------
 def setup_commands(peer: str) -> list[str]:
     """Shell commands that install a peer under PEERS_DIR (run with --setup, or copy from the README)."""
@@ -293,6 +312,8 @@ def setup_commands(peer: str) -> list[str]:
             f"cmake -S $(ls -dt {src}/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1) -B {src}/build "
             "-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF",
             f"cmake --build {src}/build --target llama-server -j 2",
+            # built with -march=native: on another CPU it may die with SIGILL, so note which CPU it was built on
+            f"grep -m1 '^flags' /proc/cpuinfo > {src}/build/{CPU_FLAGS_FILE}",
         ]
     raise SystemExit(f"unknown peer {peer!r}")
 
@@ -490,6 +511,8 @@ def write_summary(entries: dict[str, dict], args: argparse.Namespace) -> dict:
     }  # fmt: skip
     summary["machine"] = machine_info()
     summary["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.fresh:  # only this invocation's servers: ratios from one run, none from an older one
+        summary["servers"] = {}
     summary.setdefault("servers", {}).update(entries)
     summary["ratios_best_inferd_over_peer"] = ratios(summary)
     summary["targets"] = target(summary["ratios_best_inferd_over_peer"])
@@ -505,6 +528,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs per level (new prompts each); medians reported")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32])
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    ap.add_argument("--fresh", action="store_true", help="drop servers measured by earlier invocations")
     args = ap.parse_args()
     if args.setup:
         for peer in args.setup:

@@ -1,0 +1,110 @@
+"""A decode step at batch 1, per mode: what one stream (concurrency 1) is bound by.
+
+For each mode the engine decodes one request and the step is timed (median of `--steps`); the weights the
+step reads are summed, so the JSON says how close each mode comes to the machine's memory bandwidth,
+measured in the same run. Modes are loaded one after another and the whole list is repeated (`--rounds`),
+so a drift of the machine's speed shows up as a spread rather than as a difference between modes.
+
+    .venv/bin/python -m benchmarks.batch1_step --modes auto,int8,int4,fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import machine, memory_bandwidth_gbs, write_result
+from inferd.config import DEFAULT_MODEL
+from inferd.engine.engine import LLM
+from inferd.sampling import SamplingParams
+
+MODES = {  # name -> LLM settings
+    "auto": {"dtype": "auto"},
+    "fp32": {"dtype": "float32"},
+    "int8": {"dtype": "auto", "quantization": "int8"},
+    "int4": {"dtype": "auto", "quantization": "int4"},
+}
+PROMPT = "Tell me a long story about a dragon who guards a library of paged attention kernels. " * 3
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer a step reads (the tied embedding counted once, as the LM head)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    for m in model.modules():  # int4's steps and lows are plain attributes (model.to must not round them)
+        for name in ("step", "low"):
+            t = getattr(m, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def time_mode(model_name: str, settings: dict, steps: int) -> dict:
+    llm = LLM(model_name, max_model_len=1024, max_num_seqs=1, num_blocks=64, **settings)
+    engine = llm.engine
+    engine.add_request("one", PROMPT, SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+    for _ in range(8):  # prefill and warm-up
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    engine.abort("one")
+    return {"step_s": statistics.median(times), "weights_bytes": weight_bytes(engine.model)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--modes", default="auto,int8,int4,fp32", help=f"comma-separated, from {', '.join(MODES)}")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="batch1_step")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    bandwidth = memory_bandwidth_gbs()
+    rounds: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for mode in modes:
+            res = time_mode(args.model, MODES[mode], args.steps)
+            res["read_gbs"] = res["weights_bytes"] / res["step_s"] / 1e9
+            rounds[mode].append(res)
+            print(f"round {r + 1} {mode:5s} step {res['step_s'] * 1e3:.1f} ms, weights "
+                  f"{res['weights_bytes'] / 1e6:.0f} MB, {res['read_gbs']:.1f} GB/s", flush=True)  # fmt: skip
+    result = {
+        "model": args.model,
+        "machine": machine(),
+        "memory_read_gbs": bandwidth,
+        "steps_timed": args.steps,
+        "modes": {
+            m: {
+                "settings": MODES[m],
+                "rounds": runs,
+                "median_step_s": statistics.median(x["step_s"] for x in runs),
+                "tokens_per_s": 1 / statistics.median(x["step_s"] for x in runs),
+                "weights_bytes": runs[0]["weights_bytes"],
+                "fraction_of_bandwidth": runs[0]["weights_bytes"]
+                / statistics.median(x["step_s"] for x in runs)
+                / 1e9
+                / bandwidth,
+            }
+            for m, runs in rounds.items()
+        },
+        "command": f"python -m benchmarks.batch1_step --modes {args.modes} --steps {args.steps} --rounds {args.rounds}",
+    }
+    print(f"memory read bandwidth {bandwidth:.1f} GB/s; wrote {write_result(args.out, result)}")
+
+
+if __name__ == "__main__":
+    main()
