@@ -279,6 +279,16 @@ def cpu_flags_line() -> str:
         return ""
 
 
+def ggml_cpu_options(flags: str | None = None) -> list[str]:
+    """llama.cpp's CPU features from this CPU's flags, AMX off. A -march=native build (GGML_NATIVE) died with
+    SIGILL at its first computation on an AMX VM here; the same sources built with these options run."""
+    have = set((flags if flags is not None else cpu_flags_line()).split())
+    opts = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    wanted = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX512": "avx512f",
+              "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}  # fmt: skip
+    return opts + [f"-DGGML_{opt}={'ON' if flag in have else 'OFF'}" for opt, flag in wanted.items()]
+
+
 def built_for_this_cpu(binary: Path) -> bool:
     """False when the binary's build folder says it was built (-march=native) on a CPU with other flags;
     True when it matches or nothing says (a build from before the note)."""
@@ -310,7 +320,8 @@ def setup_commands(peer: str) -> list[str]:
             f"{sys.executable} -m pip download --no-binary :all: --no-deps llama-cpp-python -d {src}/sdist",
             f"tar -xzf $(ls -t {src}/sdist/llama_cpp_python-*.tar.gz | head -1) -C {src}/sdist",
             f"cmake -S $(ls -dt {src}/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1) -B {src}/build "
-            "-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF",
+            "-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF "
+            + " ".join(ggml_cpu_options()),
             f"cmake --build {src}/build --target llama-server -j 2",
             # built with -march=native: on another CPU it may die with SIGILL, so note which CPU it was built on
             f"grep -m1 '^flags' /proc/cpuinfo > {src}/build/{CPU_FLAGS_FILE}",
