@@ -31,18 +31,20 @@ PROMPT = "Tell me a long story about a dragon who guards a library of paged atte
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer a step reads (the tied embedding counted once, as the LM head)."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    for m in model.modules():  # int4's steps and lows are plain attributes (model.to must not round them)
-        for name in ("step", "low"):
-            t = getattr(m, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
+    """Bytes of the linear layers' weights, the LM head's tiles included: what a batch-1 step streams from
+    memory (the embedding lookup reads one row; norms and the KV cache are small at batch 1)."""
+    from inferd.models.layers import Linear
+    from inferd.models.quant import Int4Linear, Int8Linear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            total += m.qweight.numel() + m.scale.numel() * m.scale.element_size()
+        elif isinstance(m, Int4Linear):
+            total += m.qweight.numel() + (m.step.numel() + m.low.numel()) * 4
+        elif isinstance(m, Linear):  # oneDNN-packed fp32 layers drop their dense weight: count its shape
+            size = 4 if m._packed is not None else m.weight.element_size()
+            total += m.in_features * m.out_features * size
     return total
 
 
