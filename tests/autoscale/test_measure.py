@@ -22,7 +22,7 @@ def test_profile_measures_a_running_replica(tmp_path, capsys):
         wait_http(replica, "/health", timeout=90)
         out = tmp_path / "profile.json"
         argv = ["profile", "--base-url", replica.url, "--prompt-lens", "8,384", "--batches", "1,2"]
-        argv += ["--output-len", "16", "--requests-per-point", "4", "--cold-start-s", "5", "--out", str(out)]
+        argv += ["--output-len", "32", "--requests-per-point", "4", "--cold-start-s", "5", "--out", str(out)]
         assert main(argv) == 0
     finally:
         replica.stop()
