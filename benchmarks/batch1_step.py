@@ -63,6 +63,19 @@ def time_mode(model_name: str, settings: dict, steps: int) -> dict:
     return {"step_s": statistics.median(times), "weights_bytes": weight_bytes(engine.model)}
 
 
+def mode_summary(mode: str, runs: list[dict], bandwidth: float) -> dict:
+    step = statistics.median(x["step_s"] for x in runs)
+    size = runs[0]["weights_bytes"]
+    return {
+        "settings": MODES[mode],
+        "rounds": runs,
+        "median_step_s": step,
+        "tokens_per_s": 1 / step,
+        "weights_bytes": size,
+        "fraction_of_bandwidth": size / step / 1e9 / bandwidth,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -89,20 +102,7 @@ def main() -> None:
         "machine": machine(),
         "memory_read_gbs": bandwidth,
         "steps_timed": args.steps,
-        "modes": {
-            m: {
-                "settings": MODES[m],
-                "rounds": runs,
-                "median_step_s": statistics.median(x["step_s"] for x in runs),
-                "tokens_per_s": 1 / statistics.median(x["step_s"] for x in runs),
-                "weights_bytes": runs[0]["weights_bytes"],
-                "fraction_of_bandwidth": runs[0]["weights_bytes"]
-                / statistics.median(x["step_s"] for x in runs)
-                / 1e9
-                / bandwidth,
-            }
-            for m, runs in rounds.items()
-        },
+        "modes": {m: mode_summary(m, runs, bandwidth) for m, runs in rounds.items()},
         "command": f"python -m benchmarks.batch1_step --modes {args.modes} --steps {args.steps} --rounds {args.rounds}",
     }
     print(f"memory read bandwidth {bandwidth:.1f} GB/s; wrote {write_result(args.out, result)}")

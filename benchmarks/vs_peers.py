@@ -56,6 +56,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
 from benchmarks.common import portable, write_json  # noqa: E402
+from inferd.models.dtypes import cpu_flags  # noqa: E402
 
 RESULTS_DIR = ROOT / "results" / "vs_peers"  # raw bench JSON, paths made portable (not committed)
 # the servers' own logs name this machine's paths, so they stay out of benchmarks/results
@@ -234,7 +235,7 @@ def servers(model: Model, port: int) -> dict[str, Server]:
             ],  # fmt: skip
             bench_args=["--ignore-eos"],
             ready=llama_server.exists() and built_for_this_cpu(llama_server),
-            setup_hint="--setup llama-server (again, if it was built on another CPU: -march=native)",
+            setup_hint="--setup llama-server (again, if it was built on another CPU)",
         ),
         "llama-cpp-python": Server(
             "llama-cpp-python",
@@ -272,17 +273,10 @@ def servers(model: Model, port: int) -> dict[str, Server]:
 CPU_FLAGS_FILE = "cpu-flags.txt"
 
 
-def cpu_flags_line() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-
-
-def ggml_cpu_options(flags: str | None = None) -> list[str]:
+def ggml_cpu_options() -> list[str]:
     """llama.cpp's CPU features from this CPU's flags, AMX off. A -march=native build (GGML_NATIVE) died with
     SIGILL at its first computation on an AMX VM here; the same sources built with these options run."""
-    have = set((flags if flags is not None else cpu_flags_line()).split())
+    have = cpu_flags()
     opts = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
     wanted = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX512": "avx512f",
               "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}  # fmt: skip
@@ -290,12 +284,13 @@ def ggml_cpu_options(flags: str | None = None) -> list[str]:
 
 
 def built_for_this_cpu(binary: Path) -> bool:
-    """False when the binary's build folder says it was built (-march=native) on a CPU with other flags;
-    True when it matches or nothing says (a build from before the note)."""
+    """False when the binary's build folder says it was built for a CPU with other flags (its features are
+    this CPU's, and a binary from another CPU may die with SIGILL); True when they match or nothing says (a
+    build from before the note)."""
     note = binary.parent.parent / CPU_FLAGS_FILE
     if not note.exists():
         return True
-    return note.read_text().strip() == cpu_flags_line().strip()
+    return frozenset(note.read_text().partition(":")[2].split()) == cpu_flags()
 
 
 # -- setup ---------------------------------------------------------------------------------------------
@@ -323,7 +318,7 @@ def setup_commands(peer: str) -> list[str]:
             "-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF "
             + " ".join(ggml_cpu_options()),
             f"cmake --build {src}/build --target llama-server -j 2",
-            # built with -march=native: on another CPU it may die with SIGILL, so note which CPU it was built on
+            # built for this CPU's features: on another CPU it may die with SIGILL, so note which CPU it was
             f"grep -m1 '^flags' /proc/cpuinfo > {src}/build/{CPU_FLAGS_FILE}",
         ]
     raise SystemExit(f"unknown peer {peer!r}")

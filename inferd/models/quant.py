@@ -22,8 +22,8 @@ low value, w ~= q * step + low with q in 0..15: 4 bits per weight plus 2 for the
 low (6 in all, against bf16's 16 and int8's 8). A group already on a 16-level grid (a GGUF's 4-bit block
 dequantized to float) keeps its grid (to float rounding) instead of being quantized a second time.
 Kernels (`kernels/int4_linear_cpu.cpp`): for a few rows
-each weight row is unpacked into float32 in L1 and dotted with every activation row (a decode step streams
-about a third of bf16's bytes); for many rows a chunk of weight rows is unpacked into the activations'
+dequantization is fused into the dot products, nothing unpacked to memory (a decode step streams about a
+third of bf16's bytes); for many rows a chunk of weight rows is unpacked into the activations'
 dtype in a cache-sized buffer and goes through the dense matmul. A layer whose input width is not a
 multiple of 32 stays int8 (logged), and so does the LM head. Without a compiler int4 cannot run fast: it is
 then a ConfigError, not a silent crawl.
@@ -128,7 +128,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     [N, K/32]) with w ~= q * step + low, q in 0..15; byte j of a group holds q[j] | q[j + 16] << 4.
 
     A group whose values already lie on a grid of at most 16 evenly spaced levels (a GGUF's Q4_K, Q4_0 or
-    Q4_1 block dequantized to float) keeps that grid exactly (`_grid_steps`), so such a tensor is not
+    Q4_1 block dequantized to float) keeps that grid, to float rounding (`_grid_steps`), so such a tensor is not
     quantized twice; every other group spans its range: step = (max - min) / 15."""
     w = weight.detach().float()
     n, k = w.shape
