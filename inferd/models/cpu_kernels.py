@@ -105,6 +105,26 @@ def qk_norm_rope_kernel() -> Callable | None:
     return None if module is None else module.qk_norm_rope
 
 
+#: activations the native gated_act computes, by their config name -> the kernel's code
+GATED_ACTS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
+
+def gated_act_kernel(act: str) -> Callable | None:
+    """`f(gate_up [tokens, 2 * inter], inter) -> act(gate) * up` for a config's activation name, or None where
+    the kernel does not build or does not know the activation (exact GELU stays on the reference)."""
+    module = _norm_rope_module()
+    if module is None or act not in GATED_ACTS:
+        return None
+    code = GATED_ACTS[act]
+    return lambda gate_up, inter: module.gated_act(gate_up, inter, code)
+
+
+def argmax_update_kernel() -> Callable | None:
+    """The compiled `argmax_update(logits [rows, n], best_val fp32 [rows], best_idx int64 [rows], offset)`."""
+    module = _norm_rope_module()
+    return None if module is None else module.argmax_update
+
+
 def _stable_copy(source: Path, name: str) -> Path:
     """The source at a path that depends only on its content: torch rebuilds an extension whose build file
     names other source paths, so two checkouts of the same kernel would otherwise rebuild it in turn."""

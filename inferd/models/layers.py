@@ -122,12 +122,13 @@ def _gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> t
 
 def use_native_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
     """Give a CPU float32/bfloat16 model the native fused small ops, if they build: every RMSNorm its
-    one-call kernel, every attention with a `qk_rope` slot the q/k norm + rotary kernel.
+    one-call kernel, every attention with a `qk_rope` slot the q/k norm + rotary kernel, every gated MLP
+    act(gate) * up in one call (SiLU, GELU-tanh), a tiled LM head its argmax fold.
 
     At small batches a step is mostly the fixed cost of small ops: the reference norm is ten of them, six
     times a layer in Gemma 3, and q/k's split, norms and rotary some thirty a layer
     (inferd/models/kernels/norm_rope_cpu.cpp). The kernels do the same arithmetic."""
-    from inferd.models.cpu_kernels import qk_norm_rope_kernel, rms_norm_kernel
+    from inferd.models.cpu_kernels import argmax_update_kernel, gated_act_kernel, qk_norm_rope_kernel, rms_norm_kernel
 
     if dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -137,6 +138,10 @@ def use_native_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
             m.native = norm
         elif hasattr(m, "qk_rope"):
             m.qk_rope = rope
+        elif hasattr(m, "gated_act"):
+            m.gated_act = gated_act_kernel(m.act_name)
+        elif hasattr(m, "native_argmax"):
+            m.native_argmax = argmax_update_kernel()
     return norm is not None
 
 

@@ -74,9 +74,16 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        self.act_name = act
+        self.intermediate = intermediate
+        #: the native act(gate) * up in one call (`use_native_kernels`), for the activations it knows
+        self.gated_act = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.gated_act is not None and gate_up.dim() == 2 and gate_up.device.type == "cpu":
+            return self.down_proj(self.gated_act(gate_up, self.intermediate))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
 

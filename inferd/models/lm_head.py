@@ -38,6 +38,8 @@ class LMHead(nn.Module):
             tile = Linear(hidden, rows.shape[0], bias=False, device="meta")
             tile.weight = nn.Parameter(rows, requires_grad=False)
             self.tiles.append(tile)
+        #: the native fold of a tile into the running argmax (`use_native_kernels`), or None for torch ops
+        self.native_argmax = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Full logits [tokens, vocab]."""
@@ -47,6 +49,8 @@ class LMHead(nn.Module):
 
     def argmax(self, x: torch.Tensor, transform: Transform | None = None) -> torch.Tensor:
         """argmax over the vocabulary of transform(logits), tile by tile; first maximal index on ties."""
+        if self.native_argmax is not None and x.device.type == "cpu" and x.dim() == 2:
+            return self._native_argmax(x, transform)
         best_val = best_idx = None
         for lo, tile in zip(self.offsets, self.tiles, strict=True):
             logits = tile(x)
@@ -60,4 +64,14 @@ class LMHead(nn.Module):
             best_val = torch.where(better, val, best_val)
             best_idx = torch.where(better, idx + lo, best_idx)
         assert best_idx is not None
+        return best_idx
+
+    def _native_argmax(self, x: torch.Tensor, transform: Transform | None) -> torch.Tensor:
+        best_val = torch.full((x.shape[0],), float("-inf"))
+        best_idx = torch.zeros(x.shape[0], dtype=torch.long)
+        for lo, tile in zip(self.offsets, self.tiles, strict=True):
+            logits = tile(x)
+            if transform is not None:
+                logits = transform(logits)
+            self.native_argmax(logits.contiguous(), best_val, best_idx, lo)
         return best_idx

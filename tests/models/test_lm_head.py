@@ -8,8 +8,18 @@ import torch
 import torch.nn.functional as F
 
 from inferd import LLM, SamplingParams
+from inferd.models.cpu_kernels import argmax_update_kernel
 from inferd.models.lm_head import LMHead
 from tests.conftest import assert_idle
+
+# the argmax fold in torch ops and in the native kernel (norm_rope_cpu.cpp); both must equal torch.argmax
+FOLDS = pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+
+
+def _fold(head: LMHead, native: bool) -> LMHead:
+    head.native_argmax = argmax_update_kernel() if native else None
+    assert head.native_argmax is not None or not native, "the native kernels build on Linux"
+    return head
 
 
 def _head(vocab: int, hidden: int, tile: int, dtype=torch.float32) -> tuple[LMHead, torch.Tensor]:
@@ -20,8 +30,10 @@ def _head(vocab: int, hidden: int, tile: int, dtype=torch.float32) -> tuple[LMHe
 
 @pytest.mark.parametrize("tile", [1, 7, 64, 100, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logits_and_argmax_match_the_full_matmul(tile, dtype):
+@FOLDS
+def test_logits_and_argmax_match_the_full_matmul(tile, dtype, native):
     head, weight = _head(100, 16, tile, dtype)
+    _fold(head, native)
     x = torch.randn(9, 16).to(dtype)
     full = F.linear(x, weight)
     torch.testing.assert_close(head(x), full)
@@ -30,7 +42,8 @@ def test_logits_and_argmax_match_the_full_matmul(tile, dtype):
 
 
 @pytest.mark.parametrize("tile", [3, 5, 8, 50])
-def test_ties_resolve_to_the_first_index_across_tiles(tile):
+@FOLDS
+def test_ties_resolve_to_the_first_index_across_tiles(tile, native):
     vocab, hidden = 40, 8
     weight = torch.randn(vocab, hidden)
     # the same best row at 4, 9, 17 and 33 (different tiles for most tile sizes); x aligned with it
@@ -38,7 +51,7 @@ def test_ties_resolve_to_the_first_index_across_tiles(tile):
     for row in (4, 9, 17, 33):
         weight[row] = best
     x = torch.stack([best, best * 2, -best])
-    head = LMHead(weight, tile)
+    head = _fold(LMHead(weight, tile), native)
     full = F.linear(x, weight)
     expected = full.argmax(dim=-1)
     assert expected[0] == 4 and expected[1] == 4
@@ -47,7 +60,8 @@ def test_ties_resolve_to_the_first_index_across_tiles(tile):
     assert head.argmax(torch.zeros(1, hidden)).item() == F.linear(torch.zeros(1, hidden), weight).argmax().item() == 0
 
 
-def test_argmax_applies_the_transform_before_comparing():
+@FOLDS
+def test_argmax_applies_the_transform_before_comparing(native):
     head, weight = _head(50, 8, 16)
     x = torch.randn(4, 8) * 30  # large logits: the softcap saturates them, ties become likely in bf16
 
@@ -55,7 +69,7 @@ def test_argmax_applies_the_transform_before_comparing():
         return torch.tanh(t / 2.0) * 2.0
 
     for dtype in (torch.float32, torch.bfloat16):
-        h = LMHead(weight.to(dtype), 16)
+        h = _fold(LMHead(weight.to(dtype), 16), native)
         xd = x.to(dtype)
         assert torch.equal(h.argmax(xd, cap), cap(F.linear(xd, weight.to(dtype))).argmax(dim=-1))
 
@@ -81,6 +95,7 @@ def test_greedy_rows_skip_full_logits_and_agree_with_the_full_path(tiny_models, 
         calls["greedy"] += 1
         return real(hidden)
 
+    assert llm.engine.model.lm_head.native_argmax is argmax_update_kernel()  # the native fold, where it builds
     monkeypatch.setattr(llm.engine.model, "greedy_tokens", counting)
     mixed = llm.generate(prompts * 3, [fast] * 4 + [slow] * 4 + [sampled] * 4)
     assert calls["greedy"] > 0

@@ -7,8 +7,8 @@ import platform
 import pytest
 import torch
 
-from inferd.models.cpu_kernels import qk_norm_rope_kernel, rms_norm_kernel
-from inferd.models.layers import RMSNorm, apply_rotary
+from inferd.models.cpu_kernels import gated_act_kernel, qk_norm_rope_kernel, rms_norm_kernel
+from inferd.models.layers import ACTIVATIONS, RMSNorm, apply_rotary
 from inferd.models.loader import load_model
 from tests.conftest import build_tiny_model
 
@@ -61,6 +61,8 @@ def test_a_cpu_model_loads_with_native_norms(tmp_path, dtype):
     assert norms and all(m.native is rms_norm_kernel() for m in norms)
     attentions = [m for m in model.modules() if hasattr(m, "qk_rope")]
     assert attentions and all(m.qk_rope is qk_norm_rope_kernel() for m in attentions)
+    mlps = [m for m in model.modules() if hasattr(m, "gated_act")]
+    assert mlps and all(m.gated_act is not None for m in mlps)
 
 
 def _reference_qk(qkv, heads, kv_heads, d, cos, sin, q_norm, k_norm):
@@ -108,3 +110,34 @@ def test_native_qk_norm_rope_refuses_what_it_cannot_do():
         qk_norm_rope_kernel()(qkv, 4, 2, 16, cos, sin, torch.empty(0), torch.empty(0), False, 0.0)
     with pytest.raises(RuntimeError, match="dtype"):
         qk_norm_rope_kernel()(qkv, 2, 1, 16, cos.to(torch.bfloat16), sin, torch.empty(0), torch.empty(0), False, 0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 33])
+def test_native_gated_act_matches_the_reference(act, dtype, rows):
+    inter = 200
+    torch.manual_seed(rows)
+    wide = (torch.randn(rows, 2 * inter + 6) * 4).to(dtype)
+    if rows:  # zeros, both signs' tails, where the activation saturates or underflows
+        wide[0, 6:14] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-20, -50.0, 50.0, -9.0])
+    gate_up = wide[:, 6:]  # rows strided, as in a slice of a wider tensor
+    gate, up = gate_up.split([inter, inter], dim=-1)
+    ref = ACTIVATIONS[act](gate) * up
+    got = gated_act_kernel(act)(gate_up, inter)
+    assert got.shape == ref.shape and got.dtype == dtype
+    # our exp is within a few ulp of libm's, and torch's 1 + tanh(u) cancels for negative x (an error of
+    # ~|x| 1e-7 before the product): a few float32 rounding steps of |gate * up|, or a bf16 step
+    step = 2**-8 if dtype == torch.bfloat16 else 2**-21
+    scale = (gate.float() * up.float()).abs().clamp_min(1.0)
+    assert ((got.float() - ref.float()).abs() <= step * scale).all()
+
+
+@needs_kernel
+def test_native_gated_act_knows_its_activations_and_refuses_bad_rows():
+    assert gated_act_kernel("gelu") is None  # exact GELU (erf) stays on the reference
+    with pytest.raises(RuntimeError, match="narrower"):
+        gated_act_kernel("silu")(torch.randn(2, 10), 6)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        gated_act_kernel("silu")(torch.randn(2, 12).half(), 6)
