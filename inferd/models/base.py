@@ -67,6 +67,19 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def pack_lm_head_for_cpu(self) -> None:
+        """The tiled LM head on oneDNN's blocked layout (bf16 CPU models; the body keeps dense weights, on
+        which prefill's large matmuls were as fast or faster, docs/performance.md). A head tied to the
+        embedding keeps its dense view for the lookups: the packed copy is extra memory (335 MB for Gemma 3
+        270M in bf16)."""
+        if not isinstance(self.lm_head, LMHead):
+            return
+        head_storage = self.lm_head.tiles[0].weight.untyped_storage().data_ptr()
+        others = {
+            p.untyped_storage().data_ptr() for name, p in self.named_parameters() if not name.startswith("lm_head.")
+        }
+        self.lm_head.pack_for_cpu(keep_dense=head_storage in others)
+
     def tile_lm_head(self, tile_rows: int = LM_HEAD_TILE_ROWS) -> None:
         """Replace the loaded LM head by vocabulary tiles over the same weight (after loading, before packing
         or quantizing the linear layers)."""

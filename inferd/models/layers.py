@@ -97,7 +97,13 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
 
     def pack_for_cpu(self, drop_dense: bool) -> None:
-        self._packed = self.weight.detach().to_mkldnn()
+        """Hand the matmul to oneDNN: fp32 as a plain oneDNN tensor, bf16 reordered into oneDNN's blocked
+        layout for its AMX/AVX512_BF16 kernels (`ONEDNN_BATCH_HINT`)."""
+        weight = self.weight.detach()
+        if weight.dtype == torch.bfloat16:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+        else:
+            self._packed = weight.to_mkldnn()
         if drop_dense:  # keep the parameter object (names, state) but release its memory
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
@@ -143,6 +149,17 @@ def use_native_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
         elif hasattr(m, "native_argmax"):
             m.native_argmax = argmax_update_kernel()
     return norm is not None
+
+
+#: the batch size oneDNN lays a bf16 weight out for. Measured here (Xeon with AMX, the default model's LM head
+#: tiles, 16,384 x 640): laid out for 64 rows, 16 tiles took 21 ms at 1-16 rows, 32 ms at 32 and 28 ms at 64;
+#: laid out for 1 row, 28, 32 and 42 ms; dense `F.linear`, 29, 39-43 and 47-60 ms.
+ONEDNN_BATCH_HINT = 64
+
+
+def bf16_onednn_available() -> bool:
+    """oneDNN's bf16 matmul with reordered weights: present in this torch build, and native on this CPU."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_linears_for_cpu(model: nn.Module) -> bool:

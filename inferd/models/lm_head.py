@@ -41,6 +41,13 @@ class LMHead(nn.Module):
         #: the native fold of a tile into the running argmax (`use_native_kernels`), or None for torch ops
         self.native_argmax = None
 
+    def pack_for_cpu(self, keep_dense: bool) -> None:
+        """Every tile on oneDNN (`Linear.pack_for_cpu`); `keep_dense` where the tiles view a weight another
+        module still reads (a head tied to the embedding), so nothing is freed under it."""
+        for tile in self.tiles:
+            if isinstance(tile, Linear):
+                tile.pack_for_cpu(drop_dense=not keep_dense)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Full logits [tokens, vocab]."""
         if len(self.tiles) == 1:

@@ -21,7 +21,7 @@ from torch import nn
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import ModelLoadError
 from inferd.models.base import CausalLM
-from inferd.models.layers import pack_linears_for_cpu, use_native_kernels
+from inferd.models.layers import bf16_onednn_available, pack_linears_for_cpu, use_native_kernels
 from inferd.models.quant import quantize_model
 from inferd.models.registry import model_class_for
 
@@ -204,8 +204,11 @@ def load_model(
         model.tile_lm_head()  # tiles view the fp32 weights, then become int8 copies
         quantize_model(model, quantization, device)
         model.to(dtype=dtype)
-    if device.type == "cpu" and dtype == torch.float32 and cpu_linear == "onednn":
-        pack_linears_for_cpu(model)
+    if device.type == "cpu" and cpu_linear == "onednn":
+        if dtype == torch.float32:
+            pack_linears_for_cpu(model)
+        elif dtype == torch.bfloat16 and quantization is None and bf16_onednn_available():
+            model.pack_lm_head_for_cpu()
     if device.type == "cpu":
         use_native_kernels(model, dtype)
     model.eval().requires_grad_(False)

@@ -111,3 +111,19 @@ def test_a_tied_head_stays_shared_with_the_embedding_in_bf16(tiny_models):
     embed = model.model.embed_tokens.weight
     assert embed.dtype == torch.bfloat16
     assert model.lm_head.tiles[0].weight.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
+
+
+def test_a_bf16_head_on_onednn_gives_the_dense_logits(tiny_models):
+    """On a CPU with native bf16 the loader puts the LM head's tiles on oneDNN's blocked layout (the tied
+    dense view stays for the embedding); logits and the greedy argmax agree with the dense matmul."""
+    from inferd.models.layers import bf16_onednn_available
+
+    llm = LLM(str(tiny_models["gemma3"]), max_model_len=64, num_blocks=16, dtype="bfloat16")
+    head = llm.engine.model.lm_head
+    packed = [t._packed is not None for t in head.tiles]
+    assert all(packed) if bf16_onednn_available() else not any(packed)
+    embed = llm.engine.model.model.embed_tokens.weight
+    x = torch.randn(5, embed.shape[1]).to(torch.bfloat16)
+    dense = F.linear(x, embed)
+    torch.testing.assert_close(head(x), dense, atol=0.05, rtol=0.02)
+    assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
