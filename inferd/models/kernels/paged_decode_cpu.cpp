@@ -2,7 +2,10 @@
 // the block tables, so nothing is gathered or padded. Work is split over (request, kv head) pairs;
 // each pair computes its query group's scores, a softmax, and the weighted sum of values.
 // K/V are float32 or bfloat16 (read as bf16 and widened in registers: half the bytes of the cache,
-// which is what a decode step is bound by); the arithmetic is float32 either way.
+// which is what a decode step is bound by); the arithmetic is float32 either way. Each pair first walks its
+// block table into row pointers (a division per block rather than two per token: a quarter of the kernel's
+// time at batch 32 went to them), and values are summed four rows at a time, each accumulator loaded and
+// stored once per four tokens; the sums keep their order, so results are bitwise those of one row at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -117,6 +120,39 @@ inline void accumulate(const float* p, int64_t n, const T* v, int64_t G, int64_t
   }
 }
 
+// Four value rows at once: the same sums in the same order as four calls of `accumulate`, but each
+// accumulator is loaded and stored once per four tokens rather than once per token.
+template <typename T>
+inline void accumulate4(const float* p, int64_t n, const T* const* v, int64_t G, int64_t D, float* vbuf,
+                        float* acc) {
+  const float* r[4];
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      r[j] = v[j];
+    } else {
+      float* dst = vbuf + j * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) dst[i] = widen(v[j][i]);
+      r[j] = dst;
+    }
+  }
+  const float *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * n;
+    const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
+    float* a = acc + g * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) {
+      float s = a[i];
+      s += p0 * r0[i];
+      s += p1 * r1[i];
+      s += p2 * r2[i];
+      s += p3 * r3[i];
+      a[i] = s;
+    }
+  }
+}
+
 // T: the storage type of q, K/V and the output (float, or uint16_t holding bfloat16 bits).
 template <typename T>
 void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int64_t* lp, T* op, int64_t B,
@@ -124,6 +160,7 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, query(G * D), acc(G * D), buf(4 * D);
+    std::vector<const T*> krows, vrows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, kvh = item % KVH;
       const int64_t len = lp[b];
@@ -132,14 +169,21 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
       scores.assign(G * n, 0.f);
       const T* q_in = qp + (b * H + kvh * G) * D;
       for (int64_t i = 0; i < G * D; ++i) query[i] = widen(q_in[i]);
-      auto row_at = [&](const T* cache, int64_t t) {
-        const int64_t pos = start + t;
-        return cache + ((btp[b * MB + pos / BS] * BS + pos % BS) * KVH + kvh) * D;
-      };
+      // each token's key and value rows, found once: walking the block table costs no division per token
+      krows.resize(n);
+      vrows.resize(n);
+      for (int64_t t = 0, pos = start; t < n;) {
+        const int64_t block = btp[b * MB + pos / BS];
+        for (int64_t slot = pos % BS; slot < BS && t < n; ++slot, ++t, ++pos) {
+          const int64_t offset = ((block * BS + slot) * KVH + kvh) * D;
+          krows[t] = kp + offset;
+          vrows[t] = vp + offset;
+        }
+      }
       // tokens outer, heads inner: four keys stay in L1 while every head of the group uses them
       int64_t t = 0;
       for (; t + 4 <= n; t += 4) {
-        const T* keys[4] = {row_at(kp, t), row_at(kp, t + 1), row_at(kp, t + 2), row_at(kp, t + 3)};
+        const T* keys[4] = {krows[t], krows[t + 1], krows[t + 2], krows[t + 3]};
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         if constexpr (std::is_same_v<T, uint16_t>) {
           if (D % 32 == 0) {
@@ -151,7 +195,7 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
         scores4(query.data(), keys, G, D, buf.data(), scores.data() + t, n);
       }
       for (; t < n; ++t)
-        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(query.data() + g * D, row_at(kp, t), D);
+        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(query.data() + g * D, krows[t], D);
       for (float& s : scores) {
         s *= fscale;
         if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
@@ -168,7 +212,12 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
         for (int64_t t = 0; t < n; ++t) row[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) accumulate(scores.data() + t, n, row_at(vp, t), G, D, buf.data(), acc.data());
+      int64_t tv = 0;
+      for (; tv + 4 <= n; tv += 4) {
+        const T* values[4] = {vrows[tv], vrows[tv + 1], vrows[tv + 2], vrows[tv + 3]};
+        accumulate4(scores.data() + tv, n, values, G, D, buf.data(), acc.data());
+      }
+      for (; tv < n; ++tv) accumulate(scores.data() + tv, n, vrows[tv], G, D, buf.data(), acc.data());
       T* o = op + (b * H + kvh * G) * D;
       if constexpr (std::is_same_v<T, float>) {
         std::copy(acc.begin(), acc.end(), o);
