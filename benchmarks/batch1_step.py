@@ -43,7 +43,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
         elif isinstance(m, Int4Linear):
             total += m.qweight.numel() + (m.step.numel() + m.low.numel()) * 4
         elif isinstance(m, Linear):  # oneDNN-packed fp32 layers drop their dense weight: count its shape
-            size = 4 if m._packed is not None else m.weight.element_size()
+            size = m.weight.element_size()  # packed layers keep an empty weight of their dtype
             total += m.in_features * m.out_features * size
     return total
 

@@ -99,7 +99,8 @@ class EngineConfig:
     num_threads: int | None = setting(None, "torch CPU threads (default: one per core)", minimum=1)
     cpu_linear: str = setting(
         "onednn",
-        "fp32 matmul backend on CPU: oneDNN inner product (AVX-512 where present) or dense",
+        "matmul backend on CPU: oneDNN (fp32 linear layers; the bf16 LM head, reordered for AMX/AVX512_BF16) "
+        "or dense",
         choices=("onednn", "dense"),
     )
     attention_backend: str = setting(
