@@ -71,7 +71,9 @@ def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
     data = json.loads(stored.read_text())
     servers = data["servers"]
     by_level = {name: _figures(servers[name]) for name in ("inferd", "vllm")}
-    levels = sorted(by_level["vllm"], key=_level)
+    levels = sorted(set(by_level["vllm"]) & set(by_level["inferd"]), key=_level)  # a level one of them lacks: skip
+    if not levels:
+        raise InferdError(f"{stored} has no concurrency level measured for both inferd and vLLM; run: {HOW_TO_RUN}")
     m.settings.update(machine=data["machine"], workload=_workload_text(data, servers["vllm"]))
     m.settings["date"] = data.get("date") or _stored_date(stored)
     m.series = {"concurrency": [_level(k) for k in levels]}

@@ -1,7 +1,7 @@
 """The KServe and Ray Serve labs beyond what `lab all --quick` checks (tests/labs/test_labs.py runs both): the
 KServe manifests validate with 0 errors and a broken one is caught with its field named; the memory claim turns
 into a warning when a spec asks for too little; the Ray lab's policy is inferd's own, and Ray is shut down, its
-processes gone, when the lab fails half-way."""
+processes gone, when the lab fails half-way; the vLLM lab compares only the levels both servers ran."""
 
 from __future__ import annotations
 
@@ -134,3 +134,33 @@ def test_ray_is_shut_down_and_its_processes_gone_when_the_lab_fails():
         raise RuntimeError("the lab failed half-way")
     assert not ray.is_initialized()
     assert len(run.pids) >= 3 and run.left == [], run  # GCS, raylet, workers ... all ended
+
+
+def _stored_peers(path, inferd_levels, vllm_levels):
+    def server(levels):
+        figures = {
+            f"concurrency={c}": {"median": {"output_throughput": 10.0 * c, "mean_ttft_ms": 100.0}} for c in levels
+        }
+        return {"workloads": {"mixed": figures}}
+
+    data = {
+        "machine": {"cpu_model": "test CPU"},
+        "workloads": {"mixed": ["--random-input-len", "288"]},
+        "date": "2026-11-30 10:00",
+        "servers": {"inferd": server(inferd_levels), "vllm": server(vllm_levels)},
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_vllm_lab_compares_only_the_levels_both_servers_ran(tmp_path):
+    """A summary where inferd was rerun at fewer levels (vs_peers merges servers): the lab compares the
+    levels both have, and says how to measure when they share none."""
+    from inferd.errors import InferdError
+    from inferd.labs import vllm
+
+    ctx = LabContext(quick=True, workdir=tmp_path / "w")
+    m = vllm.measure(ctx, _stored_peers(tmp_path / "a.json", [16, 32], [1, 16, 32]))
+    assert m.series["concurrency"] == [16, 32] and m.numbers["c_lo"] == 16
+    with pytest.raises(InferdError, match="no concurrency level measured for both"):
+        vllm.measure(ctx, _stored_peers(tmp_path / "b.json", [4], [1, 16]))
