@@ -52,6 +52,21 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
+// Four cache rows as float32: float rows in place, bf16 rows widened into buf (4 * D floats).
+template <typename T>
+inline void as_float4(const T* const* rows, int64_t D, float* buf, const float** out) {
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[j] = rows[j];
+    } else {
+      float* dst = buf + j * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) dst[i] = widen(rows[j][i]);
+      out[j] = dst;
+    }
+  }
+}
+
 // Scores of one query group against four keys: out[g * n + t..t+3] for every head g of the group.
 // Generic path: the four keys are widened to float32 once (not once per head), then four independent
 // accumulators per head keep the FMA units busy instead of waiting on one reduction chain.
@@ -59,16 +74,7 @@ template <typename T>
 inline void scores4(const float* query, const T* const* keys, int64_t G, int64_t D, float* kbuf, float* out,
                     int64_t n) {
   const float* k[4];
-  for (int j = 0; j < 4; ++j) {
-    if constexpr (std::is_same_v<T, float>) {
-      k[j] = keys[j];
-    } else {
-      float* dst = kbuf + j * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) dst[i] = widen(keys[j][i]);
-      k[j] = dst;
-    }
-  }
+  as_float4(keys, D, kbuf, k);
   for (int64_t g = 0; g < G; ++g) {
     const float* q = query + g * D;
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -138,16 +144,7 @@ template <typename T>
 inline void accumulate4(const float* p, int64_t n, const T* const* v, int64_t G, int64_t D, float* vbuf,
                         float* acc) {
   const float* r[4];
-  for (int j = 0; j < 4; ++j) {
-    if constexpr (std::is_same_v<T, float>) {
-      r[j] = v[j];
-    } else {
-      float* dst = vbuf + j * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) dst[i] = widen(v[j][i]);
-      r[j] = dst;
-    }
-  }
+  as_float4(v, D, vbuf, r);
   const float *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = p + g * n;
