@@ -27,12 +27,17 @@ Peers, each in its own virtual environment under ~/.cache/inferd-peers (override
     python benchmarks/vs_peers.py --setup llama-cpp-python
     python benchmarks/vs_peers.py                          # every server whose setup is done
     python benchmarks/vs_peers.py --servers inferd,inferd-int4,vllm,llama-server --workloads mixed --runs 1
+    python benchmarks/vs_peers.py --servers inferd,vllm,llama-server --workloads mixed --interleave --fresh
     python benchmarks/vs_peers.py --dry-run
 
-Results: benchmarks/results/vs_peers.json (merged, so servers can be run one at a time): per server its
-command, dtype and quantization, per workload and level the runs and their medians; the ratios of inferd's
-best mode over each peer, and the issue's targets (concurrency 16 and 32: 1.5x vLLM bf16's output
-throughput with a lower mean TTFT; concurrency 1: 1.2x llama-server).
+`--interleave` starts every chosen server at once (an idle one waits on its socket) and gives each run of each
+level to every server in turn, so a drift of the machine's speed over minutes is shared by all of them rather
+than read as a difference between servers.
+
+Results: benchmarks/results/vs_peers.json (merged per server and level, so servers and levels can be run one
+at a time; `--fresh` starts over): per server its command, dtype and quantization, per workload and level the
+runs and their medians; the ratios of inferd's best mode over each peer, and the issue's targets (concurrency
+16 and 32: 1.5x vLLM bf16's output throughput with a lower mean TTFT; concurrency 1: 1.2x llama-server).
 """
 
 from __future__ import annotations
@@ -396,55 +401,109 @@ def median_of_runs(runs: list[dict]) -> dict:
 
 def bench_level(server: Server, port: int, model: Model, workload: str, level: int, args) -> dict:
     """`--runs` benchmarks of one level, a new seed (new prompts) each; their figures and medians."""
-    runs = []
-    for seed in range(args.runs):
-        cmd = bench_command(server, port, model, workload, level, seed)
-        done = subprocess.run(cmd, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}")
-        raw = RESULTS_DIR / "raw" / cmd[cmd.index("--result-filename") + 1]
-        result = json.loads(raw.read_text())
-        write_json(raw, result)  # the same, without this machine's paths
-        run = result["runs"][0] if "runs" in result else result  # one level: the summary is the file itself
-        runs.append({k: run.get(k) for k in SUMMARY_KEYS})
+    runs = [bench_run(server, port, model, workload, level, seed) for seed in range(args.runs)]
     return {"num_prompts": num_prompts(level), "runs": runs, "median": median_of_runs(runs)}
 
 
-def run_server(server: Server, port: int, model: Model, args: argparse.Namespace) -> dict:
-    """Start, wait for health, bench every workload and level, stop. Returns this server's summary entry."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    entry = {"install": server.install, "dtype": server.dtype, "quantization": server.quantization,
-             "start_command": shlex.join(server.command), "env": server.env,
-             "bench_command_example": shlex.join(bench_command(server, port, model, args.workloads[0], 1, 0)),
-             "workloads": {}, "error": None}  # fmt: skip
-    if args.dry_run:
-        print(f"[{server.name}] would start: {entry['start_command']}")
-        print(f"[{server.name}] would run, per workload, level and seed: {entry['bench_command_example']}")
-        return entry
+def bench_run(server: Server, port: int, model: Model, workload: str, level: int, seed: int) -> dict:
+    """One `inferd bench serve` run of one level with one seed (one set of prompts); its summary figures."""
+    cmd = bench_command(server, port, model, workload, level, seed)
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}")
+    raw = RESULTS_DIR / "raw" / cmd[cmd.index("--result-filename") + 1]
+    result = json.loads(raw.read_text())
+    write_json(raw, result)  # the same, without this machine's paths
+    run = result["runs"][0] if "runs" in result else result  # one level: the summary is the file itself
+    return {k: run.get(k) for k in SUMMARY_KEYS}
+
+
+def new_entry(server: Server, port: int, model: Model, args: argparse.Namespace) -> dict:
+    return {"install": server.install, "dtype": server.dtype, "quantization": server.quantization,
+            "start_command": shlex.join(server.command), "env": server.env,
+            "bench_command_example": shlex.join(bench_command(server, port, model, args.workloads[0], 1, 0)),
+            "workloads": {}, "error": None}  # fmt: skip
+
+
+def start(server: Server, port: int, entry: dict) -> subprocess.Popen:
+    """Start a server and wait until it is healthy (its start-up time goes into `entry`)."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / f"{server.name}.server.log"
     with log.open("w") as f:
         proc = subprocess.Popen(server.command, stdout=f, stderr=subprocess.STDOUT, env=os.environ | server.env,
                                 start_new_session=True)  # fmt: skip
+    print(f"[{server.name}] starting (log {log})", flush=True)
+    t0 = time.monotonic()
     try:
-        print(f"[{server.name}] starting (log {log})", flush=True)
-        t0 = time.monotonic()
         wait_healthy(proc, f"http://127.0.0.1:{port}{server.health_path}", server.startup_timeout_s, log)
-        entry["startup_s"] = round(time.monotonic() - t0, 1)
-        print(f"[{server.name}] healthy after {entry['startup_s']} s; benchmarking", flush=True)
+    except BaseException:
+        stop(proc)
+        raise
+    entry["startup_s"] = round(time.monotonic() - t0, 1)
+    print(f"[{server.name}] healthy after {entry['startup_s']} s", flush=True)
+    return proc
+
+
+def report(name: str, workload: str, level: int, figures: dict) -> None:
+    m = figures["median"]
+    print(f"[{name}] {workload} c={level}: {m.get('output_throughput', 0):.1f} out tok/s, "
+          f"mean TTFT {m.get('mean_ttft_ms', 0):.0f} ms", flush=True)  # fmt: skip
+
+
+def run_server(server: Server, port: int, model: Model, args: argparse.Namespace) -> dict:
+    """Start, wait for health, bench every workload and level, stop. Returns this server's summary entry."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    entry = new_entry(server, port, model, args)
+    if args.dry_run:
+        print(f"[{server.name}] would start: {entry['start_command']}")
+        print(f"[{server.name}] would run, per workload, level and seed: {entry['bench_command_example']}")
+        return entry
+    proc = None
+    try:
+        proc = start(server, port, entry)
         for workload in args.workloads:
             levels = entry["workloads"].setdefault(workload, {})
             for level in args.concurrency:
                 levels[f"concurrency={level}"] = bench_level(server, port, model, workload, level, args)
-                m = levels[f"concurrency={level}"]["median"]
-                print(f"[{server.name}] {workload} c={level}: {m.get('output_throughput', 0):.1f} out tok/s, "
-                      f"mean TTFT {m.get('mean_ttft_ms', 0):.0f} ms", flush=True)  # fmt: skip
+                report(server.name, workload, level, levels[f"concurrency={level}"])
     except (RuntimeError, OSError, ValueError, KeyError) as e:
         entry["error"] = str(e)
         print(f"[{server.name}] failed: {e}", flush=True)
     finally:
-        stop(proc)
+        if proc is not None:
+            stop(proc)
     return entry
+
+
+def run_interleaved(chosen: list[tuple[Server, int]], model: Model, args: argparse.Namespace) -> dict[str, dict]:
+    """Every server started at once (an idle server waits on its socket and takes no CPU), then each run of
+    each level goes to every server in turn: this VM's speed drifts by up to a third over minutes, which one
+    server after another would count as a difference between servers."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    entries = {server.name: new_entry(server, port, model, args) for server, port in chosen}
+    procs = []
+    try:
+        for server, port in chosen:
+            procs.append(start(server, port, entries[server.name]))
+        for workload in args.workloads:
+            for level in args.concurrency:
+                runs: dict[str, list[dict]] = {server.name: [] for server, _ in chosen}
+                for seed in range(args.runs):
+                    for server, port in chosen:
+                        runs[server.name].append(bench_run(server, port, model, workload, level, seed))
+                for server, _ in chosen:
+                    figures = {"num_prompts": num_prompts(level), "runs": runs[server.name],
+                               "median": median_of_runs(runs[server.name])}  # fmt: skip
+                    entries[server.name]["workloads"].setdefault(workload, {})[f"concurrency={level}"] = figures
+                    report(server.name, workload, level, figures)
+    except (RuntimeError, OSError, ValueError, KeyError) as e:
+        for entry in entries.values():
+            entry["error"] = str(e)
+        print(f"interleaved run failed: {e}", flush=True)
+    finally:
+        for proc in procs:
+            stop(proc)
+    return entries
 
 
 def best_inferd(servers: dict, workload: str, level: str) -> tuple[str | None, dict]:
@@ -514,12 +573,19 @@ def write_summary(entries: dict[str, dict], args: argparse.Namespace) -> dict:
         "requests_per_level": "max(8, 3 x concurrency), distinct prompts per run and level, same across servers",
         "fixed_length": "ignore_eos (llama-cpp-python: logit_bias -100 on 1,106)",
         "runs": args.runs,
+        "interleaved": bool(args.interleave),  # every server up at once, each run to every server in turn
     }  # fmt: skip
     summary["machine"] = machine_info()
     summary["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.fresh:  # only this invocation's servers: ratios from one run, none from an older one
         summary["servers"] = {}
-    summary.setdefault("servers", {}).update(entries)
+        summary.pop("note", None)  # a hand-written note belongs to the run it describes
+    servers = summary.setdefault("servers", {})
+    for name, entry in entries.items():  # levels this invocation did not run keep their earlier figures
+        for workload, levels in servers.get(name, {}).get("workloads", {}).items():
+            for level, figures in levels.items():
+                entry["workloads"].setdefault(workload, {}).setdefault(level, figures)
+        servers[name] = entry
     summary["ratios_best_inferd_over_peer"] = ratios(summary)
     summary["targets"] = target(summary["ratios_best_inferd_over_peer"])
     write_json(SUMMARY, summary)
@@ -535,6 +601,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32])
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument("--fresh", action="store_true", help="drop servers measured by earlier invocations")
+    ap.add_argument(
+        "--interleave", action="store_true", help="start every server at once; each run goes to every server in turn"
+    )
     args = ap.parse_args()
     if args.setup:
         for peer in args.setup:
@@ -544,7 +613,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     model = default_model(convert=False)
-    entries = {}
+    chosen = []
     for name in args.servers.split(","):
         port = free_port()
         table = servers(model, port)
@@ -554,7 +623,11 @@ def main() -> int:
         if not server.ready and not args.dry_run:
             print(f"[{name}] skipped: not installed (python benchmarks/vs_peers.py {server.setup_hint})")
             continue
-        entries[name] = run_server(server, port, model, args)
+        chosen.append((server, port))
+    if args.interleave and not args.dry_run:
+        entries = run_interleaved(chosen, model, args)
+    else:
+        entries = {server.name: run_server(server, port, model, args) for server, port in chosen}
     if args.dry_run:
         return 0
     summary = write_summary(entries, args)
