@@ -75,14 +75,13 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
         self.act_name = act
-        self.intermediate = intermediate
         #: the native act(gate) * up in one call (`use_native_kernels`), for the activations it knows
         self.gated_act = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.gated_act is not None and gate_up.dim() == 2 and gate_up.device.type == "cpu":
-            return self.down_proj(self.gated_act(gate_up, self.intermediate))
+            return self.down_proj(self.gated_act(gate_up, self.gate_up_proj.out_sizes[0]))
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 

@@ -57,12 +57,13 @@ class LMHead(nn.Module):
     def argmax(self, x: torch.Tensor, transform: Transform | None = None) -> torch.Tensor:
         """argmax over the vocabulary of transform(logits), tile by tile; first maximal index on ties."""
         if self.native_argmax is not None and x.device.type == "cpu" and x.dim() == 2:
-            return self._native_argmax(x, transform)
+            best_val = torch.full((x.shape[0],), float("-inf"))
+            best_idx = torch.zeros(x.shape[0], dtype=torch.long)
+            for lo, logits in self._tile_logits(x, transform):
+                self.native_argmax(logits.contiguous(), best_val, best_idx, lo)
+            return best_idx
         best_val = best_idx = None
-        for lo, tile in zip(self.offsets, self.tiles, strict=True):
-            logits = tile(x)
-            if transform is not None:
-                logits = transform(logits)
+        for lo, logits in self._tile_logits(x, transform):
             val, idx = logits.max(dim=-1)
             if best_val is None:
                 best_val, best_idx = val, idx
@@ -73,12 +74,8 @@ class LMHead(nn.Module):
         assert best_idx is not None
         return best_idx
 
-    def _native_argmax(self, x: torch.Tensor, transform: Transform | None) -> torch.Tensor:
-        best_val = torch.full((x.shape[0],), float("-inf"))
-        best_idx = torch.zeros(x.shape[0], dtype=torch.long)
+    def _tile_logits(self, x: torch.Tensor, transform: Transform | None):
+        """(first vocabulary row, transform(logits)) per tile, one tile of logits at a time."""
         for lo, tile in zip(self.offsets, self.tiles, strict=True):
             logits = tile(x)
-            if transform is not None:
-                logits = transform(logits)
-            self.native_argmax(logits.contiguous(), best_val, best_idx, lo)
-        return best_idx
+            yield lo, logits if transform is None else transform(logits)
