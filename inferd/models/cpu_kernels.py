@@ -74,15 +74,21 @@ def paged_decode_threads() -> int:
 
 
 @functools.cache
+def int8_module():
+    """The compiled int8 module: `int8_linear` and `isa()`, the instruction set it was built for."""
+    return _build("inferd_int8_linear", _INT8_SOURCE, "CPU int8 linear kernel")
+
+
 def int8_linear_kernel() -> Callable | None:
-    """The compiled `int8_linear(x_fp32 [M, K], q_int8 [N, K], scale_fp32 [N], bias or None)`."""
-    module = _build("inferd_int8_linear", _INT8_SOURCE, "CPU int8 linear kernel")
+    """The compiled `int8_linear(x fp32|bf16 [M, K], q_int8 [N, K], scale_fp32 [N], bias or None) -> fp32`."""
+    module = int8_module()
     return None if module is None else module.int8_linear
 
 
 @functools.cache
 def int4_kernels():
-    """The compiled int4 module: `int4_linear` (few rows), `int4_linear_chunked` (many), `int4_dequantize`."""
+    """The compiled int4 module: `int4_linear` (few rows), `int4_linear_chunked` (many), `int4_dequantize`,
+    `isa()`."""
     return _build("inferd_int4_linear", _INT4_SOURCE, "CPU int4 linear kernel")
 
 

@@ -1,32 +1,31 @@
-"""Weight-only quantization of the linear layers and the LM head (`--quantization int8|int4`).
+"""Quantized weights for the linear layers and the LM head (`--quantization int8|int4`).
 
 int8, per output channel, symmetric: each weight row is stored as int8 `q` with one float32 scale,
-w ~= q * scale, scale = max|row| / 127. Activations keep the model's dtype; only the weights shrink (a
-quarter of fp32's bytes, half of bf16's), which is what decoding a small batch is bound by. The weights are
-quantized from the float values the model was loaded with: for a GGUF (Q4_K_M and the like) that is the
-float folder transformers dequantized it into, so a GGUF tensor is dequantized once to float, then
-quantized to int8 per channel (not converted block-to-block).
-
-Kernels, picked per call from the activations' dtype and the number of rows M (measured on one shape of
-Gemma 3 270M; see docs/performance.md):
-- bf16 activations (CPUs with native bf16): `torch.ops.aten._weight_int8pack_mm` for small M (it reads
-  int8 and is bandwidth-bound like decoding; only where K is a multiple of 16: torch 2.13's kernel gives
-  wrong results otherwise); for large M the int8 weights are widened to bf16 and go
-  through the dense bf16 matmul (AMX / AVX512_BF16), which is compute-bound there.
-- float32 activations (AVX2 or AVX-512 without bf16): our native kernel (`kernels/int8_linear_cpu.cpp`,
-  int8 widened in registers) for small M; above that the weights are widened to fp32 for the dense matmul.
-  Without the native kernel (no compiler) the widening path serves every M.
+w ~= q * scale, scale = max|row| / 127 (a quarter of fp32's bytes, half of bf16's: what decoding a small batch
+is bound by). The weights are quantized from the float values the model was loaded with: for a GGUF
+(Q4_K_M and the like) that is the float folder transformers dequantized it into, so a GGUF tensor is
+dequantized once to float, then quantized to int8 per channel (not converted block-to-block).
 
 int4, group-wise and asymmetric (as llama.cpp's Q4_1): 32 consecutive weights of a row share a step and a
 low value, w ~= q * step + low with q in 0..15: 4 bits per weight plus 2 for the group's float32 step and
 low (6 in all, against bf16's 16 and int8's 8). A group already on a 16-level grid (a GGUF's 4-bit block
-dequantized to float) keeps its grid (to float rounding) instead of being quantized a second time.
-Kernels (`kernels/int4_linear_cpu.cpp`): for a few rows
-dequantization is fused into the dot products, nothing unpacked to memory (a decode step streams about a
-third of bf16's bytes); for many rows a chunk of weight rows is unpacked into the activations'
-dtype in a cache-sized buffer and goes through the dense matmul. A layer whose input width is not a
-multiple of 32 stays int8 (logged), and so does the LM head. Without a compiler int4 cannot run fast: it is
-then a ConfigError, not a silent crawl.
+dequantized to float) keeps its grid (to float rounding) instead of being quantized a second time. A layer
+whose input width is not a multiple of 32 stays int8 (logged), and so does the LM head. Without a compiler
+int4 cannot run fast: it is then a ConfigError, not a silent crawl.
+
+Kernels, picked per call from the number of activation rows M (measured on Gemma 3 270M's shapes; see
+docs/performance.md):
+- a few rows (decode; int8 M <= NATIVE_MAX_ROWS, int4 M <= INT4_FUSED_MAX_ROWS): our native kernels
+  (`kernels/int8_linear_cpu.cpp`, `kernels/int4_linear_cpu.cpp`) quantize each activation row to int8 in
+  groups of 32 (as llama.cpp's Q8_0) and sum the products in int32 (AVX-512 VNNI, AVX2, or a portable loop,
+  chosen when the kernel is compiled for the CPU), so a decode step is bound by the weight bytes it streams.
+  The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
+  quality it costs is measured (benchmarks/quality.py).
+- many rows (prefill, big batches): the weights are widened (int8, exact) or unpacked (int4, a chunk of
+  rows at a time into a cache-sized buffer) into the activations' dtype for the dense matmul (AMX /
+  AVX512_BF16 for bf16), which is compute-bound there; the activations are not quantized.
+- int8 without its native kernel (no compiler): `torch.ops.aten._weight_int8pack_mm` for a few bf16 rows
+  (only where K is a multiple of 16: torch 2.13's kernel gives wrong results otherwise), widening otherwise.
 """
 
 from __future__ import annotations
@@ -52,9 +51,10 @@ NATIVE_MAX_ROWS = 16
 # torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
 INT8PACK_K_MULTIPLE = 16
 INT4_GROUP = 32
-# rows up to which int4's fused kernel (unpack in L1, dot every row) beats unpacking chunks for the dense
-# matmul; the chunk of weight rows unpacked at a time (2048 x 640 bf16 = 2.5 MiB: stays in L2/L3)
-INT4_FUSED_MAX_ROWS = 4
+# rows up to which int4's fused kernel (integer products, nothing unpacked) beats unpacking chunks for the
+# dense matmul (~16 on Gemma 3 270M's shapes; 12 leaves a margin); the chunk of weight rows unpacked at a
+# time (2048 x 640 bf16 = 2.5 MiB: stays in L2/L3)
+INT4_FUSED_MAX_ROWS = 12
 INT4_CHUNK_ROWS = 2048
 
 
@@ -107,8 +107,8 @@ class Int8Linear(QuantizedLinear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows, dtype = x2.shape[0], x2.dtype
-        if dtype == torch.float32 and self.native is not None and rows <= NATIVE_MAX_ROWS:
-            y = self.native(x2, self.qweight, self.scale, self.bias)
+        if dtype in (torch.float32, torch.bfloat16) and self.native is not None and rows <= NATIVE_MAX_ROWS:
+            y = self.native(x2, self.qweight, self.scale, self.bias).to(dtype)
         elif dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
             if self.bias is not None:
@@ -193,8 +193,8 @@ class Int4Linear(QuantizedLinear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         dtype = x2.dtype
-        if x2.shape[0] <= INT4_FUSED_MAX_ROWS:
-            y = self.kernels.int4_linear(x2.float(), self.qweight, self.step, self.low, self.bias).to(dtype)
+        if x2.shape[0] <= INT4_FUSED_MAX_ROWS and dtype in (torch.float32, torch.bfloat16):
+            y = self.kernels.int4_linear(x2, self.qweight, self.step, self.low, self.bias).to(dtype)
         else:
             if dtype not in (torch.float32, torch.bfloat16):
                 x2 = x2.float()
@@ -219,7 +219,7 @@ def check_quantization(name: str | None, device: torch.device) -> None:
 def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
     """Replace every Linear (the LM head's tiles included) by its quantized form; returns how many."""
     check_quantization(name, device)
-    from inferd.models.cpu_kernels import int4_kernels, int8_linear_kernel
+    from inferd.models.cpu_kernels import int4_kernels, int8_linear_kernel, int8_module
 
     native = int8_linear_kernel() if device.type == "cpu" else None
     int4 = None
@@ -255,10 +255,10 @@ def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
             INT4_GROUP,
         )
     logger.info(
-        "quantization %s: %d linear layers; int8 fp32 kernel: %s",
+        "quantization %s: %d linear layers; kernels for a few rows: %s",
         name,
         len(targets),
-        "native (int8 widened in registers)" if native else "widen to fp32 and dense matmul",
+        f"native, int8 activations ({int8_module().isa()})" if native else "torch (no native int8 kernel)",
     )
     return len(targets)
 

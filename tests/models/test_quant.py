@@ -4,6 +4,7 @@ the engine end to end on tiny models without leaking blocks."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from inferd import LLM, SamplingParams
 from inferd.config import add_engine_args, make_engine_config
 from inferd.errors import ConfigError
+from inferd.models import cpu_kernels as ck
 from inferd.models import quant
 from inferd.models.cpu_kernels import int4_kernels, int8_linear_kernel
 from inferd.models.layers import Linear
@@ -43,6 +45,95 @@ def test_the_native_kernel_builds_here():
     assert int8_linear_kernel() is not None, "the native int8 kernel must build where CI runs"
 
 
+def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the native kernels compute with: each row in groups of 32 (the last one shorter) as int8 values
+    and one step per group, x ~= xq * xd; returned padded to whole groups, [M, G, 32] and [M, G], in float64."""
+    m, k = x.shape
+    groups = -(-k // 32)
+    xf = F.pad(x.float(), (0, groups * 32 - k)).view(m, groups, 32)
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))  # 127 / amax in fp32
+    return torch.round(xf * inv[..., None]).double(), (amax / 127.0).double()
+
+
+def int8_emulated(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    xq, xd = quantized_activations(x)
+    groups = xq.shape[1]
+    qf = F.pad(q.double(), (0, groups * 32 - q.shape[1])).view(q.shape[0], groups, 32)
+    y = (torch.einsum("mgj,ngj->mng", xq, qf) * xd[:, None]).sum(-1) * scale.double()
+    return y if bias is None else y + bias.double()
+
+
+def int4_emulated(x: torch.Tensor, packed, step, low, bias: torch.Tensor | None) -> torch.Tensor:
+    xq, xd = quantized_activations(x)
+    b = packed.view(packed.shape[0], -1, 16)
+    q = torch.cat([b & 15, b >> 4], dim=-1).double()
+    y = (torch.einsum("mgj,ngj->mng", xq, q) * step.double()[None] * xd[:, None]).sum(-1)
+    xsum = x.double().view(x.shape[0], -1, 32).sum(-1)
+    rounding = xsum - xd * xq.sum(-1)  # what rounding x to int8 moved each group's sum by
+    y = y + xsum @ low.double().T + 7.5 * rounding @ step.double().T  # q's middle, 7.5, carries no rounding
+    return y if bias is None else y + bias.double()
+
+
+def _close_to(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest error relative to the largest |want|: float summation order gives ~1e-7, one int8 step of one
+    activation rounded the other way ~1e-3."""
+    return ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
+# the instruction sets the small-M kernels are built for, forced below -march=native where the CPU has more
+ISA_BUILDS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"], "portable": ["-mno-avx2"]}
+
+
+@functools.cache
+def _kernel_build(source: str, isa: str):
+    if isa == "native":
+        return ck.int8_module() if source == "int8" else int4_kernels()
+    path = ck._INT8_SOURCE if source == "int8" else ck._INT4_SOURCE
+    return ck._build(f"inferd_test_{source}_{isa}", path, f"{source} kernel ({isa})", ISA_BUILDS[isa])
+
+
+def _isa_params():
+    return [pytest.param(isa, marks=[] if isa == "native" else [pytest.mark.slow]) for isa in ISA_BUILDS]
+
+
+@pytest.mark.parametrize("isa", _isa_params())
+def test_int8_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
+    module = _kernel_build("int8", isa)
+    assert module is not None, f"the int8 kernel must build for {isa}"
+    if isa != "native":  # the forced builds say which path they compiled
+        assert module.isa() == ("portable" if isa == "portable" else "avx2")
+    torch.manual_seed(0)
+    for k in (40, 64, 96, 640):  # 40 and 96: a short last group; 96: one AVX-512 step and a tail group
+        q, scale = quant.quantize_int8(torch.randn(37, k))
+        bias = torch.randn(37)
+        for rows in (1, 3, 4, 5, 9):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, k) * torch.linspace(0.1, 10, k)).to(dtype)
+                x[0, :32] = 0  # an all-zero group: a zero step, no division by zero
+                got = module.int8_linear(x, q, scale, bias)
+                assert got.dtype == torch.float32
+                assert _close_to(got, int8_emulated(x, q, scale, bias)) < 1e-5, (k, rows, dtype)
+
+
+@pytest.mark.parametrize("isa", _isa_params())
+def test_int4_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
+    module = _kernel_build("int4", isa)
+    assert module is not None, f"the int4 kernel must build for {isa}"
+    if isa != "native":
+        assert module.isa() == ("portable" if isa == "portable" else "avx2")
+    torch.manual_seed(0)
+    for k in (64, 96, 128, 640):  # 64, 96: a row shorter than one block of four groups, or not a multiple
+        packed, step, low = quant.quantize_int4(torch.randn(37, k))
+        bias = torch.randn(37)
+        for rows in (1, 3, 4, 5, 9):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, k) * torch.linspace(0.1, 10, k)).to(dtype)
+                x[0, :32] = 0
+                got = module.int4_linear(x, packed, step, low, bias)
+                assert _close_to(got, int4_emulated(x, packed, step, low, bias)) < 1e-5, (k, rows, dtype)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
 @pytest.mark.parametrize("kernel", ["native", "widen"])
 def test_fp32_paths_match_the_dequantized_weights(rows, kernel):
@@ -51,7 +142,11 @@ def test_fp32_paths_match_the_dequantized_weights(rows, kernel):
     q8 = quant.Int8Linear.from_linear(layer, native)
     x = torch.randn(2, rows, 40)
     exact = F.linear(x, q8.dequantized(), layer.bias)
-    torch.testing.assert_close(q8(x), exact, rtol=1e-4, atol=1e-4)
+    if kernel == "native" and 2 * rows <= quant.NATIVE_MAX_ROWS:  # int8-quantized activations
+        assert _close_to(q8(x).view(-1, 48), int8_emulated(x.view(-1, 40), q8.qweight, q8.scale, q8.bias)) < 1e-5
+        assert ((q8(x) - exact).norm() / exact.norm()).item() < 0.01
+    else:
+        torch.testing.assert_close(q8(x), exact, rtol=1e-4, atol=1e-4)
     # and close to the unquantized layer: int8 per channel keeps ~2 significant digits
     ref = layer(x)
     assert ((q8(x) - ref).norm() / ref.norm()).item() < 0.02
@@ -124,7 +219,11 @@ def test_int4_paths_match_the_dequantized_weights(rows, bias, monkeypatch):
     q = quant.Int4Linear.from_linear(layer, int4_kernels())
     x = torch.randn(rows, 64)
     ref = F.linear(x, q.dequantized(), layer.bias)
-    assert torch.allclose(q(x), ref, atol=1e-4, rtol=1e-4)
+    if rows <= quant.INT4_FUSED_MAX_ROWS:  # int8-quantized activations
+        assert _close_to(q(x), int4_emulated(x, q.qweight, q.step, q.low, q.bias)) < 1e-5
+        assert ((q(x) - ref).norm() / ref.norm()).item() < 0.01
+    else:
+        assert torch.allclose(q(x), ref, atol=1e-4, rtol=1e-4)
     got = q(x.bfloat16())
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), ref, atol=0.1, rtol=0.05)  # bf16 activations and output rounding
