@@ -11,6 +11,11 @@ the fraction of sequences identical to the end.
 
     .venv/bin/python benchmarks/quality.py                                # all modes, 64 x 64, 4096 ppl tokens
     .venv/bin/python benchmarks/quality.py --modes fp32,bf16 --prompts 16 --new-tokens 32 --ppl-tokens 1024
+    .venv/bin/python benchmarks/quality.py --modes fp32,int8,int4 --rows 8 --out quality_rows8
+
+By default the prompts decode in one batch and each perplexity window is one prefill: every layer sees many
+rows. `--rows 8` decodes 8 sequences at a time and scores in prefill chunks of 8 tokens, so the kernels that
+decoding a few streams runs (int8 and int4 with their activations quantized to int8) are the ones measured.
 """
 
 from __future__ import annotations
@@ -81,54 +86,63 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> dict:
     }
 
 
-def _window_nll(llm: LLM, ids: list[int], rows_per_slice: int = 64) -> tuple[float, int]:
-    """Sum of -log p(next token) over one window, from one prefill through the engine's model and LM head."""
+def _window_nll(llm: LLM, ids: list[int], rows: int | None = None, rows_per_slice: int = 64) -> tuple[float, int]:
+    """Sum of -log p(next token) over one window, through the engine's model and LM head: one prefill, or
+    with `rows` a prefill in chunks of that many tokens (each layer then sees as few rows as a small decode
+    batch does, so the kernels for a few rows are the ones scored)."""
     engine = llm.engine
     runner, bs = engine.runner, engine.kv.block_size
     blocks = list(range(-(-len(ids) // bs)))  # the engine is idle: any blocks will do
-    sched = SchedulerOutput(
-        chunks=[ScheduledChunk("ppl", ids, 0, is_prefill=True, samples=True, new_block_ids=blocks)],
-        new_requests=[NewRequest("ppl", ids, SamplingParams(), frozenset())],
-    )
-    runner.update_states(sched)
+    size = rows or len(ids)
+    targets = torch.tensor(ids[1:])
+    nll = 0.0
     try:
-        step = runner.prepare(sched)
-        with torch.inference_mode():
-            hidden = engine.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
-            targets = torch.tensor(ids[1:])
-            nll = 0.0
-            for lo in range(0, len(ids) - 1, rows_per_slice):  # full-vocab logits a slice of rows at a time
-                hi = min(lo + rows_per_slice, len(ids) - 1)
-                logits = engine.model.compute_logits(hidden[lo:hi]).float()
-                nll -= logits.log_softmax(-1).gather(1, targets[lo:hi, None]).sum().item()
+        for start in range(0, len(ids), size):
+            part = ids[start : start + size]
+            first = start == 0
+            chunk = ScheduledChunk("ppl", part, start, True, start + size >= len(ids), blocks if first else [])
+            sched = SchedulerOutput(
+                chunks=[chunk], new_requests=[NewRequest("ppl", ids, SamplingParams(), frozenset())] if first else []
+            )
+            runner.update_states(sched)
+            step = runner.prepare(sched)
+            with torch.inference_mode():
+                hidden = engine.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
+                for lo in range(0, len(part), rows_per_slice):  # full-vocab logits a slice of rows at a time
+                    hi = min(lo + rows_per_slice, len(part), len(ids) - 1 - start)
+                    if hi <= lo:
+                        break
+                    logits = engine.model.compute_logits(hidden[lo:hi]).float()
+                    nll -= logits.log_softmax(-1).gather(1, targets[start + lo : start + hi, None]).sum().item()
     finally:
         runner.update_states(SchedulerOutput(finished_ids=["ppl"]))
     return nll, len(ids) - 1
 
 
-def perplexity(llm: LLM, text_ids: list[int], window: int) -> dict:
+def perplexity(llm: LLM, text_ids: list[int], window: int, rows: int | None = None) -> dict:
     bos = [llm.tokenizer.bos_token_id] if llm.tokenizer.bos_token_id is not None else []
     nll, count = 0.0, 0
     for lo in range(0, len(text_ids), window - len(bos)):
         part = bos + text_ids[lo : lo + window - len(bos)]
         if len(part) < 2:
             continue
-        n, c = _window_nll(llm, part)
+        n, c = _window_nll(llm, part, rows)
         nll, count = nll + n, count + c
-    return {"perplexity": math.exp(nll / count), "scored_tokens": count, "window": window}
+    return {"perplexity": math.exp(nll / count), "scored_tokens": count, "window": window, "rows": rows}
 
 
 def run_mode(name: str, args, prompts, text_ids, ref_tokens) -> tuple[dict, list[list[int]]]:
     settings = MODES[name]
     t = time.perf_counter()
-    llm = LLM(args.model, max_model_len=max(args.window, 1024), kv_cache_memory=1024**3, **settings)
+    batch = {"max_num_seqs": args.rows} if args.rows else {}
+    llm = LLM(args.model, max_model_len=max(args.window, 1024), kv_cache_memory=1024**3, **batch, **settings)
     engine = llm.engine
     tokens = greedy_tokens(llm, prompts, args.new_tokens)
     result = {
         "settings": settings,
         "dtype": engine.dtype_choice.name,
         "quantization": getattr(engine.config, "quantization", None),
-        **perplexity(llm, text_ids, args.window),
+        **perplexity(llm, text_ids, args.window, args.rows),
     }
     if ref_tokens is not None:
         result["agreement_with_fp32"] = agreement(tokens, ref_tokens)
@@ -148,6 +162,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of the English text to score")
     ap.add_argument("--window", type=int, default=512, help="perplexity window (tokens of context at most)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        help="rows per forward pass: decode at most this many sequences at once and score perplexity in prefill "
+        "chunks of this many tokens (<= 12 runs the int8/int4 kernels decoding a few streams uses); default: "
+        "every prompt in one batch, each window in one prefill",
+    )
     ap.add_argument("--out", default="quality")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
