@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import pytest
@@ -13,12 +14,23 @@ from inferd.models.cpu_kernels import paged_decode_kernel, paged_decode_threads
 needs_kernel = pytest.mark.skipif(platform.system() != "Linux", reason="the native kernel is built on Linux")
 
 
-def _case(seed: int, heads: int, kv_heads: int, batch: int = 7, block_size: int = 4, head_dim: int = 32):
+def _case(
+    seed: int,
+    heads: int,
+    kv_heads: int,
+    batch: int = 7,
+    block_size: int = 4,
+    head_dim: int = 32,
+    longest: int = 40,
+    first_len: int | None = None,
+):
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
+    num_blocks = max(64, batch * -(-longest // block_size))
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    seq_lens = torch.randint(1, 40, (batch,), generator=g)
+    seq_lens = torch.randint(1, longest, (batch,), generator=g)
+    if first_len is not None:
+        seq_lens[0] = first_len
     width = int((seq_lens.max() + block_size - 1) // block_size)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in range(batch)])
     q = torch.randn(batch, heads, head_dim, generator=g)
@@ -50,6 +62,21 @@ def test_kernel_matches_reference(heads, kv_heads, window, softcap):
     ref = _run(None, case, window, softcap)
     got = _run(paged_decode_kernel(), case, window, softcap)
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 300])
+def test_a_few_long_requests_split_their_tokens_over_threads(threads, dtype, window):
+    """Fewer (request, kv head) pairs than threads: each pair's tokens are split into parts of at least 128
+    (here up to 7 of them), softmaxed apart and merged; the answer is the one softmax over all tokens."""
+    case = _case(3, 4, 1, batch=2, block_size=16, longest=1000, first_len=1000)  # and one of any length
+    case = [t.to(dtype) if t.is_floating_point() else t for t in case]
+    ref = _run(None, [t.float() if t.is_floating_point() else t for t in case], window, 20.0)
+    got = _run(functools.partial(paged_decode_kernel(), threads=threads), case, window, 20.0)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    assert torch.allclose(got.float(), ref, **tol)
 
 
 @needs_kernel

@@ -1,6 +1,8 @@
 // Paged attention for decode tokens on CPU: one query per request, keys and values read in place from
 // the block tables, so nothing is gathered or padded. Work is split over (request, kv head) pairs;
-// each pair computes its query group's scores, a softmax, and the weighted sum of values.
+// each pair computes its query group's scores, a softmax, and the weighted sum of values. With fewer pairs
+// than threads (one or two requests decoding) a pair's tokens are split into parts on different threads,
+// merged as flash decoding does; otherwise no pair is split, and the sums are those of one pass.
 // K/V are float32 or bfloat16 (read as bf16 and widened in registers: half the bytes of the cache,
 // which is what a decode step is bound by); the arithmetic is float32 either way. Each pair first walks its
 // block table into row pointers (a division per block rather than two per token: a quarter of the kernel's
@@ -162,99 +164,194 @@ inline void accumulate4(const float* p, int64_t n, const T* const* v, int64_t G,
   }
 }
 
-// T: the storage type of q, K/V and the output (float, or uint16_t holding bfloat16 bits).
+// A thread's buffers, reused across the pairs (or parts of a pair) it attends.
 template <typename T>
-void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int64_t* lp, T* op, int64_t B,
-            int64_t H, int64_t D, int64_t BS, int64_t KVH, int64_t MB, float fscale, int64_t window, float fcap) {
-  const int64_t G = H / KVH;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, query(G * D), acc(G * D), buf(4 * D);
-    std::vector<const T*> krows, vrows;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, kvh = item % KVH;
-      const int64_t len = lp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
-      scores.assign(G * n, 0.f);
-      const T* q_in = qp + (b * H + kvh * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) query[i] = widen(q_in[i]);
-      // each token's key and value rows, found once: walking the block table costs no division per token
-      krows.resize(n);
-      vrows.resize(n);
-      for (int64_t t = 0, pos = start; t < n;) {
-        const int64_t block = btp[b * MB + pos / BS];
-        for (int64_t slot = pos % BS; slot < BS && t < n; ++slot, ++t, ++pos) {
-          const int64_t offset = ((block * BS + slot) * KVH + kvh) * D;
-          krows[t] = kp + offset;
-          vrows[t] = vp + offset;
-        }
+struct Workspace {
+  std::vector<float> scores, query, buf;
+  std::vector<const T*> krows, vrows;
+};
+
+// One (request, kv head) pair's query group against the tokens [t0, t1) of its window: acc [G, D] gets the
+// probability-weighted values. normalize: the softmax over these tokens is the whole softmax (the pair is
+// not split), and acc is the output; else each head's largest score and sum of exp(score - largest) go to
+// mx and sum, acc holds the unnormalized sums, and the parts are merged by `merge_parts`.
+template <typename T>
+void attend(const T* q_in, const T* kp, const T* vp, const int64_t* table, int64_t start, int64_t t0, int64_t t1,
+            int64_t kvh, int64_t G, int64_t D, int64_t BS, int64_t KVH, float fscale, float fcap, bool normalize,
+            Workspace<T>& w, float* acc, float* mx, float* sum) {
+  const int64_t n = t1 - t0;
+  w.scores.assign(G * n, 0.f);
+  w.query.resize(G * D);
+  w.buf.resize(4 * D);
+  for (int64_t i = 0; i < G * D; ++i) w.query[i] = widen(q_in[i]);
+  // each token's key and value rows, found once: walking the block table costs no division per token
+  w.krows.resize(n);
+  w.vrows.resize(n);
+  for (int64_t t = 0, pos = start + t0; t < n;) {
+    const int64_t block = table[pos / BS];
+    for (int64_t slot = pos % BS; slot < BS && t < n; ++slot, ++t, ++pos) {
+      const int64_t offset = ((block * BS + slot) * KVH + kvh) * D;
+      w.krows[t] = kp + offset;
+      w.vrows[t] = vp + offset;
+    }
+  }
+  float* scores = w.scores.data();
+  // tokens outer, heads inner: four keys stay in L1 while every head of the group uses them
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    if (t + PF + 4 <= n)
+      for (int j = 0; j < 4; ++j) {
+        prefetch_row(w.krows[t + PF + j], D);
+        prefetch_row(w.vrows[t + PF + j], D);
       }
-      // tokens outer, heads inner: four keys stay in L1 while every head of the group uses them
-      int64_t t = 0;
-      for (; t + 4 <= n; t += 4) {
-        if (t + PF + 4 <= n)
-          for (int j = 0; j < 4; ++j) {
-            prefetch_row(krows[t + PF + j], D);
-            prefetch_row(vrows[t + PF + j], D);
-          }
-        const T* keys[4] = {krows[t], krows[t + 1], krows[t + 2], krows[t + 3]};
+    const T* keys[4] = {w.krows[t], w.krows[t + 1], w.krows[t + 2], w.krows[t + 3]};
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, uint16_t>) {
-          if (D % 32 == 0) {
-            scores4_bf16(q_in, keys, G, D, scores.data() + t, n);
-            continue;
-          }
-        }
-#endif
-        scores4(query.data(), keys, G, D, buf.data(), scores.data() + t, n);
-      }
-      for (; t < n; ++t)
-        for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(query.data() + g * D, krows[t], D);
-      for (float& s : scores) {
-        s *= fscale;
-        if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * n;
-        const float mx = *std::max_element(row, row + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          row[t] = std::exp(row[t] - mx);
-          sum += row[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) row[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      int64_t tv = 0;
-      for (; tv + 4 <= n; tv += 4) {
-        if (tv + PF + 4 <= n)
-          for (int j = 0; j < 4; ++j) prefetch_row(vrows[tv + PF + j], D);
-        const T* values[4] = {vrows[tv], vrows[tv + 1], vrows[tv + 2], vrows[tv + 3]};
-        accumulate4(scores.data() + tv, n, values, G, D, buf.data(), acc.data());
-      }
-      for (; tv < n; ++tv) accumulate(scores.data() + tv, n, vrows[tv], G, D, buf.data(), acc.data());
-      T* o = op + (b * H + kvh * G) * D;
-      if constexpr (std::is_same_v<T, float>) {
-        std::copy(acc.begin(), acc.end(), o);
-      } else {  // round to nearest even, as torch's float -> bfloat16 does (no NaNs reach here)
-        for (int64_t i = 0; i < G * D; ++i) {
-          uint32_t bits;
-          std::memcpy(&bits, &acc[i], sizeof bits);
-          o[i] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-        }
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (D % 32 == 0) {
+        scores4_bf16(q_in, keys, G, D, scores + t, n);
+        continue;
       }
     }
+#endif
+    scores4(w.query.data(), keys, G, D, w.buf.data(), scores + t, n);
+  }
+  for (; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(w.query.data() + g * D, w.krows[t], D);
+  for (int64_t i = 0; i < G * n; ++i) {
+    scores[i] *= fscale;
+    if (fcap > 0.f) scores[i] = std::tanh(scores[i] / fcap) * fcap;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * n;
+    const float top = *std::max_element(row, row + n);
+    float total = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      row[i] = std::exp(row[i] - top);
+      total += row[i];
+    }
+    if (normalize) {
+      const float inv = 1.f / total;
+      for (int64_t i = 0; i < n; ++i) row[i] *= inv;
+    } else {
+      mx[g] = top;
+      sum[g] = total;
+    }
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  int64_t tv = 0;
+  for (; tv + 4 <= n; tv += 4) {
+    if (tv + PF + 4 <= n)
+      for (int j = 0; j < 4; ++j) prefetch_row(w.vrows[tv + PF + j], D);
+    const T* values[4] = {w.vrows[tv], w.vrows[tv + 1], w.vrows[tv + 2], w.vrows[tv + 3]};
+    accumulate4(scores + tv, n, values, G, D, w.buf.data(), acc);
+  }
+  for (; tv < n; ++tv) accumulate(scores + tv, n, w.vrows[tv], G, D, w.buf.data(), acc);
+}
+
+// float32 -> the output's type (bfloat16: round to nearest even, as torch does; no NaNs reach here).
+template <typename T>
+inline void store(const float* acc, int64_t count, T* o) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(acc, acc + count, o);
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &acc[i], sizeof bits);
+      o[i] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+  }
+}
+
+// The parts of one pair, each a softmax over its own tokens, as one softmax over all of them (flash
+// decoding's merge): every part's sums are rescaled by exp(its largest score - the overall largest).
+inline void merge_parts(const float* acc, const float* mx, const float* sum, int64_t parts, int64_t G, int64_t D,
+                        float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, mx[p * G + g]);
+    float total = 0.f;
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float f = std::exp(mx[p * G + g] - top);
+      total += f * sum[p * G + g];
+      const float* a = acc + (p * G + g) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] += f * a[i];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+  }
+}
+
+// tokens below which a pair is not split: a part must be long enough to pay for its merge
+constexpr int64_t kMinPartTokens = 128;
+
+// T: the storage type of q, K/V and the output (float, or uint16_t holding bfloat16 bits).
+// Work is split over (request, kv head) pairs. Fewer pairs than threads (decoding one or two requests)
+// would leave threads idle, so then each pair's tokens are split into parts, one per thread, merged after.
+template <typename T>
+void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int64_t* lp, T* op, int64_t B,
+            int64_t H, int64_t D, int64_t BS, int64_t KVH, int64_t MB, float fscale, int64_t window, float fcap,
+            int64_t threads) {
+  const int64_t G = H / KVH, pairs = B * KVH;
+  auto window_of = [&](int64_t b) {
+    const int64_t len = lp[b];
+    return std::pair<int64_t, int64_t>{window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
+  };
+  // parts of every pair: part p of a pair of n tokens covers [p * n / used, (p + 1) * n / used), where
+  // used = min(parts, n / kMinPartTokens) (at least 1); the parts past `used` are empty
+  const int64_t parts = pairs >= threads ? 1 : (threads + pairs - 1) / pairs;
+  std::vector<int64_t> used(pairs, 1);
+  for (int64_t item = 0; parts > 1 && item < pairs; ++item) {
+    const auto [start, len] = window_of(item / KVH);
+    used[item] = std::clamp<int64_t>((len - start) / kMinPartTokens, 1, parts);
+  }
+  if (*std::max_element(used.begin(), used.end()) == 1) {
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      Workspace<T> w;
+      std::vector<float> acc(G * D);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / KVH, kvh = item % KVH;
+        const auto [start, len] = window_of(b);
+        const T* q_in = qp + (b * H + kvh * G) * D;
+        attend(q_in, kp, vp, btp + b * MB, start, 0, len - start, kvh, G, D, BS, KVH, fscale, fcap, true, w,
+               acc.data(), nullptr, nullptr);
+        store(acc.data(), G * D, op + (b * H + kvh * G) * D);
+      }
+    });
+    return;
+  }
+  std::vector<float> acc(pairs * parts * G * D), mx(pairs * parts * G), sum(pairs * parts * G);
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+    Workspace<T> w;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t item = job / parts, p = job % parts;
+      if (p >= used[item]) continue;
+      const int64_t b = item / KVH, kvh = item % KVH;
+      const auto [start, len] = window_of(b);
+      const int64_t n = len - start, t0 = p * n / used[item], t1 = (p + 1) * n / used[item];
+      attend(qp + (b * H + kvh * G) * D, kp, vp, btp + b * MB, start, t0, t1, kvh, G, D, BS, KVH, fscale, fcap,
+             false, w, acc.data() + job * G * D, mx.data() + job * G, sum.data() + job * G);
+    }
   });
+  std::vector<float> out(G * D);
+  for (int64_t item = 0; item < pairs; ++item) {
+    const int64_t b = item / KVH, kvh = item % KVH, first = item * parts;
+    merge_parts(acc.data() + first * G * D, mx.data() + first * G, sum.data() + first * G, used[item], G, D,
+                out.data());
+    store(out.data(), G * D, op + (b * H + kvh * G) * D);
+  }
 }
 
 }  // namespace
 
 // q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
-// seq_lens: [B] int64 (including the token being decoded); window <= 0 means none. Returns [B, H, D].
+// seq_lens: [B] int64 (including the token being decoded); window <= 0 means none; threads <= 0: torch's
+// thread count (what decides whether a pair's tokens are split). Returns [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                           int64_t window, double softcap) {
+                           int64_t window, double softcap, int64_t threads) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "paged_decode runs on float32 or bfloat16");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, "q and the KV cache differ in dtype");
@@ -268,13 +365,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t MB = bt.size(1);
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+  if (threads <= 0) threads = at::get_num_threads();
   if (dtype == torch::kFloat32) {
     decode<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), btp, lp,
-                  out.data_ptr<float>(), B, H, D, BS, KVH, MB, fscale, window, fcap);
+                  out.data_ptr<float>(), B, H, D, BS, KVH, MB, fscale, window, fcap, threads);
   } else {
     auto bits = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
     decode<uint16_t>(bits(q), bits(k_cache), bits(v_cache), btp, lp, bits(out), B, H, D, BS, KVH, MB, fscale,
-                     window, fcap);
+                     window, fcap, threads);
   }
   return out;
 }
@@ -293,5 +391,7 @@ int64_t parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads the work split reaches");
-  m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32 or bfloat16)");
+  m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32 or bfloat16)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("threads") = 0);
 }
