@@ -108,7 +108,7 @@ class Int8Linear(QuantizedLinear):
         x2 = x.reshape(-1, shape[-1])
         rows, dtype = x2.shape[0], x2.dtype
         if dtype in (torch.float32, torch.bfloat16) and self.native is not None and rows <= NATIVE_MAX_ROWS:
-            y = self.native(x2, self.qweight, self.scale, self.bias).to(dtype)
+            y = self.native(x2, self.qweight, self.scale, self.bias)  # in x's dtype
         elif dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
             if self.bias is not None:
@@ -194,7 +194,7 @@ class Int4Linear(QuantizedLinear):
         x2 = x.reshape(-1, shape[-1])
         dtype = x2.dtype
         if x2.shape[0] <= INT4_FUSED_MAX_ROWS and dtype in (torch.float32, torch.bfloat16):
-            y = self.kernels.int4_linear(x2, self.qweight, self.step, self.low, self.bias).to(dtype)
+            y = self.kernels.int4_linear(x2, self.qweight, self.step, self.low, self.bias)  # in x's dtype
         else:
             if dtype not in (torch.float32, torch.bfloat16):
                 x2 = x2.float()

@@ -53,6 +53,10 @@ inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
+// One output value: float32 as is, bfloat16 (bits) rounded as torch rounds.
+inline void put(float v, float* out) { *out = v; }
+inline void put(float v, uint16_t* out) { *out = bf16_bits(v); }
+
 // One weight row unpacked straight into bfloat16 bits.
 inline void unpack_row_bf16(const uint8_t* p, const float* s, const float* l, int64_t K, uint16_t* w) {
   for (int64_t g = 0; g < K / kGroup; ++g) {
@@ -258,9 +262,9 @@ inline void blocks_dot(const uint8_t* w, const float* step, const QuantizedRows&
 #endif
 
 // MB activation rows against weight row n: full blocks vectorised, the tail groups one by one, plus the lows.
-template <int MB>
+template <int MB, typename Out>
 inline void row_dot(const uint8_t* w, const float* step, const float* low, const QuantizedRows& a, int64_t m0,
-                    float add, float* y, int64_t N) {
+                    float add, Out* y, int64_t N) {
   const int64_t G = a.groups, full = G / kBlockGroups;
   float out[MB];
   blocks_dot<MB>(w, step, a, m0, full, out);
@@ -270,13 +274,13 @@ inline void row_dot(const uint8_t* w, const float* step, const float* low, const
     float offset = 0.f;
     for (int64_t g = 0; g < G; ++g) offset += low[g] * xs[g] + kCenter * step[g] * xr[g];
     const float tail = groups_portable(w, step, a.qrow(m0 + m), a.drow(m0 + m), full * kBlockGroups, G);
-    y[(m0 + m) * N] = out[m] + tail + offset + add;
+    put(out[m] + tail + offset + add, y + (m0 + m) * N);
   }
 }
 
 }  // namespace
 
-// A few activation rows (float32 or bfloat16) against int4 weights; returns float32 [M, N].
+// A few activation rows (float32 or bfloat16) against int4 weights; returns [M, N] in x's dtype.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor lows,
                           c10::optional<torch::Tensor> bias) {
   check(x, packed, scales, lows);
@@ -289,7 +293,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / kGroup;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({M, N}, x.options());
   const QuantizedRows a = x.scalar_type() == torch::kFloat32
                               ? quantize_rows(x.data_ptr<float>(), M, K)
                               : quantize_rows(x.data_ptr<at::BFloat16>(), M, K);
@@ -297,23 +301,26 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const float* S = scales.data_ptr<float>();
   const float* L = lows.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* w = P + n * (K / 2);
-      const float* step = S + n * G;
-      const float* low = L + n * G;
-      const float add = B ? B[n] : 0.f;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: row_dot<4>(w, step, low, a, m0, add, Y + n, N); break;
-          case 3: row_dot<3>(w, step, low, a, m0, add, Y + n, N); break;
-          case 2: row_dot<2>(w, step, low, a, m0, add, Y + n, N); break;
-          default: row_dot<1>(w, step, low, a, m0, add, Y + n, N); break;
+  auto rows = [&](auto* Y) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* w = P + n * (K / 2);
+        const float* step = S + n * G;
+        const float* low = L + n * G;
+        const float add = B ? B[n] : 0.f;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 4: row_dot<4>(w, step, low, a, m0, add, Y + n, N); break;
+            case 3: row_dot<3>(w, step, low, a, m0, add, Y + n, N); break;
+            case 2: row_dot<2>(w, step, low, a, m0, add, Y + n, N); break;
+            default: row_dot<1>(w, step, low, a, m0, add, Y + n, N); break;
+          }
         }
       }
-    }
-  });
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32) rows(y.data_ptr<float>());
+  else rows(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
   return y;
 }
 

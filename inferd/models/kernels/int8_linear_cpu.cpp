@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,14 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
     }
   }
   return r;
+}
+
+// One output value: float32 as is, bfloat16 (bits) rounded to nearest even as torch rounds (no NaNs here).
+inline void put(float v, float* out) { *out = v; }
+inline void put(float v, uint16_t* out) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  *out = static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
 // Groups [g0, groups) of one weight row against one activation row, one at a time.
@@ -141,8 +150,8 @@ inline void steps_dot(const int8_t*, const QuantizedRows&, int64_t, int64_t, flo
 
 // MB activation rows against weight row n: whole steps vectorised (none without AVX2), the rest one group
 // at a time.
-template <int MB>
-inline void row_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, float scale, float add, float* y,
+template <int MB, typename Out>
+inline void row_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, float scale, float add, Out* y,
                     int64_t N) {
 #if defined(__AVX2__)
   const int64_t steps = a.K / (kStepGroups * kGroup);
@@ -152,12 +161,13 @@ inline void row_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, float s
   float out[MB];
   steps_dot<MB>(w, a, m0, steps, out);
   for (int m = 0; m < MB; ++m)
-    y[(m0 + m) * N] = (out[m] + groups_portable(w, a, m0 + m, steps * kStepGroups)) * scale + add;
+    put((out[m] + groups_portable(w, a, m0 + m, steps * kStepGroups)) * scale + add, y + (m0 + m) * N);
 }
 
 }  // namespace
 
 // q must lie in -127..127 (as quantize_int8 makes it: |-128| does not fit the unsigned-times-signed product).
+// Returns [M, N] in x's dtype.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2, "int8_linear: x [M, K] and q [N, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
@@ -174,28 +184,31 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
     b = bias->to(torch::kFloat32).contiguous();
     TORCH_CHECK(b.numel() == N, "int8_linear: bias has the wrong size");
   }
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({M, N}, x.options());
   const QuantizedRows a = x.scalar_type() == torch::kFloat32
                               ? quantize_rows(x.data_ptr<float>(), M, K)
                               : quantize_rows(x.data_ptr<at::BFloat16>(), M, K);
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* w = Q + n * K;
-      const float s = S[n], add = B ? B[n] : 0.f;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: row_dot<4>(w, a, m0, s, add, Y + n, N); break;
-          case 3: row_dot<3>(w, a, m0, s, add, Y + n, N); break;
-          case 2: row_dot<2>(w, a, m0, s, add, Y + n, N); break;
-          default: row_dot<1>(w, a, m0, s, add, Y + n, N); break;
+  auto rows = [&](auto* Y) {
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* w = Q + n * K;
+        const float s = S[n], add = B ? B[n] : 0.f;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 4: row_dot<4>(w, a, m0, s, add, Y + n, N); break;
+            case 3: row_dot<3>(w, a, m0, s, add, Y + n, N); break;
+            case 2: row_dot<2>(w, a, m0, s, add, Y + n, N); break;
+            default: row_dot<1>(w, a, m0, s, add, Y + n, N); break;
+          }
         }
       }
-    }
-  });
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32) rows(y.data_ptr<float>());
+  else rows(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
   return y;
 }
 
