@@ -35,8 +35,12 @@ def _cpu_fingerprint() -> str:
 
 
 def _source_hash(source: Path) -> str:
-    """In the module's name, so two checkouts with different kernel sources never load each other's build."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    """In the module's name, so two checkouts with different kernel sources (or headers in the kernels'
+    folder, which every build may include) never load each other's build."""
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 @contextlib.contextmanager
@@ -156,6 +160,7 @@ def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None
             return load(
                 name=name,
                 sources=[str(_stable_copy(source, name))],
+                extra_include_paths=[str(source.parent)],  # shared headers (quantized_common.h)
                 # -fopenmp: at::parallel_for is inline OpenMP; without the flag it runs on one thread.
                 # The library links libgomp.so.1, the soname torch loads already, so one runtime serves both.
                 extra_cflags=flags,

@@ -16,17 +16,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-// Weight bytes are prefetched this far ahead of the loads (measured: a decode step's weight stream went from
-// 12 to 17 GB/s here at 4 KiB; 2 and 8 KiB were slower). Rows are contiguous, so it runs on into the next.
-constexpr int64_t kPrefetchBytes = 4096;
-#endif
+#include "quantized_common.h"
+
+using namespace inferd;
 
 namespace {
 
@@ -45,17 +42,6 @@ inline void unpack_row(const uint8_t* p, const float* s, const float* l, int64_t
     }
   }
 }
-
-// float32 -> bfloat16 bits, round to nearest even as torch does (no NaNs reach here): vectorisable, unlike
-// at::BFloat16's constructor in a loop.
-inline uint16_t bf16_bits(float f) {
-  const uint32_t b = std::bit_cast<uint32_t>(f);
-  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
-
-// One output value: float32 as is, bfloat16 (bits) rounded as torch rounds.
-inline void put(float v, float* out) { *out = v; }
-inline void put(float v, uint16_t* out) { *out = bf16_bits(v); }
 
 // One weight row unpacked straight into bfloat16 bits.
 inline void unpack_row_bf16(const uint8_t* p, const float* s, const float* l, int64_t K, uint16_t* w) {
@@ -175,10 +161,7 @@ inline float groups_portable(const uint8_t* w, const float* step, const int8_t* 
   return s;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr const char* kIsa = "avx512-vnni";
-
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#if defined(INFERD_AVX512_VNNI)
 
 // MB activation rows (1..4) against one weight row, full blocks only; adds step * xd * dot per lane.
 template <int MB>
@@ -202,24 +185,9 @@ inline void blocks_dot(const uint8_t* w, const float* step, const QuantizedRows&
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
-#elif defined(__AVX2__)
-#if defined(__AVXVNNI__)
-constexpr const char* kIsa = "avx2-vnni";
-#else
-constexpr const char* kIsa = "avx2";
-#endif
-
-// 32 unsigned 4-bit weights times 32 signed int8 activations, summed in pairs of four into 8 int32 lanes.
-inline __m256i dot32(__m256i acc, __m256i w, __m256i x) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
-#else
-  // |products| <= 15 * 127, so a pair's int16 sum cannot saturate
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-#endif
-}
+#elif defined(INFERD_AVX2)
 
 template <int MB>
 inline void blocks_dot(const uint8_t* w, const float* step, const QuantizedRows& a, int64_t m0, int64_t nb,
@@ -237,21 +205,16 @@ inline void blocks_dot(const uint8_t* w, const float* step, const QuantizedRows&
       const __m256 s = _mm256_set_m128(_mm_set1_ps(sg[1]), _mm_set1_ps(sg[0]));
       for (int m = 0; m < MB; ++m) {
         const int8_t* xb = a.qrow(m0 + m) + b * kBlockValues + h * 32;
-        __m256i d = dot32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-        d = dot32(d, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64)));
+        __m256i d = dot_u8s8(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+        d = dot_u8s8(d, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64)));
         const __m256 scale = _mm256_mul_ps(s, _mm256_loadu_ps(a.drow(m0 + m) + b * 16 + h * 8));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[m]);
       }
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-    const __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    out[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
 }
 #else
-constexpr const char* kIsa = "portable";
 
 template <int MB>
 inline void blocks_dot(const uint8_t* w, const float* step, const QuantizedRows& a, int64_t m0, int64_t nb,

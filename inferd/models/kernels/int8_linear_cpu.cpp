@@ -16,16 +16,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-// Weight bytes are prefetched this far ahead of the loads (measured: a decode step's weight stream went from
-// 12 to 17 GB/s here at 4 KiB; 2 and 8 KiB were slower). Rows are contiguous, so it runs on into the next.
-constexpr int64_t kPrefetchBytes = 4096;
-#endif
+#include "quantized_common.h"
+
+using namespace inferd;
 
 namespace {
 
@@ -59,14 +55,6 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
   return r;
 }
 
-// One output value: float32 as is, bfloat16 (bits) rounded to nearest even as torch rounds (no NaNs here).
-inline void put(float v, float* out) { *out = v; }
-inline void put(float v, uint16_t* out) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  *out = static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
-
 // Groups [g0, groups) of one weight row against one activation row, one at a time.
 inline float groups_portable(const int8_t* w, const QuantizedRows& a, int64_t m, int64_t g0) {
   const int8_t* x = a.qrow(m);
@@ -81,8 +69,7 @@ inline float groups_portable(const int8_t* w, const QuantizedRows& a, int64_t m,
   return s;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr const char* kIsa = "avx512-vnni";
+#if defined(INFERD_AVX512_VNNI)
 constexpr int64_t kStepGroups = 2;  // 64 bytes a step: lanes 0-7 hold the first group's sums, 8-15 the second's
 
 // MB activation rows (1..4) against one weight row, over its first `steps` * 64 weights.
@@ -104,12 +91,7 @@ inline void steps_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, int64
   }
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
-#elif defined(__AVX2__)
-#if defined(__AVXVNNI__)
-constexpr const char* kIsa = "avx2-vnni";
-#else
-constexpr const char* kIsa = "avx2";
-#endif
+#elif defined(INFERD_AVX2)
 constexpr int64_t kStepGroups = 1;  // 32 bytes a step: one group
 
 template <int MB>
@@ -123,23 +105,13 @@ inline void steps_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, int64
     for (int m = 0; m < MB; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + m) + s * 32));
       const __m256i signed_x = _mm256_sign_epi8(xv, wv);
-#if defined(__AVXVNNI__)
-      const __m256i d = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), mag, signed_x);
-#else
-      // a pair of products is at most 2 * 127 * 127 = 32258: the int16 sum cannot saturate
-      const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_x), _mm256_set1_epi16(1));
-#endif
+      const __m256i d = dot_u8s8(_mm256_setzero_si256(), mag, signed_x);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(a.drow(m0 + m)[s * 8]), acc[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-    const __m128 t = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    out[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
 }
 #else
-constexpr const char* kIsa = "portable";
 constexpr int64_t kStepGroups = 1;
 
 template <int MB>
@@ -153,7 +125,7 @@ inline void steps_dot(const int8_t*, const QuantizedRows&, int64_t, int64_t, flo
 template <int MB, typename Out>
 inline void row_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, float scale, float add, Out* y,
                     int64_t N) {
-#if defined(__AVX2__)
+#if defined(INFERD_AVX512_VNNI) || defined(INFERD_AVX2)
   const int64_t steps = a.K / (kStepGroups * kGroup);
 #else
   const int64_t steps = 0;
