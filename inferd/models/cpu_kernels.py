@@ -136,15 +136,21 @@ def argmax_update_kernel() -> Callable | None:
 
 
 def _stable_copy(source: Path, name: str) -> Path:
-    """The source at a path that depends only on its content: torch rebuilds an extension whose build file
-    names other source paths, so two checkouts of the same kernel would otherwise rebuild it in turn."""
+    """The source, and the headers of its folder, at paths that depend only on their content: torch rebuilds
+    an extension whose build arguments name other source or include paths, so two checkouts of the same
+    kernel would otherwise rebuild it in turn. The headers go to a folder of this build's own (its name
+    hashes them), so a checkout with other headers never compiles against these."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    target = Path(_get_build_directory(name, verbose=False)).parent / f"{name}.cpp"
-    if not target.exists() or target.read_bytes() != source.read_bytes():
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(source.read_bytes())
-        os.replace(tmp, target)
+    folder = Path(_get_build_directory(name, verbose=False)).parent
+    target = folder / f"{name}.cpp"
+    includes = folder / f"{name}.include"
+    includes.mkdir(exist_ok=True)
+    for src, dst in [(source, target), *((h, includes / h.name) for h in source.parent.glob("*.h"))]:
+        if not dst.exists() or dst.read_bytes() != src.read_bytes():
+            tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(src.read_bytes())
+            os.replace(tmp, dst)
     return target
 
 
@@ -157,10 +163,11 @@ def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None
         flags = ["-O3", "-march=native", "-fopenmp", *(cflags or [])]
         name = f"{prefix}_{_cpu_fingerprint()}_{_source_hash(source)}"
         with _build_lock(name):
+            copy = _stable_copy(source, name)
             return load(
                 name=name,
-                sources=[str(_stable_copy(source, name))],
-                extra_include_paths=[str(source.parent)],  # shared headers (quantized_common.h)
+                sources=[str(copy)],
+                extra_include_paths=[str(copy.with_suffix(".include"))],  # shared headers (quantized_common.h)
                 # -fopenmp: at::parallel_for is inline OpenMP; without the flag it runs on one thread.
                 # The library links libgomp.so.1, the soname torch loads already, so one runtime serves both.
                 extra_cflags=flags,

@@ -1,4 +1,4 @@
-"""The kernel build lock: a build killed midway must not make every later start wait."""
+"""Kernel builds: the lock (a build killed midway must not make every later start wait) and the stable copies."""
 
 from __future__ import annotations
 
@@ -38,3 +38,21 @@ def test_a_lock_left_by_a_dead_build_is_removed_and_a_live_one_is_waited_for(tmp
     finally:
         holder.kill()
         holder.wait(timeout=10)
+
+
+def test_two_checkouts_share_a_build_and_its_headers_only_when_both_are_the_same(tmp_path, monkeypatch):
+    """A kernel's build name hashes its source and the headers of its folder; the copies a build compiles
+    sit at paths named by that hash, so checkouts elsewhere reuse the build (torch rebuilds on new paths)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        (folder / "k.cpp").write_text('#include "common.h"\n')
+        (folder / "common.h").write_text("constexpr int kX = 1;\n")
+    assert cpu_kernels._source_hash(a / "k.cpp") == cpu_kernels._source_hash(b / "k.cpp")
+    name = f"k_{cpu_kernels._source_hash(a / 'k.cpp')}"
+    copy = cpu_kernels._stable_copy(a / "k.cpp", name)
+    assert copy == cpu_kernels._stable_copy(b / "k.cpp", name)
+    assert (copy.with_suffix(".include") / "common.h").read_text() == "constexpr int kX = 1;\n"
+    (b / "common.h").write_text("constexpr int kX = 2;\n")  # another checkout, another header: another build
+    assert cpu_kernels._source_hash(b / "k.cpp") != cpu_kernels._source_hash(a / "k.cpp")
