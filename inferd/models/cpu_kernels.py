@@ -1,8 +1,10 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder (g++ and ninja).
 
-The build is cached per CPU and source (it is compiled with -march=native), so only the first start on a
-machine pays the ~1 minute compile. If anything about the build fails, inferd logs why and falls
-back to the PyTorch reference attention, which gives the same results, only slower.
+The build is cached per CPU, source and the headers of `kernels/` (it is compiled with -march=native, which
+also picks the int8/int4 kernels' instruction set: AVX-512 VNNI, AVX2 or portable), so only the first start
+on a machine pays the ~1 minute compile. If anything about the build fails, inferd logs why and falls
+back to the PyTorch reference path, which gives the same results, only slower (int4, which has none, is
+then a ConfigError).
 """
 
 from __future__ import annotations
