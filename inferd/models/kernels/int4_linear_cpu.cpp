@@ -1,17 +1,18 @@
-// Weight-only int4 linear on CPU, group-wise and asymmetric: y[M,N] = x[M,K] @ W^T (+ bias), with
+// int4 linear on CPU, group-wise and asymmetric: y[M,N] = x[M,K] @ W^T (+ bias), with
 // W[n, k] = q * scale[n, g] + low[n, g] for the group g = k / 32 (q in 0..15; as llama.cpp's Q4_1).
 // Storage: `packed` [N, K/2] uint8, 32 weights per group in 16 bytes; byte j of a group holds q[j] in its low
-// nibble and q[j + 16] in its high one, so one 16-byte load and a mask or a shift give two runs of 16
-// consecutive weights. `scales` and `lows` [N, K/32] float32 (a group's step and its smallest value).
+// nibble and q[j + 16] in its high one, so a load and a mask or a shift give runs of 16 consecutive weights.
+// `scales` and `lows` [N, K/32] float32 (a group's step and its smallest value).
 //
 // Two paths, chosen by the caller from M:
-// - int4_linear (a few rows, decode): dequantization fused into the dot products, nothing unpacked to
-//   memory; the step reads 6 bits per weight (4 + the group's step and low), what small batches are bound by.
+// - int4_linear (a few rows, decode): the activations are quantized to int8 in groups of 32 and the products
+//   summed in int32 (below); nothing is unpacked to memory, and the step streams 6 bits per weight (4 + the
+//   group's step and low), what small batches are bound by.
 // - int4_linear_chunked (many rows, prefill): a chunk of weight rows is unpacked into the activations'
 //   dtype in a buffer that stays in cache and multiplied with torch's dense matmul (AMX/AVX512_BF16 for
 //   bf16): compute-bound work keeps the fast matmul, and memory still only streams the int4 bytes.
-// The loops are written for the compiler to vectorise (-O3 -march=native): AVX-512 or AVX2, whichever the
-// CPU has. Work is split over output rows (at::parallel_for, OpenMP).
+// The instruction set comes from -march=native (quantized_common.h). Work is split over output rows
+// (at::parallel_for, OpenMP).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
