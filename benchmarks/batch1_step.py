@@ -39,7 +39,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, Int8Linear):
-            total += m.qweight.numel() + m.scale.numel() * m.scale.element_size()
+            total += m.weight_bytes()
         elif isinstance(m, Int4Linear):
             total += m.qweight.numel() + (m.step.numel() + m.low.numel()) * 4
         elif isinstance(m, Linear):  # oneDNN-packed fp32 layers drop their dense weight: count its shape

@@ -81,14 +81,9 @@ def paged_decode_threads() -> int:
 
 @functools.cache
 def int8_module():
-    """The compiled int8 module: `int8_linear` and `isa()`, the instruction set it was built for."""
+    """The compiled int8 module: `int8_pack(q)` (the tiled layout), `int8_linear(x, packed, scale, bias)`,
+    `int8_unpack(packed, N, K, dtype)` and `isa()`, the instruction set it was built for."""
     return _build("inferd_int8_linear", _INT8_SOURCE, "CPU int8 linear kernel")
-
-
-def int8_linear_kernel() -> Callable | None:
-    """The compiled `int8_linear(x fp32|bf16 [M, K], q_int8 [N, K], scale_fp32 [N], bias or None) -> fp32`."""
-    module = int8_module()
-    return None if module is None else module.int8_linear
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from inferd.config import add_engine_args, make_engine_config
 from inferd.errors import ConfigError
 from inferd.models import cpu_kernels as ck
 from inferd.models import quant
-from inferd.models.cpu_kernels import int4_kernels, int8_linear_kernel
+from inferd.models.cpu_kernels import int4_kernels, int8_module
 from inferd.models.dtypes import cpu_flags
 from inferd.models.layers import Linear
 from inferd.models.lm_head import LMHead
@@ -43,7 +43,7 @@ def test_per_channel_symmetric_round_trip():
 
 
 def test_the_native_kernel_builds_here():
-    assert int8_linear_kernel() is not None, "the native int8 kernel must build where CI runs"
+    assert int8_module() is not None, "the native int8 kernel must build where CI runs"
 
 
 def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,20 +110,24 @@ def test_int8_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
     if isa != "native":  # the forced builds say which path they compiled
         assert module.isa() == _forced_isa(isa)
     torch.manual_seed(0)
-    for k in (40, 64, 96, 640):  # 40 and 96: a short last group; 96: one AVX-512 step and a tail group
-        q, scale = quant.quantize_int8(torch.randn(37, k))
-        bias = torch.randn(37)
-        for rows in (1, 3, 4, 5, 9):
-            x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)
-            x[0, :32] = 0  # an all-zero group: a zero step, no division by zero
-            got = module.int8_linear(x, q, scale, bias)
-            assert got.dtype == torch.float32
-            assert _close_to(got, int8_emulated(x, q, scale, bias)) < 1e-5, (k, rows)
-            # bf16 activations: the same arithmetic on the same values, the output rounded to bf16
-            xb = x.bfloat16()
-            got = module.int8_linear(xb, q, scale, bias)
-            assert got.dtype == torch.bfloat16
-            assert torch.equal(got, module.int8_linear(xb.float(), q, scale, bias).bfloat16())
+    for k in (40, 64, 96, 640):  # 40 and 96: a short last group; 96: one 64-k run and a tail group
+        for n in (37, 130):  # tiles of 16 output rows: the last one partly filled; 130: stripes of several tiles
+            q, scale = quant.quantize_int8(torch.randn(n, k))
+            bias = torch.randn(n)
+            packed = module.int8_pack(q)
+            assert torch.equal(module.int8_unpack(packed, n, k, torch.float32), q.float())
+            assert torch.equal(module.int8_unpack(packed, n, k, torch.bfloat16), q.bfloat16())
+            for rows in (1, 2, 3, 4, 5, 9, 18):  # blocks of up to 4 rows (AVX-512), 2 (AVX2) and their tails
+                x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)
+                x[0, :32] = 0  # an all-zero group: a zero step, no division by zero
+                got = module.int8_linear(x, packed, scale, bias)
+                assert got.dtype == torch.float32
+                assert _close_to(got, int8_emulated(x, q, scale, bias)) < 1e-5, (k, n, rows)
+                # bf16 activations: the same arithmetic on the same values, the output rounded to bf16
+                xb = x.bfloat16()
+                got = module.int8_linear(xb, packed, scale, None)
+                assert got.dtype == torch.bfloat16
+                assert torch.equal(got, module.int8_linear(xb.float(), packed, scale, None).bfloat16())
 
 
 @pytest.mark.parametrize("isa", _isa_params())
@@ -148,16 +152,16 @@ def test_int4_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
             assert torch.equal(got, module.int4_linear(xb.float(), packed, step, low, bias).bfloat16())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 32, 33, 40])
 @pytest.mark.parametrize("kernel", ["native", "widen"])
 def test_fp32_paths_match_the_dequantized_weights(rows, kernel):
     layer = _layer()
-    native = int8_linear_kernel() if kernel == "native" else None
+    native = int8_module() if kernel == "native" else None
     q8 = quant.Int8Linear.from_linear(layer, native)
     x = torch.randn(2, rows, 40)
     exact = F.linear(x, q8.dequantized(), layer.bias)
     if kernel == "native" and 2 * rows <= quant.NATIVE_MAX_ROWS:  # int8-quantized activations
-        assert _close_to(q8(x).view(-1, 48), int8_emulated(x.view(-1, 40), q8.qweight, q8.scale, q8.bias)) < 1e-5
+        assert _close_to(q8(x).view(-1, 48), int8_emulated(x.view(-1, 40), q8.int8_weight(), q8.scale, q8.bias)) < 1e-5
         assert ((q8(x) - exact).norm() / exact.norm()).item() < 0.01
     else:
         torch.testing.assert_close(q8(x), exact, rtol=1e-4, atol=1e-4)
@@ -168,9 +172,10 @@ def test_fp32_paths_match_the_dequantized_weights(rows, kernel):
 
 @pytest.mark.parametrize("rows", [1, quant.INT8PACK_MAX_ROWS, quant.INT8PACK_MAX_ROWS + 1, 33])
 @pytest.mark.parametrize("k", [64, 40])  # 40: torch's packed op is wrong there, the widening path serves it
-def test_bf16_paths_match_fp32_within_bf16_precision(rows, k):
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_bf16_paths_match_fp32_within_bf16_precision(rows, k, kernel):
     layer = _layer(k=k)
-    q8 = quant.Int8Linear.from_linear(layer, int8_linear_kernel())
+    q8 = quant.Int8Linear.from_linear(layer, int8_module() if kernel == "native" else None)
     assert q8.int8pack_ok == (k % 16 == 0)
     x = torch.randn(rows, k)
     got = q8(x.bfloat16())

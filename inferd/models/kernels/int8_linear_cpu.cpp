@@ -1,21 +1,32 @@
-// Weight-only int8 linear for a few activation rows on CPU: y[M,N] = x[M,K] @ (q[N,K] * scale[N])^T + bias,
-// with x float32 or bfloat16.
+// Weight-only int8 linear on CPU: y[M,N] = x[M,K] @ (q[N,K] * scale[N])^T + bias, x float32 or bfloat16, for
+// decode batches (1 to a few dozen rows).
 //
 // As llama.cpp's Q8_0 x Q8_0: each activation row is quantized per group of 32 to int8 with one float step
 // (x ~= xq * xd, xd = max|x| / 127), and a group's products are summed exactly in int32 before the float
-// steps apply: y = scale[n] * sum over groups of xd[g] * sum(q[k] * xq[k]). The integer products are
-// VNNI's vpdpbusd (AVX-512) or AVX2's vpmaddubsw + vpmaddwd (AVX-VNNI's vpdpbusd where present); both
-// multiply unsigned by signed bytes, so each weight's sign moves onto its activation (|q| * (sign(q) * xq),
-// |q| <= 127). Widening every weight to float for a float multiply-add (what this replaced) bound the
-// kernel by its arithmetic at 7-10 GB/s; integer products leave a decode step bound by the int8 bytes it
-// streams, half of bf16's. Work is split over output rows (at::parallel_for, OpenMP); -march=native picks
-// the instruction set, and a portable loop serves CPUs without AVX2 and the row tails.
+// steps apply: y = scale[n] * sum over groups of xd[g] * sum(q[k] * xq[k]).
+//
+// The weights are packed once (int8_pack) in tiles of 16 output rows: tile t, k-quad j holds 64 bytes,
+// q[16t + i, 4j .. 4j+3] + 128 for i = 0..15, so one 64-byte load holds four k of 16 output rows. A vector
+// of 16 int32 lanes is then 16 outputs: VNNI's vpdpbusd multiplies those bytes (unsigned) by one activation
+// row's four k broadcast to every lane (signed) and adds the four products to each lane. The +128 is taken
+// off exactly by starting each group's sum at -128 * sum(xq of the group). A block of MB activation rows x
+// NT tiles keeps its sums in registers, so each weight byte is loaded once per MB rows (not once per row, as
+// a dot product along k is), and nothing but a group's float multiply-add follows its eight vpdpbusd: the
+// kernel stays bound by the int8 bytes it streams up to batches of dozens (it replaced a dot product along
+// k that was compute-bound above 2 rows).
+//
+// AVX2 without VNNI takes the same layout 8 lanes at a time with vpmaddubsw + vpmaddwd, whose int16 pair
+// sums would overflow with +128 weights: it turns a weight back to signed and moves its sign onto the
+// activation (|q| * (sign(q) * xq), 2 * 127 * 127 <= 32767). A portable loop serves CPUs without AVX2.
+// Work is split over tiles (at::parallel_for, OpenMP); -march=native picks the instruction set
+// (quantized_common.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -26,131 +37,328 @@ using namespace inferd;
 namespace {
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 16;                     // output rows per tile
+constexpr int64_t kQuadsPerGroup = kGroup / 4;    // 64-byte loads per group
 
-// The quantized activation rows: q [M, K] int8, d [M, G * 8] each group's step repeated 8 times (one per
-// int32 lane its products land in with AVX-512; AVX2 reads every 8th).
+// The quantized activation rows, K padded with zeros to whole groups.
 struct QuantizedRows {
-  int64_t K, groups;
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  const int8_t* qrow(int64_t m) const { return q.data() + m * K; }
-  const float* drow(int64_t m) const { return d.data() + m * groups * 8; }
+  int64_t M, Kp, groups;
+  std::vector<int8_t> q;      // [M, Kp]
+  std::vector<float> d;       // [M, groups]: each group's step
+  std::vector<int32_t> init;  // [M, groups]: -128 * sum of the group's q, what the +128 of the weights adds
+  const int8_t* qrow(int64_t m) const { return q.data() + m * Kp; }
+  int32_t quad(int64_t m, int64_t j) const {
+    int32_t v;
+    std::memcpy(&v, qrow(m) + 4 * j, 4);
+    return v;
+  }
 };
 
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// Group g of row m: 127 / max|x| in float32, each value rounded to nearest (ties to even, as nearbyint).
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
-  QuantizedRows r{K, (K + kGroup - 1) / kGroup, std::vector<int8_t>(M * K), std::vector<float>()};
-  r.d.assign(M * r.groups * 8, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < r.groups; ++g) {
-      const int64_t k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
-      float amax = 0.f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[m * K + k])));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t k = k0; k < k1; ++k)
-        r.q[m * K + k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[m * K + k]) * inv));
-      for (int l = 0; l < 8; ++l) r.d[(m * r.groups + g) * 8 + l] = amax / 127.f;
+void quantize_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t g) {
+  int8_t* q = r.q.data() + m * r.Kp + g * kGroup;
+  float amax = 0.f;
+#if defined(INFERD_AVX512_VNNI)
+  const __mmask16 lo = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 hi = n >= 32 ? 0xFFFF : n <= 16 ? 0 : static_cast<__mmask16>((1u << (n - 16)) - 1);
+  auto load = [&](int64_t off, __mmask16 mask) {
+    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, x + off);
+    else {
+      const __m256i b = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(x) + off);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
     }
+  };
+  const __m512 a0 = load(0, lo), a1 = load(16, hi);
+  amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    q[k] = k < n ? static_cast<int8_t>(std::nearbyint(to_float(x[k]) * inv)) : 0;
+    sum += q[k];
   }
+#endif
+  r.d[m * r.groups + g] = amax / 127.f;
+  r.init[m * r.groups + g] = -128 * sum;
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp) {
+  const int64_t G = Kp / kGroup;
+  QuantizedRows r{M, Kp, G, std::vector<int8_t>(M * Kp), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) quantize_group(x + m * K + g * kGroup, std::min(kGroup, K - g * kGroup), r, m, g);
   return r;
 }
 
-// Groups [g0, groups) of one weight row against one activation row, one at a time.
-inline float groups_portable(const int8_t* w, const QuantizedRows& a, int64_t m, int64_t g0) {
-  const int8_t* x = a.qrow(m);
-  const float* d = a.drow(m);
-  float s = 0.f;
-  for (int64_t g = g0; g < a.groups; ++g) {
-    int32_t dot = 0;
-    for (int64_t k = g * kGroup; k < std::min(a.K, (g + 1) * kGroup); ++k)
-      dot += static_cast<int32_t>(w[k]) * x[k];
-    s += d[g * 8] * static_cast<float>(dot);
-  }
-  return s;
+// Where a block writes: rows m0.., tiles t0.. of y [M, N], with the per-row scale and bias.
+struct Output {
+  int64_t N;
+  const float* scale;
+  const float* bias;  // or nullptr
+};
+
+template <typename Out>
+inline void put_row(const float* v, int64_t n, const Output& o, Out* y) {
+  const int64_t count = std::min(kTile, o.N - n);
+  for (int64_t i = 0; i < count; ++i) put(v[i] * o.scale[n + i] + (o.bias ? o.bias[n + i] : 0.f), y + n + i);
 }
 
 #if defined(INFERD_AVX512_VNNI)
-constexpr int64_t kStepGroups = 2;  // 64 bytes a step: lanes 0-7 hold the first group's sums, 8-15 the second's
+// Rows per block and the tiles a block spans for that many rows: MB * NT sums in int32 and in float, plus
+// NT weight vectors, stay within the 32 vector registers.
+constexpr int kMaxRows = 4;
+constexpr int tiles_for(int rows) { return rows == 1 ? 8 : rows == 2 ? 5 : rows == 3 ? 4 : 3; }
 
-// MB activation rows (1..4) against one weight row, over its first `steps` * 64 weights.
-template <int MB>
-inline void steps_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, int64_t steps, float* out) {
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < steps; ++s) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + s * 64 + kPrefetchBytes), _MM_HINT_T0);
-    const __m512i wv = _mm512_loadu_si512(w + s * 64);
-    const __m512i mag = _mm512_abs_epi8(wv);
-    const __mmask64 negative = _mm512_movepi8_mask(wv);
+inline void store(__m512 v, __mmask16 mask, float* y) { _mm512_mask_storeu_ps(y, mask, v); }
+inline void store(__m512 v, __mmask16 mask, uint16_t* y) {  // rounded to bf16 as bf16_bits does
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(r));
+}
+
+template <int MB, int NT, typename Out>
+void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
+           const Output& o, Out* Y) {
+  __m512 f[MB][NT];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) f[m][t] = _mm512_setzero_ps();
+  const uint8_t* base = P + t0 * tile_bytes;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512i acc[MB][NT];
     for (int m = 0; m < MB; ++m) {
-      const __m512i xv = _mm512_loadu_si512(a.qrow(m0 + m) + s * 64);
-      const __m512i signed_x = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-      const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag, signed_x);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(a.drow(m0 + m) + s * 16), acc[m]);
+      const __m512i start = _mm512_set1_epi32(a.init[(m0 + m) * a.groups + g]);
+      for (int t = 0; t < NT; ++t) acc[m][t] = start;
+    }
+    for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j) {
+      __m512i w[NT];
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* p = base + t * tile_bytes + j * 64;
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+        w[t] = _mm512_loadu_si512(p);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xb = _mm512_set1_epi32(a.quad(m0 + m, j));
+        for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbusd_epi32(acc[m][t], w[t], xb);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512 d = _mm512_set1_ps(a.d[(m0 + m) * a.groups + g]);
+      for (int t = 0; t < NT; ++t) f[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][t]), d, f[m][t]);
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n = (t0 + t) * kTile;
+    const __mmask16 mask = o.N - n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << (o.N - n)) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(mask, o.scale + n);
+    const __m512 add = o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) store(_mm512_fmadd_ps(f[m][t], sc, add), mask, Y + (m0 + m) * o.N + n);
+  }
 }
 #elif defined(INFERD_AVX2)
-constexpr int64_t kStepGroups = 1;  // 32 bytes a step: one group
+constexpr int kMaxRows = 2;
+constexpr int tiles_for(int rows) { return rows == 1 ? 2 : 1; }
 
-template <int MB>
-inline void steps_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, int64_t steps, float* out) {
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < steps; ++s) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + s * 32 + kPrefetchBytes), _MM_HINT_T0);
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32));
-    const __m256i mag = _mm256_sign_epi8(wv, wv);
+// Four k of 8 output rows (32 weight bytes, +128) times one row's four k broadcast, added to acc.
+inline __m256i quad_dot(__m256i acc, __m256i w, __m256i xb) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, xb);  // acc starts at -128 * sum(xq): takes the +128 off
+#else
+  const __m256i sw = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // q, signed
+  return dot_u8s8(acc, _mm256_sign_epi8(sw, sw), _mm256_sign_epi8(xb, sw));
+#endif
+}
+
+template <int MB, int NT, typename Out>
+void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
+           const Output& o, Out* Y) {
+  __m256 f[MB][2 * NT];
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < 2 * NT; ++h) f[m][h] = _mm256_setzero_ps();
+  const uint8_t* base = P + t0 * tile_bytes;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256i acc[MB][2 * NT];
     for (int m = 0; m < MB; ++m) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + m) + s * 32));
-      const __m256i signed_x = _mm256_sign_epi8(xv, wv);
-      const __m256i d = dot_u8s8(_mm256_setzero_si256(), mag, signed_x);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(a.drow(m0 + m)[s * 8]), acc[m]);
+#if defined(__AVXVNNI__)
+      const __m256i start = _mm256_set1_epi32(a.init[(m0 + m) * a.groups + g]);
+#else
+      const __m256i start = _mm256_setzero_si256();  // the weights are made signed again: no +128 to take off
+#endif
+      for (int h = 0; h < 2 * NT; ++h) acc[m][h] = start;
+    }
+    for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j) {
+      __m256i w[2 * NT];
+      for (int h = 0; h < 2 * NT; ++h) {
+        const uint8_t* p = base + (h / 2) * tile_bytes + j * 64 + (h % 2) * 32;
+        if (prefetch && h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+        w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xb = _mm256_set1_epi32(a.quad(m0 + m, j));
+        for (int h = 0; h < 2 * NT; ++h) acc[m][h] = quad_dot(acc[m][h], w[h], xb);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * a.groups + g]);
+      for (int h = 0; h < 2 * NT; ++h) f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), d, f[m][h]);
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
-}
-#else
-constexpr int64_t kStepGroups = 1;
-
-template <int MB>
-inline void steps_dot(const int8_t*, const QuantizedRows&, int64_t, int64_t, float* out) {
-  for (int m = 0; m < MB; ++m) out[m] = 0.f;  // every group goes through groups_portable
-}
-#endif
-
-// MB activation rows against weight row n: whole steps vectorised (none without AVX2), the rest one group
-// at a time.
-template <int MB, typename Out>
-inline void row_dot(const int8_t* w, const QuantizedRows& a, int64_t m0, float scale, float add, Out* y,
-                    int64_t N) {
-#if defined(INFERD_AVX512_VNNI) || defined(INFERD_AVX2)
-  const int64_t steps = a.K / (kStepGroups * kGroup);
-#else
-  const int64_t steps = 0;
-#endif
-  float out[MB];
-  steps_dot<MB>(w, a, m0, steps, out);
+  alignas(32) float v[kTile];
   for (int m = 0; m < MB; ++m)
-    put((out[m] + groups_portable(w, a, m0 + m, steps * kStepGroups)) * scale + add, y + (m0 + m) * N);
+    for (int t = 0; t < NT; ++t) {
+      _mm256_store_ps(v, f[m][2 * t]);
+      _mm256_store_ps(v + 8, f[m][2 * t + 1]);
+      put_row(v, (t0 + t) * kTile, o, Y + (m0 + m) * o.N);
+    }
+}
+#else
+constexpr int kMaxRows = 1;
+constexpr int tiles_for(int) { return 1; }
+
+template <int MB, int NT, typename Out>
+void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool,
+           const Output& o, Out* Y) {
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* tile = P + (t0 + t) * tile_bytes;
+      float v[kTile] = {};
+      for (int64_t g = 0; g < a.groups; ++g) {
+        int32_t dot[kTile] = {};
+        for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j)
+          for (int i = 0; i < kTile; ++i)
+            for (int b = 0; b < 4; ++b)
+              dot[i] += (static_cast<int32_t>(tile[j * 64 + i * 4 + b]) - 128) * a.qrow(m0 + m)[4 * j + b];
+        for (int i = 0; i < kTile; ++i) v[i] += a.d[(m0 + m) * a.groups + g] * static_cast<float>(dot[i]);
+      }
+      put_row(v, (t0 + t) * kTile, o, Y + (m0 + m) * o.N);
+    }
+}
+#endif
+
+// One block of mb rows (1..kMaxRows) x nt tiles (1..tiles_for(kMaxRows or mb)).
+template <int MB, typename Out>
+void block_tiles(int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0,
+                 bool prefetch, const Output& o, Out* Y) {
+  switch (nt) {
+#define INFERD_TILES(n) \
+  case n:               \
+    if constexpr (n <= tiles_for(MB)) return block<MB, n>(P, tile_bytes, a, m0, t0, prefetch, o, Y);
+    INFERD_TILES(1)
+    INFERD_TILES(2)
+    INFERD_TILES(3)
+    INFERD_TILES(4)
+    INFERD_TILES(5)
+    INFERD_TILES(6)
+    INFERD_TILES(7)
+    INFERD_TILES(8)
+#undef INFERD_TILES
+  }
+  TORCH_CHECK(false, "int8_linear: no block of ", MB, " rows x ", nt, " tiles");
+}
+
+template <typename Out>
+void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0,
+               int64_t t0, bool prefetch, const Output& o, Out* Y) {
+  switch (mb) {
+    case 1: return block_tiles<1>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+#if defined(INFERD_AVX512_VNNI) || defined(INFERD_AVX2)
+    case 2: return block_tiles<2>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+#endif
+#if defined(INFERD_AVX512_VNNI)
+    case 3: return block_tiles<3>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+    case 4: return block_tiles<4>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+#endif
+  }
+  TORCH_CHECK(false, "int8_linear: no block of ", mb, " rows");
 }
 
 }  // namespace
 
-// q must lie in -127..127 (as quantize_int8 makes it: |-128| does not fit the unsigned-times-signed product).
-// Returns [M, N] in x's dtype.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2, "int8_linear: x [M, K] and q [N, K]");
+// q [N, K] int8 in -127..127 (as quantize_int8 makes it) -> [ceil(N / 16), Kp / 4, 16, 4] uint8, q + 128, with
+// Kp = K rounded up to whole groups of 32; padding holds 128 (a zero weight).
+torch::Tensor int8_pack(torch::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "int8_pack: q must be int8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1), Kp = (K + kGroup - 1) / kGroup * kGroup;
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  auto padded = torch::zeros({tiles * kTile, Kp}, q.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
+  // [tiles, 16, Kp / 4, 4] -> [tiles, Kp / 4, 16, 4]
+  auto packed = padded.view({tiles, kTile, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+  return (packed.to(torch::kInt16) + 128).to(torch::kUInt8);
+}
+
+// One output row's weights from its tile (src: its first quad; quads 64 bytes apart) as K values q.
+template <typename Out>
+void unpack_row(const uint8_t* src, int64_t K, Out* row) {
+  int64_t k = 0;
+#if defined(INFERD_AVX512_VNNI)
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(64));
+  for (; k + 64 <= K; k += 64) {  // 16 quads: 64 consecutive k
+    const __m512i v = _mm512_i32gather_epi32(index, src + (k / 4) * 64, 1);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, c)), _mm512_set1_epi32(128));
+      const __m512 f = _mm512_cvtepi32_ps(q);
+      if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(row + k + 16 * c, f);
+      else  // small integers: bf16 holds them exactly, the top half of their float32 bits
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k + 16 * c),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+    }
+  }
+#endif
+  for (; k < K; ++k) put(static_cast<float>(static_cast<int>(src[(k / 4) * 64 + k % 4]) - 128), row + k);
+}
+
+// The int8 weights back out of int8_pack's layout as q (unscaled, exact) in float32 or bfloat16, [N, K]: for the
+// dense matmul that many rows (prefill) take.
+torch::Tensor int8_unpack(torch::Tensor packed, int64_t N, int64_t K, torch::ScalarType dtype) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kTile,
+              "int8_unpack: packed must come from int8_pack");
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "int8_unpack: float32 or bfloat16");
+  packed = packed.contiguous();
+  const int64_t tiles = packed.size(0), quads = packed.size(1);
+  TORCH_CHECK(tiles == (N + kTile - 1) / kTile && quads * 4 == (K + kGroup - 1) / kGroup * kGroup,
+              "int8_unpack: shapes do not match");
+  auto w = torch::empty({N, K}, packed.options().dtype(dtype));
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  auto run = [&](auto* W) {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < kTile && t * kTile + i < N; ++i) {
+          unpack_row(P + t * quads * 64 + i * 4, K, W + (t * kTile + i) * K);
+        }
+    });
+  };
+  if (dtype == torch::kFloat32) run(w.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()));
+  return w;
+}
+
+// x [M, K] float32 or bfloat16, packed from int8_pack, scale [N] float32, bias [N] or None -> [M, N] in x's dtype.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4, "int8_linear: x [M, K] and packed weights from int8_pack");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "int8_linear: x must be float32 or bfloat16");
-  TORCH_CHECK(q.scalar_type() == torch::kInt8, "int8_linear: q must be int8");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.size(2) == kTile && packed.size(3) == 4,
+              "int8_linear: packed must come from int8_pack");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "int8_linear: scale must be float32");
   x = x.contiguous();
-  q = q.contiguous();
+  packed = packed.contiguous();
   scale = scale.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.size(1) == K && scale.numel() == N, "int8_linear: shapes do not match");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), tiles = packed.size(0), Kp = packed.size(1) * 4;
+  TORCH_CHECK(Kp == (K + kGroup - 1) / kGroup * kGroup && tiles == (N + kTile - 1) / kTile,
+              "int8_linear: shapes do not match");
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(torch::kFloat32).contiguous();
@@ -158,33 +366,32 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   }
   auto y = torch::empty({M, N}, x.options());
   const QuantizedRows a = x.scalar_type() == torch::kFloat32
-                              ? quantize_rows(x.data_ptr<float>(), M, K)
-                              : quantize_rows(x.data_ptr<at::BFloat16>(), M, K);
-  const int8_t* Q = q.data_ptr<int8_t>();
-  const float* S = scale.data_ptr<float>();
-  const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto rows = [&](auto* Y) {
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const int8_t* w = Q + n * K;
-        const float s = S[n], add = B ? B[n] : 0.f;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          switch (std::min<int64_t>(4, M - m0)) {
-            case 4: row_dot<4>(w, a, m0, s, add, Y + n, N); break;
-            case 3: row_dot<3>(w, a, m0, s, add, Y + n, N); break;
-            case 2: row_dot<2>(w, a, m0, s, add, Y + n, N); break;
-            default: row_dot<1>(w, a, m0, s, add, Y + n, N); break;
-          }
-        }
+                              ? quantize_rows(x.data_ptr<float>(), M, K, Kp)
+                              : quantize_rows(x.data_ptr<at::BFloat16>(), M, K, Kp);
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = Kp * kTile;
+  const Output o{N, scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
+  const int rows = static_cast<int>(std::min<int64_t>(M, kMaxRows));
+  const int nt = tiles_for(rows);  // tiles per stripe: each stripe's weights are read from memory once
+  const int64_t stripes = (tiles + nt - 1) / nt;
+  auto run = [&](auto* Y) {
+    at::parallel_for(0, stripes, 1, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t t0 = s * nt;
+        const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
+        for (int64_t m0 = 0; m0 < M; m0 += rows)
+          run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
       }
     });
   };
-  if (x.scalar_type() == torch::kFloat32) rows(y.data_ptr<float>());
-  else rows(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "int8 weights x int8-quantized activations (groups of 32), a few rows (CPU)");
+  m.def("int8_pack", &int8_pack, "int8 weights [N, K] -> the tiled layout int8_linear reads");
+  m.def("int8_unpack", &int8_unpack, "the packed int8 weights as [N, K] float32 or bfloat16 (unscaled)");
+  m.def("int8_linear", &int8_linear, "int8 weights x int8-quantized activations (groups of 32), decode batches (CPU)");
   m.def("isa", [] { return std::string(kIsa); }, "the instruction set int8_linear was built for");
 }
