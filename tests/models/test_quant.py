@@ -130,6 +130,33 @@ def test_int8_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
                 assert torch.equal(got, module.int8_linear(xb.float(), packed, scale, None).bfloat16())
 
 
+def test_int8_amx_path_gives_the_bits_of_the_vnni_path():
+    """Where the CPU has AMX (Intel Sapphire Rapids and later), 8 rows and more take AMX tiles: the same integer
+    sums and the same float order as the vpdpbusd blocks, so the outputs are the same bits. Elsewhere the
+    kernel must not claim AMX."""
+    module = int8_module()
+    if not hasattr(module, "set_amx"):  # built without AMX: a CPU without it
+        assert "amx" not in module.isa() and "amx_int8" not in cpu_flags()
+        return
+    assert module.isa().endswith("+amx")
+    torch.manual_seed(1)
+    for k in (40, 96, 640):
+        for n in (37, 300):
+            q, scale = quant.quantize_int8(torch.randn(n, k))
+            bias, packed = torch.randn(n), module.int8_pack(q)
+            for rows in (8, 17, 33):  # row tiles of 16, the last one padded
+                x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)
+                x[0, :32] = 0
+                for xx in (x, x.bfloat16()):
+                    try:
+                        module.set_amx(False)
+                        want = module.int8_linear(xx, packed, scale, bias)
+                    finally:
+                        module.set_amx(True)
+                    assert torch.equal(module.int8_linear(xx, packed, scale, bias), want), (k, n, rows)
+                assert _close_to(module.int8_linear(x, packed, scale, bias), int8_emulated(x, q, scale, bias)) < 1e-5
+
+
 @pytest.mark.parametrize("isa", _isa_params())
 def test_int4_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
     module = _kernel_build("int4", isa)

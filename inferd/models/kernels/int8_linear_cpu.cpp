@@ -32,6 +32,11 @@
 
 #include "quantized_common.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 using namespace inferd;
 
 namespace {
@@ -92,10 +97,11 @@ void quantize_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t 
   r.init[m * r.groups + g] = -128 * sum;
 }
 
+// Rows beyond M (up to Mp, for whole AMX row tiles) stay zero.
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp) {
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
   const int64_t G = Kp / kGroup;
-  QuantizedRows r{M, Kp, G, std::vector<int8_t>(M * Kp), std::vector<float>(M * G), std::vector<int32_t>(M * G)};
+  QuantizedRows r{M, Kp, G, std::vector<int8_t>(Mp * Kp), std::vector<float>(Mp * G), std::vector<int32_t>(Mp * G)};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) quantize_group(x + m * K + g * kGroup, std::min(kGroup, K - g * kGroup), r, m, g);
   return r;
@@ -166,6 +172,87 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
     for (int m = 0; m < MB; ++m) store(_mm512_fmadd_ps(f[m][t], sc, add), mask, Y + (m0 + m) * o.N + n);
   }
 }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define INFERD_AMX 1
+// AMX (Intel Sapphire Rapids and later): one TDPBSUD multiplies 16 activation rows x 32 k (signed) by 32 k x
+// 16 outputs (unsigned, +128: the packed tile's quads are exactly the B tile's rows) into 16 x 16 int32,
+// 8,192 products in one instruction against 128 vpdpbusd. Each group's sums go through memory (a tile store)
+// to take their float step per row, as the vpdpbusd path does, in the same order: the two give the same bits.
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxMinRows = 8;  // below, the vpdpbusd blocks are as fast (a row tile would be mostly padding)
+
+// Linux hands a process AMX's register state only when asked, once (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction kills the process.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Per thread (tile configuration is thread state): A tiles 0-1 (16 rows x 32 int8), B tiles 2-3 (8 quads x 64
+// bytes), C tiles 4-5 (16 x 16 int32); two of each, so one group's product runs while the other's is scaled.
+void configure_tiles() {
+  TileConfig c;
+  for (int i : {0, 1}) c.rows[i] = kAmxRows, c.colsb[i] = kGroup;
+  for (int i : {2, 3}) c.rows[i] = kQuadsPerGroup, c.colsb[i] = 64;
+  for (int i : {4, 5}) c.rows[i] = kAmxRows, c.colsb[i] = 64;
+  // not _tile_loadconfig: GCC 12's declares an 8-byte operand, so the compiler may drop the stores of the rest
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Group g's int32 sums of 16 rows (c, a stored C tile) into their float sums f: (sum + init) * step.
+inline void scale_group(const int32_t (*c)[kTile], const QuantizedRows& a, int64_t m0, int64_t g, __m512* f) {
+  for (int r = 0; r < kAmxRows; ++r) {
+    const int64_t i = (m0 + r) * a.groups + g;
+    const __m512i sum = _mm512_add_epi32(_mm512_load_si512(c[r]), _mm512_set1_epi32(a.init[i]));
+    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a.d[i]), f[r]);
+  }
+}
+
+// Rows m0 .. m0 + 15 (zero past M) x tile t.
+template <typename Out>
+void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t, bool prefetch,
+               const Output& o, Out* Y) {
+  __m512 f[kAmxRows];
+  for (auto& v : f) v = _mm512_setzero_ps();
+  alignas(64) int32_t c[2][kAmxRows][kTile];
+  const int8_t* A = a.q.data() + m0 * a.Kp;
+  const uint8_t* B = P + t * tile_bytes;
+  constexpr int64_t group_bytes = kQuadsPerGroup * 64;
+  for (int64_t g = 0; g < a.groups; g += 2) {
+    if (prefetch)
+      for (int64_t off = 0; off < 2 * group_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(B + g * group_bytes + kPrefetchBytes + off), _MM_HINT_T0);
+    const bool two = g + 1 < a.groups;
+    _tile_zero(4);
+    _tile_loadd(0, A + g * kGroup, a.Kp);
+    _tile_loadd(2, B + g * group_bytes, 64);
+    _tile_dpbsud(4, 0, 2);
+    if (two) {
+      _tile_zero(5);
+      _tile_loadd(1, A + (g + 1) * kGroup, a.Kp);
+      _tile_loadd(3, B + (g + 1) * group_bytes, 64);
+      _tile_dpbsud(5, 1, 3);
+    }
+    _tile_stored(4, c[0], 64);
+    scale_group(c[0], a, m0, g, f);
+    if (two) {
+      _tile_stored(5, c[1], 64);
+      scale_group(c[1], a, m0, g + 1, f);
+    }
+  }
+  const int64_t n = t * kTile;
+  const __mmask16 mask = o.N - n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << (o.N - n)) - 1);
+  const __m512 sc = _mm512_maskz_loadu_ps(mask, o.scale + n);
+  const __m512 add = o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < kAmxRows && m0 + r < a.M; ++r) store(_mm512_fmadd_ps(f[r], sc, add), mask, Y + (m0 + r) * o.N + n);
+}
+#endif
 #elif defined(INFERD_AVX2)
 constexpr int kMaxRows = 2;
 constexpr int tiles_for(int rows) { return rows == 1 ? 2 : 1; }
@@ -285,6 +372,17 @@ void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const Quant
 
 }  // namespace
 
+#if defined(INFERD_AMX)
+constexpr int64_t kAmxRowsOr1 = kAmxRows;
+bool amx_enabled = true;  // tests switch it off to compare the two paths
+bool amx_available() { return amx_enabled && amx_permitted(); }
+bool use_amx(int64_t M) { return M >= kAmxMinRows && amx_available(); }
+#else
+constexpr int64_t kAmxRowsOr1 = 1;
+bool amx_available() { return false; }
+bool use_amx(int64_t) { return false; }
+#endif
+
 // q [N, K] int8 in -127..127 (as quantize_int8 makes it) -> [ceil(N / 16), Kp / 4, 16, 4] uint8, q + 128, with
 // Kp = K rounded up to whole groups of 32; padding holds 128 (a zero weight).
 torch::Tensor int8_pack(torch::Tensor q) {
@@ -365,12 +463,29 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     TORCH_CHECK(b.numel() == N, "int8_linear: bias has the wrong size");
   }
   auto y = torch::empty({M, N}, x.options());
+  const bool amx = use_amx(M);
+  const int64_t Mp = amx ? (M + kAmxRowsOr1 - 1) / kAmxRowsOr1 * kAmxRowsOr1 : M;
   const QuantizedRows a = x.scalar_type() == torch::kFloat32
-                              ? quantize_rows(x.data_ptr<float>(), M, K, Kp)
-                              : quantize_rows(x.data_ptr<at::BFloat16>(), M, K, Kp);
+                              ? quantize_rows(x.data_ptr<float>(), M, K, Kp, Mp)
+                              : quantize_rows(x.data_ptr<at::BFloat16>(), M, K, Kp, Mp);
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const int64_t tile_bytes = Kp * kTile;
   const Output o{N, scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
+#if defined(INFERD_AMX)
+  if (amx) {
+    auto run = [&](auto* Y) {
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        configure_tiles();
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
+        _tile_release();
+      });
+    };
+    if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
+    else run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    return y;
+  }
+#endif
   const int rows = static_cast<int>(std::min<int64_t>(M, kMaxRows));
   const int nt = tiles_for(rows);  // tiles per stripe: each stripe's weights are read from memory once
   const int64_t stripes = (tiles + nt - 1) / nt;
@@ -393,5 +508,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack", &int8_pack, "int8 weights [N, K] -> the tiled layout int8_linear reads");
   m.def("int8_unpack", &int8_unpack, "the packed int8 weights as [N, K] float32 or bfloat16 (unscaled)");
   m.def("int8_linear", &int8_linear, "int8 weights x int8-quantized activations (groups of 32), decode batches (CPU)");
-  m.def("isa", [] { return std::string(kIsa); }, "the instruction set int8_linear was built for");
+  m.def("isa", [] { return std::string(kIsa) + (amx_available() ? "+amx" : ""); },
+        "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
+#if defined(INFERD_AMX)
+  m.def("set_amx", [](bool on) { amx_enabled = on; }, "tests: switch the AMX path off or on");
+#endif
 }
