@@ -21,9 +21,10 @@ docs/performance.md):
   chosen when the kernel is compiled for the CPU), so a decode step is bound by the weight bytes it streams.
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
-- many rows (prefill, big batches): the weights are widened (int8, exact) or unpacked (int4, a chunk of
-  rows at a time into a cache-sized buffer) into the activations' dtype for the dense matmul (AMX /
-  AVX512_BF16 for bf16), which is compute-bound there; the activations are not quantized.
+- many rows (prefill): the weights are widened (int8: q * scale, rounded once to the activations' dtype, by
+  the native `int8_unpack`; exactly q, scaled after the matmul, without it) or unpacked (int4, a chunk of
+  rows at a time into a cache-sized buffer) for the dense matmul (AMX / AVX512_BF16 for bf16), which is
+  compute-bound there; the activations are not quantized.
 - int8 without its native kernel (no compiler): `torch.ops.aten._weight_int8pack_mm` for a few bf16 rows
   (only where K is a multiple of 16: torch 2.13's kernel gives wrong results otherwise), widening otherwise.
 """
@@ -122,27 +123,32 @@ class Int8Linear(QuantizedLinear):
             self._scales[dtype] = self.scale.to(dtype)
         return self._scales[dtype]
 
-    def _widened(self, dtype: torch.dtype) -> torch.Tensor:
-        """q as [N, K] in dtype (exact: |q| <= 127), unscaled."""
+    def _widened(self, dtype: torch.dtype, scaled: bool = False) -> torch.Tensor:
+        """The weights as [N, K] in dtype: q (exact: |q| <= 127), or q * scale rounded once to dtype."""
         if self.native is None:
-            return self.qweight.to(dtype)
-        unpack_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-        return self.native.int8_unpack(self.packed, self.out_features, self.in_features, unpack_dtype).to(dtype)
+            w = self.qweight.to(dtype)
+            return w * self._scale(dtype)[:, None] if scaled else w
+        unpack = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        scale = self.scale if scaled else None
+        return self.native.int8_unpack(self.packed, self.out_features, self.in_features, unpack, scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows, dtype = x2.shape[0], x2.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
         if dtype in (torch.float32, torch.bfloat16) and self.native is not None and rows <= NATIVE_MAX_ROWS:
             y = self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
         elif dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok and self.native is None:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
-            if self.bias is not None:
-                y = y + self.bias.to(dtype)
-        else:  # widen the weights for the dense matmul; scale the outputs
+            if bias is not None:
+                y = y + bias
+        elif self.native is not None:  # the weights widened with their scales folded in, for the dense matmul
+            y = F.linear(x2, self._widened(dtype, scaled=True), bias)
+        else:  # widened exactly; the outputs scaled
             y = F.linear(x2, self._widened(dtype)) * self._scale(dtype)
-            if self.bias is not None:
-                y = y + self.bias.to(dtype)
+            if bias is not None:
+                y = y + bias
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -396,9 +396,10 @@ torch::Tensor int8_pack(torch::Tensor q) {
   return (packed.to(torch::kInt16) + 128).to(torch::kUInt8);
 }
 
-// One output row's weights from its tile (src: its first quad; quads 64 bytes apart) as K values q.
+// One output row's weights from its tile (src: its first quad; quads 64 bytes apart) as K values q * s, rounded
+// to Out once (bf16: to nearest even).
 template <typename Out>
-void unpack_row(const uint8_t* src, int64_t K, Out* row) {
+void unpack_row(const uint8_t* src, int64_t K, float s, Out* row) {
   int64_t k = 0;
 #if defined(INFERD_AVX512_VNNI)
   const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -407,20 +408,17 @@ void unpack_row(const uint8_t* src, int64_t K, Out* row) {
     const __m512i v = _mm512_i32gather_epi32(index, src + (k / 4) * 64, 1);
     for (int c = 0; c < 4; ++c) {
       const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, c)), _mm512_set1_epi32(128));
-      const __m512 f = _mm512_cvtepi32_ps(q);
-      if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(row + k + 16 * c, f);
-      else  // small integers: bf16 holds them exactly, the top half of their float32 bits
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k + 16 * c),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+      store(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s)), 0xFFFF, row + k + 16 * c);
     }
   }
 #endif
-  for (; k < K; ++k) put(static_cast<float>(static_cast<int>(src[(k / 4) * 64 + k % 4]) - 128), row + k);
+  for (; k < K; ++k) put(static_cast<float>(static_cast<int>(src[(k / 4) * 64 + k % 4]) - 128) * s, row + k);
 }
 
-// The int8 weights back out of int8_pack's layout as q (unscaled, exact) in float32 or bfloat16, [N, K]: for the
-// dense matmul that many rows (prefill) take.
-torch::Tensor int8_unpack(torch::Tensor packed, int64_t N, int64_t K, torch::ScalarType dtype) {
+// The int8 weights back out of int8_pack's layout as [N, K] float32 or bfloat16, for the dense matmul that many
+// rows (prefill) take: q * scale[n] (rounded once to the dtype) with a scale, q itself (exact) without.
+torch::Tensor int8_unpack(torch::Tensor packed, int64_t N, int64_t K, torch::ScalarType dtype,
+                          c10::optional<torch::Tensor> scale) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kTile,
               "int8_unpack: packed must come from int8_pack");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "int8_unpack: float32 or bfloat16");
@@ -428,14 +426,19 @@ torch::Tensor int8_unpack(torch::Tensor packed, int64_t N, int64_t K, torch::Sca
   const int64_t tiles = packed.size(0), quads = packed.size(1);
   TORCH_CHECK(tiles == (N + kTile - 1) / kTile && quads * 4 == (K + kGroup - 1) / kGroup * kGroup,
               "int8_unpack: shapes do not match");
+  torch::Tensor sc;
+  if (scale.has_value() && scale->defined()) {
+    sc = scale->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(sc.numel() == N, "int8_unpack: scale has the wrong size");
+  }
+  const float* S = sc.defined() ? sc.data_ptr<float>() : nullptr;
   auto w = torch::empty({N, K}, packed.options().dtype(dtype));
   const uint8_t* P = packed.data_ptr<uint8_t>();
   auto run = [&](auto* W) {
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
-        for (int64_t i = 0; i < kTile && t * kTile + i < N; ++i) {
-          unpack_row(P + t * quads * 64 + i * 4, K, W + (t * kTile + i) * K);
-        }
+        for (int64_t n = t * kTile; n < std::min(N, (t + 1) * kTile); ++n)
+          unpack_row(P + t * quads * 64 + (n - t * kTile) * 4, K, S ? S[n] : 1.f, W + n * K);
     });
   };
   if (dtype == torch::kFloat32) run(w.data_ptr<float>());
@@ -506,7 +509,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack", &int8_pack, "int8 weights [N, K] -> the tiled layout int8_linear reads");
-  m.def("int8_unpack", &int8_unpack, "the packed int8 weights as [N, K] float32 or bfloat16 (unscaled)");
+  m.def("int8_unpack", &int8_unpack, "the packed int8 weights as [N, K] float32 or bfloat16 (times scale, if given)",
+        py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("scale") = py::none());
   m.def("int8_linear", &int8_linear, "int8 weights x int8-quantized activations (groups of 32), decode batches (CPU)");
   m.def("isa", [] { return std::string(kIsa) + (amx_available() ? "+amx" : ""); },
         "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
