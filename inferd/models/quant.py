@@ -50,6 +50,9 @@ QUANTIZATIONS = ("int8", "int4")
 # widening at 32-64 rows, about even at ~110)
 INT8PACK_MAX_ROWS = 8
 NATIVE_MAX_ROWS = 64
+# bf16 rows up to which AMX-BF16 on weights widened in cache beats widening them in memory for torch's matmul
+# (a 290-token prefill step 189 -> 167 ms; about even at 512, where both are bound by the matmul)
+AMX_BF16_MAX_ROWS = 384
 # torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
 INT8PACK_K_MULTIPLE = 16
 INT4_GROUP = 32
@@ -98,6 +101,9 @@ class Int8Linear(QuantizedLinear):
         self._scales: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale}
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.int8pack_ok = self.in_features % INT8PACK_K_MULTIPLE == 0
+        # bf16 rows beyond NATIVE_MAX_ROWS on a CPU with AMX: weights widened in cache, not in memory
+        amx = native is not None and native.isa().endswith("+amx")
+        self.amx_bf16 = getattr(native, "int8_linear_bf16", None) if amx else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, native=None) -> Int8Linear:
@@ -143,6 +149,8 @@ class Int8Linear(QuantizedLinear):
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
             if bias is not None:
                 y = y + bias
+        elif dtype == torch.bfloat16 and self.amx_bf16 is not None and rows <= AMX_BF16_MAX_ROWS:
+            y = self.amx_bf16(x2, self.packed, self.scale, self.bias)
         elif self.native is not None:  # the weights widened with their scales folded in, for the dense matmul
             y = F.linear(x2, self._widened(dtype, scaled=True), bias)
         else:  # widened exactly; the outputs scaled

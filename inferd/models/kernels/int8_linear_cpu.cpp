@@ -507,6 +507,146 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return y;
 }
 
+#if defined(INFERD_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define INFERD_AMX_BF16 1
+// ---- bf16 activations, many rows: AMX-BF16 on weights widened in cache ----
+//
+// For a batch of bf16 rows the activations need not be quantized at all: each stripe of two weight tiles (32
+// output rows) is widened to bf16 once, into a buffer that stays in L2, laid out as AMX-BF16's B tiles (16 k
+// pairs x 16 outputs per 32 k), and TDPBF16PS multiplies 16 activation rows x 32 k by it, summing in float32
+// across the whole row; the per-channel scale applies once at the end. The products are those of the dense
+// matmul on the widened weights (bf16 x times q, exact), in another summation order. The weights stream from
+// memory once per call as int8 and nothing goes back to memory: where widening the whole matrix for torch's
+// matmul wrote and read it again in bf16, twice int8's bytes.
+constexpr int64_t kMaxStripeTiles = 8;
+constexpr int64_t kChunk = 32;                 // k per TDPBF16PS
+constexpr int64_t kChunkBytes = kChunk * kTile * 2;  // one B tile: 16 pairs x 16 outputs x 2 bf16
+
+void configure_bf16_tiles() {
+  TileConfig c;
+  for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;  // A 16 x 32 bf16; B 16 pairs x 16 x 2; C 16 x 16 fp32
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Tile t's quads [0, Kp / 4) (u8, q + 128) -> B tiles in buf: for chunk c, row p holds k = 32c + 2p and
+// 32c + 2p + 1 of the 16 outputs, as bf16 (exact: |q| <= 127).
+void widen_tile(const uint8_t* tile, int64_t quads, uint16_t* buf) {
+  // bytes 4n, 4n+1 of the 16 outputs, then bytes 4n+2, 4n+3: the two k-pair rows a quad row holds
+  alignas(64) uint8_t order[64];
+  for (int n = 0; n < 16; ++n) {
+    order[2 * n] = 4 * n, order[2 * n + 1] = 4 * n + 1;
+    order[32 + 2 * n] = 4 * n + 2, order[32 + 2 * n + 1] = 4 * n + 3;
+  }
+  const __m512i perm = _mm512_load_si512(order);
+  const __m512i magic = _mm512_set1_epi32(0x4B000000);     // 2^23 + u as float32 bits, for u < 2^23
+  const __m512 offset = _mm512_set1_ps(8388608.f + 128.f);  // minus 2^23 and the +128: float(q), exact
+  auto to_float = [&](__m128i bytes) {
+    return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_cvtepu8_epi32(bytes), magic)), offset);
+  };
+  for (int64_t j = 0; j < quads; ++j) {
+    const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(tile + j * 64));
+    uint16_t* row = buf + (j / 8) * (kChunkBytes / 2) + (j % 8) * 2 * 32;  // rows 2j, 2j+1 of chunk j / 8
+    for (int h = 0; h < 2; ++h) {
+      const __m512bh b = _mm512_cvtne2ps_pbh(to_float(_mm512_extracti32x4_epi32(v, 2 * h + 1)),
+                                             to_float(_mm512_extracti32x4_epi32(v, 2 * h)));
+      _mm512_store_si512(row + h * 32, reinterpret_cast<const __m512i&>(b));
+    }
+  }
+}
+
+// x [Mp, Kp] bf16 (zero-padded), buf the stripe's widened tiles -> C tiles for rows m0.. (1-2 row tiles) x the
+// stripe's tiles (1-2), stored to out [2][2][16][16] float.
+template <int MT, int NT>
+void bf16_block(const uint16_t* x, int64_t Kp, const uint16_t* buf, int64_t m0, float (*out)[2][16][16]) {
+  _tile_zero(4);
+  if constexpr (NT > 1) _tile_zero(5);
+  if constexpr (MT > 1) _tile_zero(6);
+  if constexpr (MT > 1 && NT > 1) _tile_zero(7);
+  const int64_t tile_buf = Kp * kTile;  // bf16 elements of one widened tile
+  for (int64_t c = 0; c < Kp / kChunk; ++c) {
+    _tile_loadd(0, x + m0 * Kp + c * kChunk, Kp * 2);
+    _tile_loadd(2, buf + c * (kChunkBytes / 2), 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if constexpr (NT > 1) {
+      _tile_loadd(3, buf + tile_buf + c * (kChunkBytes / 2), 64);
+      _tile_dpbf16ps(5, 0, 3);
+    }
+    if constexpr (MT > 1) {
+      _tile_loadd(1, x + (m0 + 16) * Kp + c * kChunk, Kp * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if constexpr (NT > 1) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, out[0][0], 64);
+  if constexpr (NT > 1) _tile_stored(5, out[0][1], 64);
+  if constexpr (MT > 1) _tile_stored(6, out[1][0], 64);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(7, out[1][1], 64);
+}
+
+// x [M, K] bfloat16, packed from int8_pack, scale [N], bias [N] or None -> [M, N] bfloat16.
+torch::Tensor int8_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "int8_linear_bf16: x must be bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kTile,
+              "int8_linear_bf16: packed must come from int8_pack");
+  TORCH_CHECK(amx_permitted(), "int8_linear_bf16: the OS does not grant AMX");
+  packed = packed.contiguous();
+  scale = scale.to(torch::kFloat32).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), tiles = packed.size(0), Kp = packed.size(1) * 4;
+  TORCH_CHECK(Kp == (K + kGroup - 1) / kGroup * kGroup && tiles == (N + kTile - 1) / kTile,
+              "int8_linear_bf16: shapes do not match");
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == N, "int8_linear_bf16: bias has the wrong size");
+  }
+  const int64_t Mp = (M + 31) / 32 * 32;  // whole pairs of row tiles: the A tiles read 16 rows each
+  auto xp = torch::zeros({Mp, Kp}, x.options());
+  xp.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint8_t* P = packed.data_ptr<uint8_t>();
+  const Output o{N, scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
+  // stripes of up to kMaxStripeTiles tiles, widened once each (up to 8 x 16 x 2048 bf16 = 512 KiB: L2), as even
+  // over the threads as whole stripes allow; x is read from memory once per stripe, from cache per tile pair
+  const int64_t threads = at::get_num_threads();
+  const int64_t rounds = (tiles + threads * kMaxStripeTiles - 1) / (threads * kMaxStripeTiles);
+  const int64_t per = (tiles + threads * rounds - 1) / (threads * rounds);
+  const int64_t stripes = (tiles + per - 1) / per;
+  at::parallel_for(0, stripes, 1, [&](int64_t s0, int64_t s1) {
+    configure_bf16_tiles();
+    std::vector<uint8_t> raw(per * Kp * kTile * 2 + 64);
+    uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float out[2][2][16][16];
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t first = s * per, count = std::min(per, tiles - first);
+      for (int64_t t = 0; t < count; ++t) widen_tile(P + (first + t) * Kp * kTile, Kp / 4, buf + t * Kp * kTile);
+      for (int64_t m0 = 0; m0 < M; m0 += 32)
+        for (int64_t t0 = 0; t0 < count; t0 += 2) {
+          const int mt = M - m0 > 16 ? 2 : 1, nt = count - t0 > 1 ? 2 : 1;
+          const uint16_t* b0 = buf + t0 * Kp * kTile;
+          if (mt == 2 && nt == 2) bf16_block<2, 2>(X, Kp, b0, m0, out);
+          else if (mt == 2) bf16_block<2, 1>(X, Kp, b0, m0, out);
+          else if (nt == 2) bf16_block<1, 2>(X, Kp, b0, m0, out);
+          else bf16_block<1, 1>(X, Kp, b0, m0, out);
+          for (int64_t i = 0; i < mt; ++i)
+            for (int64_t t = 0; t < nt; ++t) {
+              const int64_t n = (first + t0 + t) * kTile;
+              const __mmask16 mask = N - n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+              const __m512 sc = _mm512_maskz_loadu_ps(mask, o.scale + n);
+              const __m512 add = o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps();
+              for (int64_t r = 0; r < 16 && m0 + i * 16 + r < M; ++r)
+                store(_mm512_fmadd_ps(_mm512_load_ps(out[i][t][r]), sc, add), mask, Y + (m0 + i * 16 + r) * N + n);
+            }
+        }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack", &int8_pack, "int8 weights [N, K] -> the tiled layout int8_linear reads");
   m.def("int8_unpack", &int8_unpack, "the packed int8 weights as [N, K] float32 or bfloat16 (times scale, if given)",
@@ -516,5 +656,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
 #if defined(INFERD_AMX)
   m.def("set_amx", [](bool on) { amx_enabled = on; }, "tests: switch the AMX path off or on");
+#endif
+#if defined(INFERD_AMX_BF16)
+  m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 rows x int8 weights widened in cache, AMX-BF16 (many rows)");
 #endif
 }
