@@ -15,16 +15,18 @@ int4 cannot run fast: it is then a ConfigError, not a silent crawl.
 
 Kernels, picked per call from the number of activation rows M (measured on Gemma 3 270M's shapes; see
 docs/performance.md):
-- a few rows (decode; int8 M <= NATIVE_MAX_ROWS, int4 M <= INT4_FUSED_MAX_ROWS): our native kernels
+- decode (int8 M <= NATIVE_MAX_ROWS, int4 M <= INT4_FUSED_MAX_ROWS): our native kernels
   (`kernels/int8_linear_cpu.cpp`, `kernels/int4_linear_cpu.cpp`) quantize each activation row to int8 in
-  groups of 32 (as llama.cpp's Q8_0) and sum the products in int32 (AVX-512 VNNI, AVX2, or a portable loop,
-  chosen when the kernel is compiled for the CPU), so a decode step is bound by the weight bytes it streams.
+  groups of 32 (as llama.cpp's Q8_0) and sum the products in int32 (AVX-512 VNNI, AMX from 8 rows, AVX2, or
+  a portable loop, chosen when the kernel is compiled for the CPU), so a decode step is bound by the weight
+  bytes it streams. int8 holds its weights in the kernel's tiled layout (`int8_pack`).
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
-- many rows (prefill): the weights are widened (int8: q * scale, rounded once to the activations' dtype, by
-  the native `int8_unpack`; exactly q, scaled after the matmul, without it) or unpacked (int4, a chunk of
-  rows at a time into a cache-sized buffer) for the dense matmul (AMX / AVX512_BF16 for bf16), which is
-  compute-bound there; the activations are not quantized.
+- many rows (prefill): int8 with bf16 rows on an AMX CPU (up to AMX_BF16_MAX_ROWS): `int8_linear_bf16`
+  widens the weights stripe by stripe in cache for AMX-BF16. Otherwise the weights are widened (int8:
+  q * scale, rounded once to the activations' dtype, by the native `int8_unpack`; exactly q, scaled after
+  the matmul, without it) or unpacked (int4, a chunk of rows at a time into a cache-sized buffer) for the
+  dense matmul (AMX / AVX512_BF16 for bf16), which is compute-bound there; the activations are not quantized.
 - int8 without its native kernel (no compiler): `torch.ops.aten._weight_int8pack_mm` for a few bf16 rows
   (only where K is a multiple of 16: torch 2.13's kernel gives wrong results otherwise), widening otherwise.
 """

@@ -18,6 +18,8 @@
 // AVX2 without VNNI takes the same layout 8 lanes at a time with vpmaddubsw + vpmaddwd, whose int16 pair
 // sums would overflow with +128 weights: it turns a weight back to signed and moves its sign onto the
 // activation (|q| * (sign(q) * xq), 2 * 127 * 127 <= 32767). A portable loop serves CPUs without AVX2.
+// On a CPU with AMX, 8 rows and more take AMX tiles for the same integer sums (the same bits), and
+// int8_linear_bf16 serves bf16 prefill rows without quantizing them (its own section below).
 // Work is split over tiles (at::parallel_for, OpenMP); -march=native picks the instruction set
 // (quantized_common.h).
 #include <torch/extension.h>
