@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,23 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding the `inferd` package (a checkout or site-packages)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HANDED_OUT: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, and never one this process handed out before: a server started on an
+    earlier one may not have bound it yet (it loads a model first), and the OS may offer it again, which once
+    put a lab's disaggregation proxy on its own prefill instance's port."""
+    with _PORTS_LOCK:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise RuntimeError(f"no free port on {host} that this process has not handed out already")
 
 
 @dataclass

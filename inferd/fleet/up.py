@@ -118,11 +118,9 @@ class PoolRun:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    import socket
+    from inferd.procs import free_port as handed_out_once
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return handed_out_once(host)
 
 
 def replica_argv(
