@@ -126,7 +126,7 @@ def _sdpa(q, k, v, mask, scale, softcap, is_causal=False):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def _named_in_profiles(name: str):
+def named_in_profiles(name: str):
     """A profiler range around a native call, only while a profiler runs: entering `record_function`
     costs ~50 us, a millisecond per decode step of an 18-layer model at batch 1."""
     if torch._C._autograd._profiler_enabled():
@@ -151,7 +151,7 @@ def paged_attention(
     for group in meta.decode_groups:
         s, e = group.start, group.start + group.count
         if meta.decode_kernel is not None:
-            with _named_in_profiles("inferd::paged_decode_cpu"):
+            with named_in_profiles("inferd::paged_decode_cpu"):
                 out[s:e] = meta.decode_kernel(
                     q[s:e].contiguous(),
                     k_cache,

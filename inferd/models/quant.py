@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferd.errors import ConfigError
+from inferd.models.attention import named_in_profiles
 from inferd.models.layers import Linear
 from inferd.models.lm_head import LMHead
 
@@ -146,15 +147,19 @@ class Int8Linear(QuantizedLinear):
         rows, dtype = x2.shape[0], x2.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         if dtype in (torch.float32, torch.bfloat16) and self.native is not None and rows <= NATIVE_MAX_ROWS:
-            y = self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
+            with named_in_profiles("inferd::int8_linear"):
+                y = self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
         elif dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok and self.native is None:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
             if bias is not None:
                 y = y + bias
         elif dtype == torch.bfloat16 and self.amx_bf16 is not None and rows <= AMX_BF16_MAX_ROWS:
-            y = self.amx_bf16(x2, self.packed, self.scale, self.bias)
+            with named_in_profiles("inferd::int8_linear_bf16"):
+                y = self.amx_bf16(x2, self.packed, self.scale, self.bias)
         elif self.native is not None:  # the weights widened with their scales folded in, for the dense matmul
-            y = F.linear(x2, self._widened(dtype, scaled=True), bias)
+            with named_in_profiles("inferd::int8_unpack"):
+                w = self._widened(dtype, scaled=True)
+            y = F.linear(x2, w, bias)
         else:  # widened exactly; the outputs scaled
             y = F.linear(x2, self._widened(dtype)) * self._scale(dtype)
             if bias is not None:
