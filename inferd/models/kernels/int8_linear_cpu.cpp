@@ -448,25 +448,39 @@ torch::Tensor int8_unpack(torch::Tensor packed, int64_t N, int64_t K, torch::Sca
   return w;
 }
 
-// x [M, K] float32 or bfloat16, packed from int8_pack, scale [N] float32, bias [N] or None -> [M, N] in x's dtype.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4, "int8_linear: x [M, K] and packed weights from int8_pack");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
-              "int8_linear: x must be float32 or bfloat16");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.size(2) == kTile && packed.size(3) == 4,
-              "int8_linear: packed must come from int8_pack");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "int8_linear: scale must be float32");
-  x = x.contiguous();
-  packed = packed.contiguous();
-  scale = scale.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), tiles = packed.size(0), Kp = packed.size(1) * 4;
-  TORCH_CHECK(Kp == (K + kGroup - 1) / kGroup * kGroup && tiles == (N + kTile - 1) / kTile,
-              "int8_linear: shapes do not match");
-  torch::Tensor b;
+// What int8_linear and int8_linear_bf16 check and share: x [M, K] and packed weights of matching shapes, the
+// scales (float32) and the bias (float32, or undefined), made contiguous.
+struct Call {
+  torch::Tensor x, packed, scale, bias;
+  int64_t M, K, N, tiles, Kp;
+};
+
+Call check_call(const char* what, torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, what, ": x must be [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kTile &&
+                  packed.size(3) == 4,
+              what, ": packed must come from int8_pack");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32, what, ": scale must be float32");
+  Call c{x.contiguous(), packed.contiguous(), scale.contiguous(), torch::Tensor(), 0, 0, 0, 0, 0};
+  c.M = x.size(0), c.K = x.size(1), c.N = scale.numel(), c.tiles = packed.size(0), c.Kp = packed.size(1) * 4;
+  TORCH_CHECK(c.Kp == (c.K + kGroup - 1) / kGroup * kGroup && c.tiles == (c.N + kTile - 1) / kTile, what,
+              ": shapes do not match");
   if (bias.has_value() && bias->defined()) {
-    b = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(b.numel() == N, "int8_linear: bias has the wrong size");
+    c.bias = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(c.bias.numel() == c.N, what, ": bias has the wrong size");
   }
+  return c;
+}
+
+// x [M, K] float32 or bfloat16, packed from int8_pack, scale [N] float32, bias [N] or None -> [M, N] in x's dtype.
+torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Tensor scale_in,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16,
+              "int8_linear: x must be float32 or bfloat16");
+  const Call c = check_call("int8_linear", x_in, packed_in, scale_in, bias);
+  const torch::Tensor &x = c.x, &packed = c.packed, &scale = c.scale, &b = c.bias;
+  const int64_t M = c.M, K = c.K, N = c.N, tiles = c.tiles, Kp = c.Kp;
   auto y = torch::empty({M, N}, x.options());
   const bool amx = use_amx(M);
   const int64_t Mp = amx ? (M + kAmxRowsOr1 - 1) / kAmxRowsOr1 * kAmxRowsOr1 : M;
@@ -586,22 +600,13 @@ void bf16_block(const uint16_t* x, int64_t Kp, const uint16_t* buf, int64_t m0, 
 }
 
 // x [M, K] bfloat16, packed from int8_pack, scale [N], bias [N] or None -> [M, N] bfloat16.
-torch::Tensor int8_linear_bf16(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torch::Tensor scale_in,
                                c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "int8_linear_bf16: x must be bf16 [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == kTile,
-              "int8_linear_bf16: packed must come from int8_pack");
+  TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16, "int8_linear_bf16: x must be bfloat16");
   TORCH_CHECK(amx_permitted(), "int8_linear_bf16: the OS does not grant AMX");
-  packed = packed.contiguous();
-  scale = scale.to(torch::kFloat32).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = scale.numel(), tiles = packed.size(0), Kp = packed.size(1) * 4;
-  TORCH_CHECK(Kp == (K + kGroup - 1) / kGroup * kGroup && tiles == (N + kTile - 1) / kTile,
-              "int8_linear_bf16: shapes do not match");
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(b.numel() == N, "int8_linear_bf16: bias has the wrong size");
-  }
+  const Call c = check_call("int8_linear_bf16", x_in, packed_in, scale_in, bias);
+  const torch::Tensor &x = c.x, &packed = c.packed, &scale = c.scale, &b = c.bias;
+  const int64_t M = c.M, K = c.K, N = c.N, tiles = c.tiles, Kp = c.Kp;
   const int64_t Mp = (M + 31) / 32 * 32;  // whole pairs of row tiles: the A tiles read 16 rows each
   auto xp = torch::zeros({Mp, Kp}, x.options());
   xp.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
