@@ -145,11 +145,12 @@ class Int8Linear(QuantizedLinear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         rows, dtype = x2.shape[0], x2.dtype
-        bias = None if self.bias is None else self.bias.to(dtype)
         if dtype in (torch.float32, torch.bfloat16) and self.native is not None and rows <= NATIVE_MAX_ROWS:
             with named_in_profiles("inferd::int8_linear"):
                 y = self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
-        elif dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok and self.native is None:
+            return y.view(*shape[:-1], self.out_features)
+        bias = None if self.bias is None else self.bias.to(dtype)  # the kernels take the float32 bias as it is
+        if dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok and self.native is None:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
             if bias is not None:
                 y = y + bias
