@@ -39,6 +39,7 @@ from inferd.bench.client import ClientConfig
 from inferd.bench.datasets import RandomDataset
 from inferd.bench.runner import BenchConfig, preflight, run_benchmark
 from inferd.bench.tokenizers import resolve_tokenizer
+from inferd.procs import free_port
 
 RESULTS = Path(__file__).parent / "results"
 FLEET = """\
@@ -50,14 +51,6 @@ models:
       - name: m-both
         replicas: 1
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_replica(state: Path, gateway: str, timeout: float = 600) -> str:

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.common import write_json  # noqa: E402
 from inferd.config import DEFAULT_MODEL  # noqa: E402
 from inferd.engine.engine import LLM
+from inferd.procs import free_port  # noqa: E402
 from inferd.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "server_overhead.json"
@@ -112,12 +112,6 @@ def cpu_split(pid: int, before: dict, after: dict, wall: float, client_s: float)
         "server_other_threads_s": others,
         "client_s": client_s,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args, port: int) -> subprocess.Popen:

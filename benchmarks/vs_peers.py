@@ -47,7 +47,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
 from benchmarks.common import portable, write_json  # noqa: E402
 from inferd.models.dtypes import cpu_flags  # noqa: E402
+from inferd.procs import free_port  # noqa: E402
 
 RESULTS_DIR = ROOT / "results" / "vs_peers"  # raw bench JSON, paths made portable (not committed)
 # the servers' own logs name this machine's paths, so they stay out of benchmarks/results
@@ -341,12 +341,6 @@ def run_setup(peer: str, dry_run: bool) -> None:
 
 
 # -- running -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

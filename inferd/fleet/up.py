@@ -51,6 +51,7 @@ from inferd.fleet.disagg import (
     write_list,
 )
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec
+from inferd.procs import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +118,6 @@ class PoolRun:
         return self.spec.autoscaling
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    from inferd.procs import free_port as handed_out_once
-
-    return handed_out_once(host)
-
-
 def replica_argv(
     spec: FleetSpec,
     run: PoolRun,
@@ -167,7 +162,6 @@ class LocalFleet:
                 front = DisaggFront(m.name, roles["prefill"], roles["decode"], self.dir)
                 self.fronts[front.prefill_pool] = self.fronts[front.decode_pool] = front
         self.env = {**os.environ, SECRET_ENV: kv_secret()} if self.fronts else None
-        self._ports: set[int] = set()
         self.autoscaler = FleetAutoscaler({n: r.policy for n, r in self.pools.items() if r.policy is not None})
         reg = self.autoscaler.registry
         self.replica_gauge = Gauge("inferd_fleet_replicas", "Replicas by state.", ["pool", "state"], registry=reg)
@@ -201,15 +195,8 @@ class LocalFleet:
     def proxies(self) -> list[DisaggFront]:
         return list(dict.fromkeys(self.fronts.values()))
 
-    def _port(self) -> int:
-        """A free port not handed out before in this run (two asked in a row may otherwise be the same)."""
-        while (port := free_port()) in self._ports:
-            pass
-        self._ports.add(port)
-        return port
-
     def _start_proxy(self, front: DisaggFront) -> None:
-        front.start(self._port(), self._spawn, self.opts.python, self.opts.log_level)
+        front.start(free_port(), self._spawn, self.opts.python, self.opts.log_level)
         self._publish(self.pools[front.decode_pool])
         self.say(f"disaggregation proxy of {front.model} on {front.url} (prefill and decode pools follow their lists)")
 
@@ -268,10 +255,10 @@ class LocalFleet:
             f.close()
 
     def _start_replica(self, run: PoolRun) -> None:
-        port = self._port()
+        port = free_port()
         log = self.dir / "logs" / f"{run.spec.name}-{port}.log"
         front = self.fronts.get(run.spec.name)
-        kv_port = self._port() if run.spec.role == "prefill" else None
+        kv_port = free_port() if run.spec.role == "prefill" else None
         if kv_port is not None:  # admitted by the decode replicas before it can hand out a lease
             front.publish_peers([r.kv_port for r in run.replicas] + [kv_port])
         popen = self._spawn(replica_argv(self.spec, run, port, self.opts, kv_port, front), log)
