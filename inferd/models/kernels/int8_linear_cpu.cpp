@@ -136,6 +136,20 @@ inline void store(__m512 v, __mmask16 mask, uint16_t* y) {  // rounded to bf16 a
   _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(r));
 }
 
+// The outputs of tile t: a row's 16 float sums times the tile's scales plus its bias, stored to that row's
+// columns 16t.. (masked where the last tile is partly filled).
+struct TileOutput {
+  int64_t n;
+  __mmask16 mask;
+  __m512 scale, add;
+  TileOutput(const Output& o, int64_t t)
+      : n(t * kTile), mask(o.N - n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << (o.N - n)) - 1)),
+        scale(_mm512_maskz_loadu_ps(mask, o.scale + n)),
+        add(o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps()) {}
+  template <typename Out>
+  void put(__m512 sums, Out* row) const { store(_mm512_fmadd_ps(sums, scale, add), mask, row + n); }
+};
+
 template <int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
            const Output& o, Out* Y) {
@@ -167,11 +181,8 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
     }
   }
   for (int t = 0; t < NT; ++t) {
-    const int64_t n = (t0 + t) * kTile;
-    const __mmask16 mask = o.N - n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << (o.N - n)) - 1);
-    const __m512 sc = _mm512_maskz_loadu_ps(mask, o.scale + n);
-    const __m512 add = o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps();
-    for (int m = 0; m < MB; ++m) store(_mm512_fmadd_ps(f[m][t], sc, add), mask, Y + (m0 + m) * o.N + n);
+    const TileOutput out(o, t0 + t);
+    for (int m = 0; m < MB; ++m) out.put(f[m][t], Y + (m0 + m) * o.N);
   }
 }
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -248,11 +259,8 @@ void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int
       scale_group(c[1], a, m0, g + 1, f);
     }
   }
-  const int64_t n = t * kTile;
-  const __mmask16 mask = o.N - n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << (o.N - n)) - 1);
-  const __m512 sc = _mm512_maskz_loadu_ps(mask, o.scale + n);
-  const __m512 add = o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < kAmxRows && m0 + r < a.M; ++r) store(_mm512_fmadd_ps(f[r], sc, add), mask, Y + (m0 + r) * o.N + n);
+  const TileOutput out(o, t);
+  for (int64_t r = 0; r < kAmxRows && m0 + r < a.M; ++r) out.put(f[r], Y + (m0 + r) * o.N);
 }
 #endif
 #elif defined(INFERD_AVX2)
@@ -639,12 +647,9 @@ torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torc
           else bf16_block<1, 1>(X, Kp, b0, m0, out);
           for (int64_t i = 0; i < mt; ++i)
             for (int64_t t = 0; t < nt; ++t) {
-              const int64_t n = (first + t0 + t) * kTile;
-              const __mmask16 mask = N - n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
-              const __m512 sc = _mm512_maskz_loadu_ps(mask, o.scale + n);
-              const __m512 add = o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps();
+              const TileOutput tile(o, first + t0 + t);
               for (int64_t r = 0; r < 16 && m0 + i * 16 + r < M; ++r)
-                store(_mm512_fmadd_ps(_mm512_load_ps(out[i][t][r]), sc, add), mask, Y + (m0 + i * 16 + r) * N + n);
+                tile.put(_mm512_load_ps(out[i][t][r]), Y + (m0 + i * 16 + r) * N);
             }
         }
     }
