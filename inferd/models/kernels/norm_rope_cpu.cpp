@@ -39,6 +39,8 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 inline float f(float v) { return v; }
@@ -179,6 +181,8 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, int64_t heads, int64_
 
 namespace {
 
+using inferd::exp_approx;
+
 inline float bits_to_float(uint32_t b) {
   float v;
   std::memcpy(&v, &b, sizeof v);
@@ -200,23 +204,6 @@ inline float round_as(const float*, float v) { return v; }
 inline float round_as(const uint16_t*, float v) { return bits_to_float(static_cast<uint32_t>(bf16_bits(v)) << 16); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(uint16_t* p, int64_t i, float v) { p[i] = bf16_bits(v); }
-
-// e^x: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (Cephes' expf), 2^k built in the exponent
-// bits. Plain arithmetic, so `omp simd` loops vectorise it.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float k = (x * 1.44269504088896341f + shifter) - shifter;
-  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  return e * bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
-}
 
 // torch's GELU, approximate="tanh", in torch's order: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
 // tanh(u) = 1 - 2 / (e^2u + 1). Like torch's, 1 + tanh(u) cancels where tanh(u) nears -1 (an error of ~|x|

@@ -1,0 +1,28 @@
+// e^x in plain float arithmetic, so `omp simd` loops vectorise it (std::exp is a library call per element).
+// Included by norm_rope_cpu.cpp (the gated activations) and paged_decode_cpu.cpp (the softmax).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+
+namespace inferd {
+
+// x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (Cephes' expf), 2^k built in the exponent bits.
+// Within 2 ulp of std::exp over the float range; inputs below -87 give e^-87 rather than 0.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float k = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  return e * std::bit_cast<float>(static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23);
+}
+
+}  // namespace inferd
