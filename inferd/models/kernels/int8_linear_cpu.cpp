@@ -20,8 +20,8 @@
 // activation (|q| * (sign(q) * xq), 2 * 127 * 127 <= 32767). A portable loop serves CPUs without AVX2.
 // On a CPU with AMX, 8 rows and more take AMX tiles for the same integer sums (the same bits), and
 // int8_linear_bf16 serves bf16 prefill rows without quantizing them (its own section below).
-// Work is split over tiles (at::parallel_for, OpenMP); -march=native picks the instruction set
-// (quantized_common.h).
+// Work is claimed by the threads a few tiles at a time as each becomes free (work_queue.h; OpenMP threads);
+// -march=native picks the instruction set (quantized_common.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "quantized_common.h"
+#include "work_queue.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
@@ -193,6 +194,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 // to take their float step per row, as the vpdpbusd path does, in the same order: the two give the same bits.
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxMinRows = 8;  // below, the vpdpbusd blocks are as fast (a row tile would be mostly padding)
+constexpr int64_t kClaimTiles = 4;  // the fewest tiles a thread claims at once (work_queue.h)
 
 // Linux hands a process AMX's register state only when asked, once (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); without it the first tile instruction kills the process.
@@ -501,10 +503,11 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
 #if defined(INFERD_AMX)
   if (amx) {
     auto run = [&](auto* Y) {
-      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      parallel_claim(tiles, kClaimTiles, [&](auto claim) {
         configure_tiles();
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
+        for (auto [t0, t1] = claim(); t0 < t1; std::tie(t0, t1) = claim())
+          for (int64_t t = t0; t < t1; ++t)
+            for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
         _tile_release();
       });
     };
@@ -517,13 +520,14 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
   const int nt = tiles_for(rows);  // tiles per stripe: each stripe's weights are read from memory once
   const int64_t stripes = (tiles + nt - 1) / nt;
   auto run = [&](auto* Y) {
-    at::parallel_for(0, stripes, 1, [&](int64_t s0, int64_t s1) {
-      for (int64_t s = s0; s < s1; ++s) {
-        const int64_t t0 = s * nt;
-        const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
-        for (int64_t m0 = 0; m0 < M; m0 += rows)
-          run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
-      }
+    parallel_claim(stripes, 1, [&](auto claim) {
+      for (auto [s0, s1] = claim(); s0 < s1; std::tie(s0, s1) = claim())
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t t0 = s * nt;
+          const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
+          for (int64_t m0 = 0; m0 < M; m0 += rows)
+            run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
+        }
     });
   };
   if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
@@ -542,7 +546,7 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
 // matmul on the widened weights (bf16 x times q, exact), in another summation order. The weights stream from
 // memory once per call as int8 and nothing goes back to memory: where widening the whole matrix for torch's
 // matmul wrote and read it again in bf16, twice int8's bytes.
-constexpr int64_t kMaxStripeTiles = 8;
+constexpr int64_t kStripeTiles = 4;  // widened together: more would leave fewer stripes to balance
 constexpr int64_t kChunk = 32;                 // k per TDPBF16PS
 constexpr int64_t kChunkBytes = kChunk * kTile * 2;  // one B tile: 16 pairs x 16 outputs x 2 bf16
 
@@ -623,17 +627,16 @@ torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torc
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const Output o{N, scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
-  // stripes of up to kMaxStripeTiles tiles, widened once each (up to 8 x 16 x 2048 bf16 = 512 KiB: L2), as even
-  // over the threads as whole stripes allow; x is read from memory once per stripe, from cache per tile pair
-  const int64_t threads = at::get_num_threads();
-  const int64_t rounds = (tiles + threads * kMaxStripeTiles - 1) / (threads * kMaxStripeTiles);
-  const int64_t per = (tiles + threads * rounds - 1) / (threads * rounds);
+  // stripes of kStripeTiles tiles, widened once each (4 x 16 x 2048 bf16 = 256 KiB: L2), claimed one at a time;
+  // x is read from cache once per stripe, per tile pair from L1/L2
+  const int64_t per = kStripeTiles;
   const int64_t stripes = (tiles + per - 1) / per;
-  at::parallel_for(0, stripes, 1, [&](int64_t s0, int64_t s1) {
+  parallel_claim(stripes, 1, [&](auto claim) {
     configure_bf16_tiles();
     std::vector<uint8_t> raw(per * Kp * kTile * 2 + 64);
     uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     alignas(64) float out[2][2][16][16];
+    for (auto [s0, s1] = claim(); s0 < s1; std::tie(s0, s1) = claim())
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t first = s * per, count = std::min(per, tiles - first);
       for (int64_t t = 0; t < count; ++t) widen_tile(P + (first + t) * Kp * kTile, Kp / 4, buf + t * Kp * kTile);

@@ -27,6 +27,7 @@
 #endif
 
 #include "fast_exp.h"
+#include "work_queue.h"
 
 namespace {
 
@@ -377,10 +378,11 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
     used[item] = std::clamp<int64_t>((len - start) / kMinPartTokens, 1, parts);
   }
   if (*std::max_element(used.begin(), used.end()) == 1) {
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    inferd::parallel_claim(pairs, 1, [&](auto claim) {
       Workspace<T> w;
       std::vector<float> acc(G * D);
-      for (int64_t item = begin; item < end; ++item) {
+      for (auto [i0, i1] = claim(); i0 < i1; std::tie(i0, i1) = claim())
+      for (int64_t item = i0; item < i1; ++item) {
         const int64_t b = item / KVH, kvh = item % KVH;
         const auto [start, len] = window_of(b);
         const T* q_in = qp + (b * H + kvh * G) * D;
@@ -392,9 +394,10 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
     return;
   }
   std::vector<float> acc(pairs * parts * G * D), mx(pairs * parts * G), sum(pairs * parts * G);
-  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+  inferd::parallel_claim(pairs * parts, 1, [&](auto claim) {
     Workspace<T> w;
-    for (int64_t job = begin; job < end; ++job) {
+    for (auto [j0, j1] = claim(); j0 < j1; std::tie(j0, j1) = claim())
+    for (int64_t job = j0; job < j1; ++job) {
       const int64_t item = job / parts, p = job % parts;
       if (p >= used[item]) continue;
       const int64_t b = item / KVH, kvh = item % KVH;
