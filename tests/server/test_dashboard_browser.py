@@ -69,6 +69,9 @@ def test_playground_streams_and_the_views_follow_it(replica, browser, tmp_path):
     page.fill("#p-max", "300")
     page.fill("#p-copies", "5")
     page.fill("#p-temp", "0.8")
+    # seeded: unseeded, copy 0 of the tiny model (384 tokens, random weights) now and then sampled EOS within
+    # its first 20 tokens, and the wait below timed out (once in a full run); seed 7, for one, does so every time
+    page.fill("#p-seed", "2")
     page.click("#p-send")
     # while it runs: text streams in, the batch view shows the playground's requests, their blocks fill the grid
     page.wait_for_function("Number(document.getElementById('p-tokens').textContent) >= 20", timeout=60_000)
