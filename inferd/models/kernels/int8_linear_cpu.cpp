@@ -503,11 +503,11 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
 #if defined(INFERD_AMX)
   if (amx) {
     auto run = [&](auto* Y) {
-      parallel_claim(tiles, kClaimTiles, [&](auto claim) {
+      parallel_claim(tiles, kClaimTiles, [&](auto each) {
         configure_tiles();
-        for (auto [t0, t1] = claim(); t0 < t1; std::tie(t0, t1) = claim())
-          for (int64_t t = t0; t < t1; ++t)
-            for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
+        each([&](int64_t t) {
+          for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
+        });
         _tile_release();
       });
     };
@@ -520,14 +520,13 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
   const int nt = tiles_for(rows);  // tiles per stripe: each stripe's weights are read from memory once
   const int64_t stripes = (tiles + nt - 1) / nt;
   auto run = [&](auto* Y) {
-    parallel_claim(stripes, 1, [&](auto claim) {
-      for (auto [s0, s1] = claim(); s0 < s1; std::tie(s0, s1) = claim())
-        for (int64_t s = s0; s < s1; ++s) {
-          const int64_t t0 = s * nt;
-          const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
-          for (int64_t m0 = 0; m0 < M; m0 += rows)
-            run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
-        }
+    parallel_claim(stripes, 1, [&](auto each) {
+      each([&](int64_t s) {
+        const int64_t t0 = s * nt;
+        const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
+        for (int64_t m0 = 0; m0 < M; m0 += rows)
+          run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
+      });
     });
   };
   if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
@@ -631,13 +630,12 @@ torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torc
   // x is read from cache once per stripe, per tile pair from L1/L2
   const int64_t per = kStripeTiles;
   const int64_t stripes = (tiles + per - 1) / per;
-  parallel_claim(stripes, 1, [&](auto claim) {
+  parallel_claim(stripes, 1, [&](auto each) {
     configure_bf16_tiles();
     std::vector<uint8_t> raw(per * Kp * kTile * 2 + 64);
     uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     alignas(64) float out[2][2][16][16];
-    for (auto [s0, s1] = claim(); s0 < s1; std::tie(s0, s1) = claim())
-    for (int64_t s = s0; s < s1; ++s) {
+    each([&](int64_t s) {
       const int64_t first = s * per, count = std::min(per, tiles - first);
       for (int64_t t = 0; t < count; ++t) widen_tile(P + (first + t) * Kp * kTile, Kp / 4, buf + t * Kp * kTile);
       for (int64_t m0 = 0; m0 < M; m0 += 32)
@@ -655,7 +653,7 @@ torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torc
                 tile.put(_mm512_load_ps(out[i][t][r]), Y + (m0 + i * 16 + r) * N);
             }
         }
-    }
+    });
     _tile_release();
   });
   return y;

@@ -378,34 +378,32 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
     used[item] = std::clamp<int64_t>((len - start) / kMinPartTokens, 1, parts);
   }
   if (*std::max_element(used.begin(), used.end()) == 1) {
-    inferd::parallel_claim(pairs, 1, [&](auto claim) {
+    inferd::parallel_claim(pairs, 1, [&](auto each) {
       Workspace<T> w;
       std::vector<float> acc(G * D);
-      for (auto [i0, i1] = claim(); i0 < i1; std::tie(i0, i1) = claim())
-      for (int64_t item = i0; item < i1; ++item) {
+      each([&](int64_t item) {
         const int64_t b = item / KVH, kvh = item % KVH;
         const auto [start, len] = window_of(b);
         const T* q_in = qp + (b * H + kvh * G) * D;
         attend(q_in, kp, vp, btp + b * MB, start, 0, len - start, kvh, G, D, BS, KVH, fscale, fcap, true, w,
                acc.data(), nullptr, nullptr);
         store(acc.data(), G * D, op + (b * H + kvh * G) * D);
-      }
+      });
     });
     return;
   }
   std::vector<float> acc(pairs * parts * G * D), mx(pairs * parts * G), sum(pairs * parts * G);
-  inferd::parallel_claim(pairs * parts, 1, [&](auto claim) {
+  inferd::parallel_claim(pairs * parts, 1, [&](auto each) {
     Workspace<T> w;
-    for (auto [j0, j1] = claim(); j0 < j1; std::tie(j0, j1) = claim())
-    for (int64_t job = j0; job < j1; ++job) {
+    each([&](int64_t job) {
       const int64_t item = job / parts, p = job % parts;
-      if (p >= used[item]) continue;
+      if (p >= used[item]) return;
       const int64_t b = item / KVH, kvh = item % KVH;
       const auto [start, len] = window_of(b);
       const int64_t n = len - start, t0 = p * n / used[item], t1 = (p + 1) * n / used[item];
       attend(qp + (b * H + kvh * G) * D, kp, vp, btp + b * MB, start, t0, t1, kvh, G, D, BS, KVH, fscale, fcap,
              false, w, acc.data() + job * G * D, mx.data() + job * G, sum.data() + job * G);
-    }
+    });
   });
   std::vector<float> out(G * D);
   for (int64_t item = 0; item < pairs; ++item) {

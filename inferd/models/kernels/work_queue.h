@@ -10,31 +10,30 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <tuple>
-#include <utility>
 
 namespace inferd {
 
-// Runs body(claim) once on each of torch's threads (no more threads than items could keep busy). claim() returns
-// the next unclaimed range [begin, end) of items, empty (begin == end) once all are claimed. Ranges start at half
-// an equal share and shrink as the work runs out, to at least `least` items: early claims are long contiguous
-// runs (a thread's prefetching runs on through them, as in an equal split), the last ones short enough to even
-// out the threads' finishing times (guided scheduling).
-//   parallel_claim(n, 4, [&](auto claim) { for (auto [b, e] = claim(); b < e; std::tie(b, e) = claim()) ...; });
-// Per-thread set-up (buffers, tile configuration) goes in body before its loop.
+// Runs body(each) once on each of torch's threads (no more threads than items could keep busy); each(f) calls
+// f(item) for every item the thread claims, until none is left. A thread claims ranges of consecutive items:
+// ranges start at half an equal share and shrink as the work runs out, to at least `least` items. Early claims
+// are long contiguous runs (a thread's prefetching runs on through them, as in an equal split), the last ones
+// short enough to even out the threads' finishing times (guided scheduling).
+//   parallel_claim(n, 4, [&](auto each) { set-up; each([&](int64_t i) { ... }); tear-down; });
+// Per-thread set-up (buffers, tile configuration) goes in body around its call of each.
 template <typename Body>
 void parallel_claim(int64_t items, int64_t least, Body&& body) {
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (items + least - 1) / least));
-  auto claim = [&]() -> std::pair<int64_t, int64_t> {
+  auto each = [&](auto&& f) {
     int64_t begin = next.load(std::memory_order_relaxed);
     while (begin < items) {
       const int64_t end = std::min(items, begin + std::max(least, (items - begin) / (2 * threads)));
-      if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) return {begin, end};
+      if (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) continue;  // begin is reloaded
+      for (int64_t i = begin; i < end; ++i) f(i);
+      begin = next.load(std::memory_order_relaxed);
     }
-    return {items, items};
   };
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(claim); });
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { body(each); });
 }
 
 }  // namespace inferd
