@@ -7,6 +7,7 @@ docs/hardening.md; the OpenAPI schema at /openapi.json declares every status a r
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from contextlib import asynccontextmanager
 
@@ -63,6 +64,16 @@ def _sse_event(model) -> dict:
     return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
 
 
+def _freeze_startup_heap() -> None:
+    """Move everything alive at start-up (torch, transformers, the model, the tokenizer: ~230k objects) out of the
+    garbage collector's reach, as vLLM's API server does. A full collection walks every tracked object with the GIL
+    held, so it stalls the event loop: ~90 ms here for the start-up heap alone, up to 0.4-0.5 s in a process with
+    more on its heap (the test suite's). Frozen, an oldest-generation collection walks only what was created since.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; its step thread runs while the app's lifespan does."""
     metrics = ServerMetrics(settings.served_model_names[0], settings.ttft_buckets, settings.itl_buckets)
@@ -76,6 +87,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        _freeze_startup_heap()
         async_engine.start()
         if dashboard is not None:
             dashboard.start()
@@ -86,6 +98,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if dashboard is not None:
             await dashboard.stop()
         await async_engine.stop()
+        gc.unfreeze()
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)
     app.router.route_class = CheckedRoute
