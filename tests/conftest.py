@@ -7,6 +7,7 @@ inferd and transformers load, so tests can compare them token for token.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,29 @@ def tiny_model(request, tiny_models) -> Path:
 def _quiet_threads():
     # two cores here: let torch use them, and keep tokenizers from spawning more
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    yield
+
+
+_kernels_built: dict[str, bool] = {}
+
+
+def pytest_sessionstart(session):
+    """The native kernels compiled once, before any test starts a server. On a new machine each takes about a
+    minute to compile on 2 cores (-march=native, cached per CPU), and a server compiling them at start-up
+    overran the tests' start-up deadlines. This is a session hook, not a fixture: a fixture's setup counts
+    against the first test's timeout, and the compiles alone overran it in CI."""
+    from inferd.models import cpu_kernels
+
+    _kernels_built.update(cpu_kernels.build_all())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _native_kernels_built():
+    """A kernel that failed to build is reported first, and visibly: the tests then run the reference path,
+    which the kernels' own tests catch."""
+    missing = [name for name, ok in _kernels_built.items() if not ok]
+    if missing and not os.environ.get("INFERD_DISABLE_CPU_KERNELS"):
+        warnings.warn(f"native kernels that did not build: {', '.join(missing)}", stacklevel=1)
     yield
 
 
