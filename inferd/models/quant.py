@@ -22,7 +22,9 @@ docs/performance.md):
   bytes it streams. int8 holds its weights in the kernel's tiled layout (`int8_pack`).
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
-- many rows (prefill): int8 with bf16 rows on an AMX CPU (up to AMX_BF16_MAX_ROWS): `int8_linear_bf16`
+- float32 rows (the CPUs without native bf16): the int8 kernel at every row count, prefill included: its
+  integer products outrun an fp32 matmul (1.8x widening the weights, 1.5x fp32 weights, on a Zen 3).
+- many bf16 rows (prefill): on an AMX CPU (up to AMX_BF16_MAX_ROWS): `int8_linear_bf16`
   widens the weights stripe by stripe in cache for AMX-BF16. Otherwise the weights are widened (int8:
   q * scale, rounded once to the activations' dtype, by the native `int8_unpack`; exactly q, scaled after
   the matmul, without it) or unpacked (int4, a chunk of rows at a time into a cache-sized buffer) for the
@@ -48,9 +50,11 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4")
 
-# rows up to which the int8-reading kernels beat widening the weights for the dense matmul (see module doc):
-# torch's packed op without our kernel; ours (measured on Gemma 3 270M's shapes, bf16: 1.7x faster than
-# widening at 32-64 rows, about even at ~110)
+# bf16 rows up to which the int8-reading kernels beat widening the weights for the dense matmul (see module
+# doc): torch's packed op without our kernel; ours (measured on Gemma 3 270M's shapes, bf16: 1.7x faster than
+# widening at 32-64 rows, about even at ~110). float32 rows take our kernel at every count: an fp32 matmul is
+# slower than its integer products (Zen 3, the body's 72 layers at 290 rows: 433 ms against 781 widened and
+# 648 with fp32 weights held)
 INT8PACK_MAX_ROWS = 8
 NATIVE_MAX_ROWS = 64
 # bf16 rows up to which AMX-BF16 on weights widened in cache beats widening them in memory for torch's matmul
@@ -142,13 +146,17 @@ class Int8Linear(QuantizedLinear):
         return self.native.int8_unpack(self.packed, self.out_features, self.in_features, unpack, scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        if x.dim() == 2:  # every call of a decode step: no reshape or view around the kernel (88 calls a step here)
+            return self._forward_rows(x)
+        y = self._forward_rows(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
         rows, dtype = x2.shape[0], x2.dtype
-        if dtype in (torch.float32, torch.bfloat16) and self.native is not None and rows <= NATIVE_MAX_ROWS:
+        few_bf16 = dtype == torch.bfloat16 and rows <= NATIVE_MAX_ROWS
+        if self.native is not None and (dtype == torch.float32 or few_bf16):
             with named_in_profiles("inferd::int8_linear"):
-                y = self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
-            return y.view(*shape[:-1], self.out_features)
+                return self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
         bias = None if self.bias is None else self.bias.to(dtype)  # the kernels take the float32 bias as it is
         if dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok and self.native is None:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
@@ -165,7 +173,7 @@ class Int8Linear(QuantizedLinear):
             y = F.linear(x2, self._widened(dtype)) * self._scale(dtype)
             if bias is not None:
                 y = y + bias
-        return y.view(*shape[:-1], self.out_features)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"

@@ -1,4 +1,5 @@
 // e^x in plain float arithmetic, so `omp simd` loops vectorise it (std::exp is a library call per element).
+// Its clamp (std::min/max) vectorises on AVX2 only under -fno-trapping-math (cpu_kernels.py); AVX-512 masks it.
 // Included by norm_rope_cpu.cpp (the gated activations) and paged_decode_cpu.cpp (the softmax).
 #pragma once
 

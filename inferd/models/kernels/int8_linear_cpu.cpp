@@ -65,6 +65,39 @@ struct QuantizedRows {
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
+#if defined(INFERD_AVX2)
+// AVX2: 32 values in 4 vectors of 8, the same steps and rounding as the loop below (the products rounded to
+// nearest even by cvtps). Returns the sum of q, sets amax.
+template <typename T>
+int32_t quantize_whole_group(const T* x, int8_t* q, float& amax) {
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int c = 0; c < 4; ++c) {
+    if constexpr (std::is_same_v<T, float>) v[c] = _mm256_loadu_ps(x + 8 * c);
+    else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * c));
+      v[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    }
+    mx = _mm256_max_ps(mx, _mm256_and_ps(v[c], abs_mask));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i i[4];
+  for (int c = 0; c < 4; ++c) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], inv));
+  // int32 -> int8 through int16 (|q| <= 127: no saturation), then the 128-bit lanes' order undone
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s1, _mm_shuffle_epi32(s1, 0xB1)));
+}
+#endif
+
 // Group g of row m: 127 / max|x| in float32, each value rounded to nearest (ties to even, as nearbyint).
 template <typename T>
 void quantize_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t g) {
@@ -88,12 +121,19 @@ void quantize_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
   const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
 #else
-  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
   int32_t sum = 0;
-  for (int64_t k = 0; k < kGroup; ++k) {
-    q[k] = k < n ? static_cast<int8_t>(std::nearbyint(to_float(x[k]) * inv)) : 0;
-    sum += q[k];
+#if defined(INFERD_AVX2)
+  if (n == kGroup) {  // whole groups (all but a row's last where K is not a multiple of 32)
+    sum = quantize_whole_group(x, q, amax);
+  } else
+#endif
+  {
+    for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      q[k] = k < n ? static_cast<int8_t>(std::nearbyint(to_float(x[k]) * inv)) : 0;
+      sum += q[k];
+    }
   }
 #endif
   r.d[m * r.groups + g] = amax / 127.f;
@@ -105,8 +145,12 @@ template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
   const int64_t G = Kp / kGroup;
   QuantizedRows r{M, Kp, G, std::vector<int8_t>(Mp * Kp), std::vector<float>(Mp * G), std::vector<int32_t>(Mp * G)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) quantize_group(x + m * K + g * kGroup, std::min(kGroup, K - g * kGroup), r, m, g);
+  // rows claimed by the threads, at least 16 at a time: a prefill's many on both, a decode batch's few on one
+  parallel_claim(M, 16, [&](auto each) {
+    each([&](int64_t m) {
+      for (int64_t g = 0; g < G; ++g) quantize_group(x + m * K + g * kGroup, std::min(kGroup, K - g * kGroup), r, m, g);
+    });
+  });
   return r;
 }
 
@@ -266,25 +310,34 @@ void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int
 }
 #endif
 #elif defined(INFERD_AVX2)
-constexpr int kMaxRows = 2;
+// 16 vector registers: a block's int32 sums (MB rows x NT tiles x 2 vectors) stay in registers with the
+// weights, their absolute values and the broadcast row; its float sums live in a small array (L1), updated
+// once per group. Four rows of one tile share each weight load and its sign work.
+constexpr int kMaxRows = 4;
 constexpr int tiles_for(int rows) { return rows == 1 ? 2 : 1; }
 
-// Four k of 8 output rows (32 weight bytes, +128) times one row's four k broadcast, added to acc.
-inline __m256i quad_dot(__m256i acc, __m256i w, __m256i xb) {
+// Four k of 8 output rows (32 weight bytes, +128) times one row's four k broadcast, added to acc: with VNNI
+// directly (acc starts at -128 * sum(xq), taking the +128 off); without, on the signed weight's absolute
+// value (aw) and the activation with the weight's sign (sw: the signed weight) moved onto it.
 #if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, xb);  // acc starts at -128 * sum(xq): takes the +128 off
+struct Weights {
+  __m256i w;
+  explicit Weights(__m256i v) : w(v) {}
+  __m256i dot(__m256i acc, __m256i xb) const { return _mm256_dpbusd_avx_epi32(acc, w, xb); }
+};
 #else
-  const __m256i sw = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // q, signed
-  return dot_u8s8(acc, _mm256_sign_epi8(sw, sw), _mm256_sign_epi8(xb, sw));
+struct Weights {
+  __m256i sw, aw;
+  explicit Weights(__m256i v)
+      : sw(_mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)))), aw(_mm256_abs_epi8(sw)) {}
+  __m256i dot(__m256i acc, __m256i xb) const { return dot_u8s8(acc, aw, _mm256_sign_epi8(xb, sw)); }
+};
 #endif
-}
 
 template <int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
            const Output& o, Out* Y) {
-  __m256 f[MB][2 * NT];
-  for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < 2 * NT; ++h) f[m][h] = _mm256_setzero_ps();
+  alignas(32) float f[MB][NT * kTile] = {};
   const uint8_t* base = P + t0 * tile_bytes;
   for (int64_t g = 0; g < a.groups; ++g) {
     __m256i acc[MB][2 * NT];
@@ -297,29 +350,21 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
       for (int h = 0; h < 2 * NT; ++h) acc[m][h] = start;
     }
     for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j) {
-      __m256i w[2 * NT];
       for (int h = 0; h < 2 * NT; ++h) {
         const uint8_t* p = base + (h / 2) * tile_bytes + j * 64 + (h % 2) * 32;
         if (prefetch && h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
-        w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m256i xb = _mm256_set1_epi32(a.quad(m0 + m, j));
-        for (int h = 0; h < 2 * NT; ++h) acc[m][h] = quad_dot(acc[m][h], w[h], xb);
+        const Weights w(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        for (int m = 0; m < MB; ++m) acc[m][h] = w.dot(acc[m][h], _mm256_set1_epi32(a.quad(m0 + m, j)));
       }
     }
     for (int m = 0; m < MB; ++m) {
       const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * a.groups + g]);
-      for (int h = 0; h < 2 * NT; ++h) f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), d, f[m][h]);
+      for (int h = 0; h < 2 * NT; ++h)
+        _mm256_store_ps(f[m] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), d, _mm256_load_ps(f[m] + 8 * h)));
     }
   }
-  alignas(32) float v[kTile];
   for (int m = 0; m < MB; ++m)
-    for (int t = 0; t < NT; ++t) {
-      _mm256_store_ps(v, f[m][2 * t]);
-      _mm256_store_ps(v + 8, f[m][2 * t + 1]);
-      put_row(v, (t0 + t) * kTile, o, Y + (m0 + m) * o.N);
-    }
+    for (int t = 0; t < NT; ++t) put_row(f[m] + t * kTile, (t0 + t) * kTile, o, Y + (m0 + m) * o.N);
 }
 #else
 constexpr int kMaxRows = 1;
@@ -373,8 +418,6 @@ void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const Quant
     case 1: return block_tiles<1>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
 #if defined(INFERD_AVX512_VNNI) || defined(INFERD_AVX2)
     case 2: return block_tiles<2>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
-#endif
-#if defined(INFERD_AVX512_VNNI)
     case 3: return block_tiles<3>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
     case 4: return block_tiles<4>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
 #endif
