@@ -134,6 +134,14 @@ def named_in_profiles(name: str):
     return contextlib.nullcontext()
 
 
+def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, group: DecodeGroup, scale, window, softcap):
+    """One decode group through the native kernel, which reads K/V in place: [count, H, D]."""
+    with named_in_profiles("inferd::paged_decode_cpu"):
+        return meta.decode_kernel(
+            q.contiguous(), k_cache, v_cache, group.block_tables, group.seq_lens, scale, window or 0, softcap or 0.0
+        )
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,21 +155,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for the new tokens -> attention output [T, H * D]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    groups = meta.decode_groups
+    native = meta.decode_kernel is not None
+    if native and not meta.prefills and len(groups) == 1 and groups[0].count == q.shape[0]:
+        # decodes only (the runner gives the native kernel one group): its output is the answer, with no copy
+        return _native_decode(q, k_cache, v_cache, meta, groups[0], scale, window, softcap).flatten(1)
     out = torch.empty_like(q)
-    for group in meta.decode_groups:
+    for group in groups:
         s, e = group.start, group.start + group.count
-        if meta.decode_kernel is not None:
-            with named_in_profiles("inferd::paged_decode_cpu"):
-                out[s:e] = meta.decode_kernel(
-                    q[s:e].contiguous(),
-                    k_cache,
-                    v_cache,
-                    group.block_tables,
-                    group.seq_lens,
-                    scale,
-                    window or 0,
-                    softcap or 0.0,
-                )
+        if native:
+            out[s:e] = _native_decode(q[s:e], k_cache, v_cache, meta, group, scale, window, softcap)
             continue
         tables, mask = group.view(window)
         keys = _gather(k_cache, tables).transpose(1, 2)

@@ -20,8 +20,10 @@ class RMSNorm(nn.Module):
         self.native = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            return self.native(x, self.weight, self.eps, self.unit_offset)
+        if self.native is not None and x.is_cpu:
+            weight = self.weight
+            if x.dtype == weight.dtype:
+                return self.native(x, weight, self.eps, self.unit_offset)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
