@@ -59,6 +59,7 @@ def make_prompts(n: int, words: int) -> list[str]:
 def engine_kwargs(args) -> dict:
     return dict(
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.concurrency,
         kv_cache_memory=args.kv_cache_memory,
@@ -190,6 +191,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="int8 or int4 weights, on both sides")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-words", type=int, default=32, help="words per prompt")
@@ -228,6 +230,7 @@ def main() -> None:
         "benchmark": "server_overhead",
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "num_requests": args.num_requests,
         "concurrency": args.concurrency,
         "input_words": args.input_words,

@@ -16,8 +16,9 @@ logit_bias on the eos ids 1 and 106), prompts from the local Gemma 3 tokenizer:
   mixed   prompts 115-461 tokens, outputs 64-256 (`inferd bench`'s random dataset, means 288 and 160 with
           range ratio 0.6: one ratio serves both lengths, so prompts span 115-461 rather than 64-512)
 Each level (`--concurrency`, default 1,4,16,32) sends max(8, 3 x concurrency) requests, `--runs` times
-(default 3) with a different seed each run, so no server's prefix cache serves a repeated prompt; the
-summary holds each run's figures and their median. Every server gets the same prompts.
+(default 3) with a seed of its own (`run_seed`: no two runs of any workload or level share a prompt, so no
+server's prefix cache serves a repeated one); the summary holds each run's figures and their median. Every
+server gets the same prompts.
 
 Peers, each in its own virtual environment under ~/.cache/inferd-peers (override: INFERD_PEERS_DIR):
 
@@ -34,10 +35,11 @@ Peers, each in its own virtual environment under ~/.cache/inferd-peers (override
 level to every server in turn, so a drift of the machine's speed over minutes is shared by all of them rather
 than read as a difference between servers.
 
-Results: benchmarks/results/vs_peers.json (merged per server and level, so servers and levels can be run one
-at a time; `--fresh` starts over): per server its command, dtype and quantization, per workload and level the
-runs and their medians; the ratios of inferd's best mode over each peer, and the issue's targets (concurrency
-16 and 32: 1.5x vLLM bf16's output throughput with a lower mean TTFT; concurrency 1: 1.2x llama-server).
+Results: benchmarks/results/vs_peers.json, or `--out NAME` for NAME.json (another CPU's runs keep their own
+file), merged per server and level, so servers and levels can be run one at a time (`--fresh` starts over):
+per server its command, dtype and quantization, per workload and level the runs and their medians; the
+ratios of inferd's best mode over each peer, and the issue's targets (concurrency 16 and 32: 1.5x vLLM bf16's
+output throughput with a lower mean TTFT; concurrency 1: 1.2x llama-server).
 """
 
 from __future__ import annotations
@@ -393,15 +395,23 @@ def median_of_runs(runs: list[dict]) -> dict:
     return out
 
 
+def run_seed(workload: str, level: int, run: int) -> int:
+    """The dataset seed of one run: its own for every workload, level and run. The dataset draws a run's
+    prompts in order from its seed, so two runs with one seed share their first prompts: with seed = run,
+    concurrency 32's first 50 prompts were concurrency 16's, and a server whose prefix cache still held them
+    (vLLM's held 163,271 tokens on a 2-vCPU Zen 3) answered the first burst from its cache."""
+    return list(WORKLOADS).index(workload) * 1_000_000 + level * 1_000 + run
+
+
 def bench_level(server: Server, port: int, model: Model, workload: str, level: int, args) -> dict:
     """`--runs` benchmarks of one level, a new seed (new prompts) each; their figures and medians."""
-    runs = [bench_run(server, port, model, workload, level, seed) for seed in range(args.runs)]
+    runs = [bench_run(server, port, model, workload, level, run) for run in range(args.runs)]
     return {"num_prompts": num_prompts(level), "runs": runs, "median": median_of_runs(runs)}
 
 
-def bench_run(server: Server, port: int, model: Model, workload: str, level: int, seed: int) -> dict:
-    """One `inferd bench serve` run of one level with one seed (one set of prompts); its summary figures."""
-    cmd = bench_command(server, port, model, workload, level, seed)
+def bench_run(server: Server, port: int, model: Model, workload: str, level: int, run: int) -> dict:
+    """Run number `run` of one level, with its own seed (its own prompts); its summary figures."""
+    cmd = bench_command(server, port, model, workload, level, run_seed(workload, level, run))
     done = subprocess.run(cmd, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}")
@@ -413,9 +423,11 @@ def bench_run(server: Server, port: int, model: Model, workload: str, level: int
 
 
 def new_entry(server: Server, port: int, model: Model, args: argparse.Namespace) -> dict:
+    workload = args.workloads[0]
+    example = bench_command(server, port, model, workload, 1, run_seed(workload, 1, 0))
     return {"install": server.install, "dtype": server.dtype, "quantization": server.quantization,
             "start_command": shlex.join(server.command), "env": server.env,
-            "bench_command_example": shlex.join(bench_command(server, port, model, args.workloads[0], 1, 0)),
+            "bench_command_example": shlex.join(example),
             "workloads": {}, "error": None}  # fmt: skip
 
 
@@ -482,9 +494,9 @@ def run_interleaved(chosen: list[tuple[Server, int]], model: Model, args: argpar
         for workload in args.workloads:
             for level in args.concurrency:
                 runs: dict[str, list[dict]] = {server.name: [] for server, _ in chosen}
-                for seed in range(args.runs):
+                for run in range(args.runs):
                     for server, port in chosen:
-                        runs[server.name].append(bench_run(server, port, model, workload, level, seed))
+                        runs[server.name].append(bench_run(server, port, model, workload, level, run))
                 for server, _ in chosen:
                     figures = {"num_prompts": num_prompts(level), "runs": runs[server.name],
                                "median": median_of_runs(runs[server.name])}  # fmt: skip
@@ -556,7 +568,8 @@ def target(ratio: dict) -> dict:
 
 
 def write_summary(entries: dict[str, dict], args: argparse.Namespace) -> dict:
-    summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
+    path = SUMMARY.with_name(f"{args.out}.json")
+    summary = json.loads(path.read_text()) if path.exists() else {}
     if "workloads" not in summary:  # a summary from before the modes and workloads: start afresh
         summary = {}
     from inferd.bench.results import machine_info
@@ -582,7 +595,7 @@ def write_summary(entries: dict[str, dict], args: argparse.Namespace) -> dict:
         servers[name] = entry
     summary["ratios_best_inferd_over_peer"] = ratios(summary)
     summary["targets"] = target(summary["ratios_best_inferd_over_peer"])
-    write_json(SUMMARY, summary)
+    write_json(path, summary)
     return portable(summary)
 
 
@@ -595,6 +608,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32])
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument("--fresh", action="store_true", help="drop servers measured by earlier invocations")
+    ap.add_argument(
+        "--out", default=SUMMARY.stem, help="summary file in benchmarks/results/ (another CPU's runs: their own file)"
+    )
     ap.add_argument(
         "--interleave", action="store_true", help="start every server at once; each run goes to every server in turn"
     )
