@@ -48,6 +48,20 @@ def browser():
             b.close()
 
 
+# The most blocks in use and batch rows the page ever showed, recorded on every change of the DOM. Read once
+# after a wait, they raced the run: on a fast CPU the playground's five requests could finish between the
+# wait for blocks in use and the read, and the test saw 0 (it failed CI once so).
+WATCH_PEAKS = """() => {
+  window.peaks = {kvUsed: 0, batchRows: 0};
+  const look = () => {
+    const p = window.peaks;
+    p.kvUsed = Math.max(p.kvUsed, Number(document.getElementById('kv-used').textContent));
+    p.batchRows = Math.max(p.batchRows, document.querySelectorAll('#batch-table tbody tr').length);
+  };
+  new MutationObserver(look).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
 def _kv_used(page) -> int:
     return int(page.inner_text("#kv-used"))
 
@@ -72,17 +86,15 @@ def test_playground_streams_and_the_views_follow_it(replica, browser, tmp_path):
     # seeded: unseeded, copy 0 of the tiny model (384 tokens, random weights) now and then sampled EOS within
     # its first 20 tokens, and the wait below timed out (once in a full run); seed 7, for one, does so every time
     page.fill("#p-seed", "2")
+    page.evaluate(WATCH_PEAKS)
     page.click("#p-send")
     # while it runs: text streams in, the batch view shows the playground's requests, their blocks fill the grid
     page.wait_for_function("Number(document.getElementById('p-tokens').textContent) >= 20", timeout=60_000)
-    page.wait_for_function("Number(document.getElementById('kv-used').textContent) > 0", timeout=20_000)
+    page.wait_for_function("window.peaks.kvUsed > 0 && window.peaks.batchRows > 0", timeout=20_000)
     assert page.inner_text("#p-id").startswith("cmpl-")
     assert len(page.inner_text("#p-out")) > len("Paged attention stores keys and values in fixed-size blocks. ") * 6
     assert page.inner_text("#p-ttft").endswith(("ms", "s"))
-    running_rows = page.locator("#batch-table tbody tr").count()
-    assert running_rows >= 1
     assert page.evaluate("window.dashboard.stepsSeen") > steps_before
-    used_while_running = _kv_used(page)
     page.screenshot(path=str(tmp_path / "dashboard-running.png"), full_page=True)
     shot = os.environ.get("INFERD_DASHBOARD_SHOT")
     if shot:
@@ -95,7 +107,8 @@ def test_playground_streams_and_the_views_follow_it(replica, browser, tmp_path):
     page.wait_for_function("document.getElementById('step-line').dataset.idle === '1'", timeout=20_000)
     assert int(page.inner_text("#kv-cached")) > 0  # the prompt's full blocks stay cached for the next one
     assert page.locator("#batch-table tbody tr").count() == 0
-    assert used_while_running > 0
+    peaks = page.evaluate("window.peaks")
+    assert peaks["kvUsed"] > 0 and peaks["batchRows"] >= 1, peaks
     page.screenshot(path=str(tmp_path / "dashboard-after.png"), full_page=True)
     assert errors == []
     print(f"screenshots in {tmp_path}")
