@@ -104,8 +104,8 @@ class EngineConfig:
     )
     attention_backend: str = setting(
         "auto",
-        "decode attention: native CPU kernel where it builds (auto), required (cpu-kernel), or the "
-        "PyTorch reference (torch)",
+        "attention: native CPU kernels where they build (auto; decode in fp32/bf16, prefill in bf16 on "
+        "AMX-BF16 CPUs), the decode kernel required (cpu-kernel), or the PyTorch reference (torch)",
         choices=("auto", "cpu-kernel", "torch"),
     )
     quantization: str | None = setting(

@@ -71,6 +71,7 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.decode_kernel = self._pick_decode_kernel(attention_backend)
+        self.prefill_kernel = self._pick_prefill_kernel(attention_backend)
         self.sampler = Sampler(device, seed)
         self.requests: dict[str, CachedRequest] = {}
         self.kv_connector = None  # loads K/V from outside before a step (Engine.attach_kv_connector)
@@ -84,6 +85,16 @@ class ModelRunner:
         if kernel is None and backend == "cpu-kernel":
             raise ConfigError("--attention-backend cpu-kernel: the native kernel failed to build (see the log)")
         logger.info("decode attention: %s", "native CPU kernel" if kernel else "PyTorch reference")
+        return kernel
+
+    def _pick_prefill_kernel(self, backend: str):
+        """The AMX-BF16 prefill kernel for a bf16 cache on a CPU that has it; SDPA everywhere else."""
+        if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        from inferd.models.cpu_kernels import prefill_attention_kernel
+
+        kernel = prefill_attention_kernel()
+        logger.info("prefill attention: %s", "native CPU kernel (AMX-BF16)" if kernel else "PyTorch SDPA")
         return kernel
 
     @staticmethod
@@ -183,7 +194,11 @@ class ModelRunner:
                 logits_indices.append(len(ids) - 1)
                 sampling.append(state)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), block_size=bs, prefills=chunks, decode_kernel=self.decode_kernel
+            slot_mapping=self._tensor(slots),
+            block_size=bs,
+            prefills=chunks,
+            decode_kernel=self.decode_kernel,
+            prefill_kernel=self.prefill_kernel,
         )
         meta.decode_groups = self._decode_groups(singles, block_tables)
         return StepInput(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling)

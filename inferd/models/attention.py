@@ -8,6 +8,10 @@ computed before. Sliding-window layers only gather and attend over the blocks in
 The decode path gathers each request's blocks into a padded batch before SDPA: that copy is the price
 of doing paged attention without a custom kernel, so the runner sorts decodes by length and splits
 them into groups to keep the padding (copied and attended for nothing) small.
+
+Native CPU kernels take over where they are built (the runner puts them in the metadata): decodes in fp32 or
+bf16 (`kernels/paged_decode_cpu.cpp`), and prefill chunks in bf16 on CPUs with AMX-BF16
+(`kernels/prefill_attention_cpu.cpp`); both read K/V from the block tables in place.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     #: the native kernel reading K/V in place (CPU, fp32 or bf16), or None for the PyTorch reference
     decode_kernel: Callable | None = None
+    #: the native prefill kernel (CPU, bf16, AMX-BF16; reads K/V in place, writes its output), or None for SDPA
+    prefill_kernel: Callable | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     _prefill_masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
@@ -170,8 +176,18 @@ def paged_attention(
         keys = _gather(k_cache, tables).transpose(1, 2)
         values = _gather(v_cache, tables).transpose(1, 2)
         out[s:e] = _sdpa(q[s:e].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+    native_prefill = (
+        meta.prefill_kernel is not None and q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+    )
     for i, chunk in enumerate(meta.prefills):
         s, e = chunk.start, chunk.start + chunk.num_tokens
+        if native_prefill:
+            with named_in_profiles("inferd::prefill_attention_cpu"):
+                meta.prefill_kernel(
+                    q[s:e].contiguous(), k_cache, v_cache, chunk.block_table, chunk.context_len, scale,
+                    window or 0, softcap or 0.0, out[s:e],
+                )  # fmt: skip
+            continue
         first, mask = meta.prefill_view(i, window)
         if chunk.context_len == 0:
             keys, values = k[s:e], v[s:e]  # nothing earlier: attend over the chunk's own fresh K/V

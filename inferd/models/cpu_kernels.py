@@ -24,6 +24,7 @@ _SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
 _INT8_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.cpp"
 _INT4_SOURCE = Path(__file__).parent / "kernels" / "int4_linear_cpu.cpp"
 _NORM_SOURCE = Path(__file__).parent / "kernels" / "norm_rope_cpu.cpp"
+_PREFILL_SOURCE = Path(__file__).parent / "kernels" / "prefill_attention_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -77,6 +78,18 @@ def paged_decode_threads() -> int:
     """How many threads the kernel's work split reaches (torch's thread count when it was built with OpenMP)."""
     module = _paged_decode_module()
     return 0 if module is None else module.parallel_threads()
+
+
+@functools.cache
+def _prefill_attention_module():
+    return _build("inferd_prefill_attention", _PREFILL_SOURCE, "CPU prefill attention kernel (AMX-BF16)")
+
+
+def prefill_attention_kernel() -> Callable | None:
+    """The compiled `prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, window, softcap,
+    out)` (bfloat16, writes out), or None where the CPU or the OS has no AMX-BF16 or the build failed."""
+    module = _prefill_attention_module()
+    return module.prefill_attention if module is not None and module.available() else None
 
 
 @functools.cache
@@ -148,6 +161,7 @@ def build_all() -> dict[str, bool]:
         "int8_linear": int8_module,
         "int4_linear": int4_kernels,
         "norm_rope": _norm_rope_module,
+        "prefill_attention": _prefill_attention_module,
     }
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         built = {name: pool.submit(build) for name, build in modules.items()}

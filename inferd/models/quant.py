@@ -58,8 +58,10 @@ QUANTIZATIONS = ("int8", "int4")
 INT8PACK_MAX_ROWS = 8
 NATIVE_MAX_ROWS = 64
 # bf16 rows up to which AMX-BF16 on weights widened in cache beats widening them in memory for torch's matmul
-# (a 290-token prefill step 189 -> 167 ms; about even at 512, where both are bound by the matmul)
-AMX_BF16_MAX_ROWS = 384
+# (a 290-token prefill step 189 -> 167 ms). Session 14, Gemma 3 270M's body (72 layers) alternated in one
+# process: 384 rows 53.6 against 66.4 ms, 460 76.2 / 108.1, 512 81.1 / 100.5, 1024 176 / 227, 2048 354 / 312;
+# the default step budget (512 tokens) stays on it.
+AMX_BF16_MAX_ROWS = 1024
 # torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
 INT8PACK_K_MULTIPLE = 16
 INT4_GROUP = 32

@@ -32,13 +32,9 @@
 #include <string>
 #include <vector>
 
+#include "amx.h"
 #include "quantized_common.h"
 #include "work_queue.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 using namespace inferd;
 
@@ -240,19 +236,6 @@ constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxMinRows = 8;  // below, the vpdpbusd blocks are as fast (a row tile would be mostly padding)
 constexpr int64_t kClaimTiles = 4;  // the fewest tiles a thread claims at once (work_queue.h)
 
-// Linux hands a process AMX's register state only when asked, once (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction kills the process.
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Per thread (tile configuration is thread state): A tiles 0-1 (16 rows x 32 int8), B tiles 2-3 (8 quads x 64
 // bytes), C tiles 4-5 (16 x 16 int32); two of each, so one group's product runs while the other's is scaled.
 void configure_tiles() {
@@ -260,8 +243,7 @@ void configure_tiles() {
   for (int i : {0, 1}) c.rows[i] = kAmxRows, c.colsb[i] = kGroup;
   for (int i : {2, 3}) c.rows[i] = kQuadsPerGroup, c.colsb[i] = 64;
   for (int i : {4, 5}) c.rows[i] = kAmxRows, c.colsb[i] = 64;
-  // not _tile_loadconfig: GCC 12's declares an 8-byte operand, so the compiler may drop the stores of the rest
-  asm volatile("ldtilecfg %0" ::"m"(c));
+  load_tile_config(c);
 }
 
 // Group g's int32 sums of 16 rows (c, a stored C tile) into their float sums f: (sum + init) * step.
@@ -592,12 +574,6 @@ constexpr int64_t kStripeTiles = 4;  // widened together: more would leave fewer
 constexpr int64_t kChunk = 32;                 // k per TDPBF16PS
 constexpr int64_t kChunkBytes = kChunk * kTile * 2;  // one B tile: 16 pairs x 16 outputs x 2 bf16
 
-void configure_bf16_tiles() {
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;  // A 16 x 32 bf16; B 16 pairs x 16 x 2; C 16 x 16 fp32
-  asm volatile("ldtilecfg %0" ::"m"(c));
-}
-
 // Tile t's quads [0, Kp / 4) (u8, q + 128) -> B tiles in buf: for chunk c, row p holds k = 32c + 2p and
 // 32c + 2p + 1 of the 16 outputs, as bf16 (exact: |q| <= 127).
 void widen_tile(const uint8_t* tile, int64_t quads, uint16_t* buf) {
@@ -662,7 +638,9 @@ torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torc
   const torch::Tensor &x = c.x, &packed = c.packed, &scale = c.scale, &b = c.bias;
   const int64_t M = c.M, K = c.K, N = c.N, tiles = c.tiles, Kp = c.Kp;
   const int64_t Mp = (M + 31) / 32 * 32;  // whole pairs of row tiles: the A tiles read 16 rows each
-  auto xp = torch::zeros({Mp, Kp}, x.options());
+  auto xp = torch::empty({Mp, Kp}, x.options());  // zeroed only where x does not cover it (a full fill cost ~2%)
+  if (Kp > K) xp.narrow(1, K, Kp - K).zero_();
+  if (Mp > M) xp.narrow(0, M, Mp - M).zero_();
   xp.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
   auto y = torch::empty({M, N}, x.options());
   const uint16_t* X = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
@@ -674,7 +652,7 @@ torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torc
   const int64_t per = kStripeTiles;
   const int64_t stripes = (tiles + per - 1) / per;
   parallel_claim(stripes, 1, [&](auto each) {
-    configure_bf16_tiles();
+    configure_full_tiles();  // A 16 x 32 bf16; B 16 pairs x 16 x 2; C 16 x 16 fp32
     std::vector<uint8_t> raw(per * Kp * kTile * 2 + 64);
     uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     alignas(64) float out[2][2][16][16];
