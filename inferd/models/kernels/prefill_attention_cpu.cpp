@@ -35,7 +35,7 @@ using namespace inferd;
 
 namespace {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define INFERD_PREFILL_AMX 1
 
 constexpr int64_t kRows = 32;  // query rows per work item: two A tiles
@@ -61,26 +61,34 @@ struct Chunk {
 };
 
 // The chunk's keys and values of KV head g, out of their blocks, into B-tile layouts; padding keys are zero.
+// K is written a row of the layout at a time (one pair of d for every key): the reads jump between the keys'
+// rows, which stay in L1 across the pairs, and the writes run on, where writing each key's pairs into their
+// rows (a store per cache line) cost more than the products.
 void repack(const Chunk& c, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t BS,
             int64_t g, uint16_t* kb, uint16_t* vb) {
   const int64_t D = c.D, Lp = c.Lp, n_keys = c.total - c.first;
-  at::parallel_for(0, Lp / 2, 16, [&](int64_t p0, int64_t p1) {
-    for (int64_t pair = p0; pair < p1; ++pair)
-      for (int64_t i = 0; i < 2; ++i) {
-        const int64_t n = 2 * pair + i;
-        uint32_t* kcol = reinterpret_cast<uint32_t*>(kb) + n;  // [D / 2][Lp] of (d, d + 1) pairs
-        uint16_t* vrow = vb + pair * 2 * D + i;                 // [Lp / 2][D][2]
-        if (n >= n_keys) {
-          for (int64_t j = 0; j < D / 2; ++j) kcol[j * Lp] = 0;
-          for (int64_t d = 0; d < D; ++d) vrow[2 * d] = 0;
-          continue;
-        }
-        const int64_t pos = c.first + n, slot = table[pos / BS] * BS + pos % BS;
-        const uint16_t* k = k_cache + (slot * c.KVH + g) * D;
-        const uint16_t* v = v_cache + (slot * c.KVH + g) * D;
-        for (int64_t j = 0; j < D / 2; ++j) std::memcpy(kcol + j * Lp, k + 2 * j, 4);
-        for (int64_t d = 0; d < D; ++d) vrow[2 * d] = v[d];
+  std::vector<const uint16_t*> krow(n_keys), vrow(Lp, nullptr);
+  for (int64_t n = 0; n < n_keys; ++n) {
+    const int64_t pos = c.first + n, slot = table[pos / BS] * BS + pos % BS;
+    krow[n] = k_cache + (slot * c.KVH + g) * D;
+    vrow[n] = v_cache + (slot * c.KVH + g) * D;
+  }
+  at::parallel_for(0, D / 2 + Lp / 2, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i < D / 2) {  // K: [D / 2][Lp] of (d, d + 1) pairs
+        uint32_t* dst = reinterpret_cast<uint32_t*>(kb) + i * Lp;
+        for (int64_t n = 0; n < n_keys; ++n) std::memcpy(dst + n, krow[n] + 2 * i, 4);
+        std::fill(dst + n_keys, dst + Lp, 0u);
+        continue;
       }
+      const int64_t pair = i - D / 2;  // V: [Lp / 2][D][2]
+      const uint16_t *a = vrow[2 * pair], *b = vrow[2 * pair + 1];
+      uint16_t* dst = vb + pair * 2 * D;
+      for (int64_t d = 0; d < D; ++d) {
+        dst[2 * d] = a ? a[d] : 0;
+        dst[2 * d + 1] = b ? b[d] : 0;
+      }
+    }
   });
 }
 
@@ -117,28 +125,36 @@ inline void store_product(float* c, int64_t ld, bool two_rows) {
 }
 
 // Row r of scores s over keys [lo, hi) (relative to c.first) -> exps rounded to bf16 in p over [a, b), zero in
-// the rest of [lo, hi); returns the sum of the rounded exps. [a, b) is what the row may see.
+// the rest of [lo, hi); returns the sum of the rounded exps. [a, b) is what the row may see. AVX-512 by hand:
+// GCC left the max reduction scalar, and it was a third of the kernel's time.
 float softmax_row(const Chunk& c, float* s, uint16_t* p, int64_t lo, int64_t hi, int64_t a, int64_t b) {
-  float mx = -std::numeric_limits<float>::infinity();
   const float scale = c.scale, cap = c.softcap;
-  if (cap > 0.f) {
+  if (cap > 0.f)
     for (int64_t n = a; n < b; ++n) s[n] = cap * std::tanh(s[n] * scale / cap);
-  } else {
-#pragma omp simd
-    for (int64_t n = a; n < b; ++n) s[n] *= scale;
+  const __m512 vscale = _mm512_set1_ps(cap > 0.f ? 1.f : scale);
+  auto tail = [&](int64_t n) { return static_cast<__mmask16>(b - n >= 16 ? 0xFFFF : (1u << (b - n)) - 1); };
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t n = a; n < b; n += 16) {
+    const __mmask16 m = tail(n);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + n), vscale);
+    _mm512_mask_storeu_ps(s + n, m, v);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
   }
-#pragma omp simd reduction(max : mx)
-  for (int64_t n = a; n < b; ++n) mx = std::max(mx, s[n]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t n = a; n < b; ++n) {
-    const uint16_t e = bf16_bits(exp_approx(s[n] - mx));
-    p[n] = e;
-    sum += std::bit_cast<float>(static_cast<uint32_t>(e) << 16);
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t n = a; n < b; n += 16) {
+    const __mmask16 m = tail(n);
+    const __m512 e = exp_approx(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + n), mx));
+    // round to bf16 (nearest even) and keep the rounded value for the sum
+    const __m512i bits = _mm512_castps_si512(e);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_mask_storeu_epi16(p + n, m, _mm512_cvtepi32_epi16(top));
+    vsum = _mm512_mask_add_ps(vsum, m, vsum, _mm512_castsi512_ps(_mm512_slli_epi32(top, 16)));
   }
   std::fill(p + lo, p + a, uint16_t{0});
   std::fill(p + b, p + hi, uint16_t{0});
-  return sum;
+  return _mm512_reduce_add_ps(vsum);
 }
 
 // Query head h, rows [i0, i0 + 32) of the chunk (fewer at its end).
