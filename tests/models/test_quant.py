@@ -46,21 +46,31 @@ def test_the_native_kernel_builds_here():
     assert int8_module() is not None, "the native int8 kernel must build where CI runs"
 
 
-def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the native kernels compute with: each row in groups of 32 (the last one shorter) as int8 values
-    and one step per group, x ~= xq * xd; returned padded to whole groups, [M, G, 32] and [M, G], in float64."""
+def quantized_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the native kernels compute with: each row in groups of 32 (the last one shorter; 128 on the AMX path
+    where K allows) as int8 values and one step per group, x ~= xq * xd; returned padded to whole groups,
+    [M, G, group] and [M, G], in float64."""
     m, k = x.shape
-    groups = -(-k // 32)
-    xf = F.pad(x.float(), (0, groups * 32 - k)).view(m, groups, 32)
+    groups = -(-k // group)
+    xf = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     amax = xf.abs().amax(-1)
     inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))  # 127 / amax in fp32
     return torch.round(xf * inv[..., None]).double(), (amax / 127.0).double()
 
 
-def int8_emulated(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    xq, xd = quantized_activations(x)
+def amx_group(module, rows: int, k: int, dtype: torch.dtype) -> int:
+    """The activation group the int8 kernel uses for `rows` x K: 128 for bf16 rows on the AMX path (8 rows and
+    more) where the padded K is a multiple of it, 32 everywhere else."""
+    amx = module.isa().endswith("+amx") and rows >= 8 and dtype == torch.bfloat16
+    return module.wide_group() if amx and -(-k // 32) * 32 % module.wide_group() == 0 else 32
+
+
+def int8_emulated(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, group: int = 32
+) -> torch.Tensor:
+    xq, xd = quantized_activations(x, group)
     groups = xq.shape[1]
-    qf = F.pad(q.double(), (0, groups * 32 - q.shape[1])).view(q.shape[0], groups, 32)
+    qf = F.pad(q.double(), (0, groups * group - q.shape[1])).view(q.shape[0], groups, group)
     y = (torch.einsum("mgj,ngj->mng", xq, qf) * xd[:, None]).sum(-1) * scale.double()
     return y if bias is None else y + bias.double()
 
@@ -127,38 +137,65 @@ def test_int8_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
                 got = module.int8_linear(x, packed, scale, bias)
                 assert got.dtype == torch.float32
                 assert _close_to(got, int8_emulated(x, q, scale, bias)) < 1e-5, (k, n, rows)
-                # bf16 activations: the same arithmetic on the same values, the output rounded to bf16
+                # bf16 activations: the same arithmetic on the same values, the output rounded to bf16 (where
+                # the AMX path takes bf16 rows in groups of 128, float32 rows are switched to them to compare)
                 xb = x.bfloat16()
                 got = module.int8_linear(xb, packed, scale, None)
                 assert got.dtype == torch.bfloat16
-                assert torch.equal(got, module.int8_linear(xb.float(), packed, scale, None).bfloat16())
+                wide = amx_group(module, rows, k, torch.bfloat16) != 32
+                try:
+                    if wide:
+                        module.set_wide_groups(2)
+                    want = module.int8_linear(xb.float(), packed, scale, None).bfloat16()
+                finally:
+                    if wide:
+                        module.set_wide_groups(1)
+                assert torch.equal(got, want), (k, n, rows)
 
 
 def test_int8_amx_path_gives_the_bits_of_the_vnni_path():
-    """Where the CPU has AMX (Intel Sapphire Rapids and later), 8 rows and more take AMX tiles: the same integer
-    sums and the same float order as the vpdpbusd blocks, so the outputs are the same bits. Elsewhere the
-    kernel must not claim AMX."""
+    """Where the CPU has AMX (Intel Sapphire Rapids and later), 8 rows and more take AMX tiles. float32 rows, and
+    bf16 rows with the wide groups off or K not a multiple of 128: the same integer sums and the same float order
+    as the vpdpbusd blocks, so the outputs are the same bits. bf16 rows where K is (128, 640, 1152): the same
+    arithmetic on groups of 128. Elsewhere the kernel must not claim AMX."""
     module = int8_module()
     if not hasattr(module, "set_amx"):  # built without AMX: a CPU without it
         assert "amx" not in module.isa() and "amx_int8" not in cpu_flags()
         return
-    assert module.isa().endswith("+amx")
+    assert module.isa().endswith("+amx") and module.wide_group() == 128
     torch.manual_seed(1)
-    for k in (40, 96, 640):
+
+    def run(xx, packed, scale, bias, amx=True, wide=1):
+        try:
+            module.set_amx(amx)
+            module.set_wide_groups(wide)
+            return module.int8_linear(xx, packed, scale, bias)
+        finally:
+            module.set_amx(True)
+            module.set_wide_groups(1)
+
+    for k in (40, 96, 128, 640, 1152):
         for n in (37, 300):
             q, scale = quant.quantize_int8(torch.randn(n, k))
             bias, packed = torch.randn(n), module.int8_pack(q)
             for rows in (8, 17, 33):  # row tiles of 16, the last one padded
                 x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)
                 x[0, :32] = 0
-                for xx in (x, x.bfloat16()):
-                    try:
-                        module.set_amx(False)
-                        want = module.int8_linear(xx, packed, scale, bias)
-                    finally:
-                        module.set_amx(True)
-                    assert torch.equal(module.int8_linear(xx, packed, scale, bias), want), (k, n, rows)
-                assert _close_to(module.int8_linear(x, packed, scale, bias), int8_emulated(x, q, scale, bias)) < 1e-5
+                x[1, :128] = 0  # an all-zero wide group
+                xb = x.bfloat16()
+                for xx in (x, xb):
+                    want = run(xx, packed, scale, bias, amx=False)
+                    assert torch.equal(run(xx, packed, scale, bias, wide=0), want), (k, n, rows)
+                    if amx_group(module, rows, k, xx.dtype) == 32:
+                        assert torch.equal(run(xx, packed, scale, bias), want), (k, n, rows)
+                assert torch.equal(run(x, packed, scale, bias), run(x, packed, scale, bias, amx=False))
+                group = amx_group(module, rows, k, torch.bfloat16)
+                assert group == (128 if k % 128 == 0 else 32)
+                wide = run(x, packed, scale, bias, wide=2)  # float32 rows in the bf16 rows' groups
+                assert _close_to(wide, int8_emulated(x, q, scale, bias, group)) < 1e-5, (k, n, rows)
+                assert torch.equal(
+                    run(xb, packed, scale, bias), run(xb.float(), packed, scale, bias, wide=2).bfloat16()
+                )
 
 
 def test_int8_amx_bf16_kernel_is_the_dense_matmul_on_the_widened_weights():

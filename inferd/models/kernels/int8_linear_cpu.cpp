@@ -290,6 +290,103 @@ void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int
   const TileOutput out(o, t);
   for (int64_t r = 0; r < kAmxRows && m0 + r < a.M; ++r) out.put(f[r], Y + (m0 + r) * o.N);
 }
+
+// Wider activation groups for the AMX path: each group's int32 sums must go through memory (a tile store) to take
+// their float step, and at groups of 32 that store and the 16 rows' multiply-adds cost ~3x the TDPBSUD itself.
+// Where K is a multiple of kWide, bf16 rows are quantized in groups of kWide instead (as llama.cpp's k-quant dot
+// products quantize activations in blocks of 256), and one group's sum is two TDPBSUD of 64 k into one C tile.
+// The values change (a wider group's step is set by its largest value): benchmarks/quality.py measures it.
+constexpr int64_t kWide = 128;
+constexpr int64_t kWideQuads = kWide / 4;
+
+// Group g of row m, n <= kWide values: as quantize_group, 16 lanes at a time.
+template <typename T>
+void quantize_wide_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t g) {
+  __m512 v[kWide / 16];
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kWide / 16; ++c) {
+    const int64_t left = n - 16 * c;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    if constexpr (std::is_same_v<T, float>) v[c] = _mm512_maskz_loadu_ps(mask, x + 16 * c);
+    else {
+      const __m256i b = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(x) + 16 * c);
+      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    }
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v[c]));
+  }
+  const float amax = _mm512_reduce_max_ps(mx);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  int8_t* q = r.q.data() + m * r.Kp + g * kWide;
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < kWide / 16; ++c) {
+    const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * c), _mm512_cvtepi32_epi8(i));
+    sum = _mm512_add_epi32(sum, i);
+  }
+  r.d[m * r.groups + g] = amax / 127.f;
+  r.init[m * r.groups + g] = -128 * _mm512_reduce_add_epi32(sum);
+}
+
+template <typename T>
+QuantizedRows quantize_rows_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
+  const int64_t G = Kp / kWide;
+  QuantizedRows r{M, Kp, G, std::vector<int8_t>(Mp * Kp), std::vector<float>(Mp * G), std::vector<int32_t>(Mp * G)};
+  parallel_claim(M, 16, [&](auto each) {
+    each([&](int64_t m) {
+      for (int64_t g = 0; g < G; ++g) quantize_wide_group(x + m * K + g * kWide, std::min(kWide, K - g * kWide), r, m, g);
+    });
+  });
+  return r;
+}
+
+// A tiles 0-1 (16 rows x 64 int8), B tiles 2-3 (16 quads x 64 bytes), C tiles 4-5 (16 x 16 int32).
+void configure_wide_tiles() {
+  TileConfig c;
+  for (int i = 0; i < 6; ++i) c.rows[i] = kAmxRows, c.colsb[i] = 64;
+  load_tile_config(c);
+}
+
+// Rows m0 .. m0 + 15 x tile t, groups of kWide (a from quantize_rows_wide); two groups in flight.
+template <typename Out>
+void amx_wide_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t,
+                    bool prefetch, const Output& o, Out* Y) {
+  __m512 f[kAmxRows];
+  for (auto& v : f) v = _mm512_setzero_ps();
+  alignas(64) int32_t c[2][kAmxRows][kTile];
+  const int8_t* A = a.q.data() + m0 * a.Kp;
+  const uint8_t* B = P + t * tile_bytes;
+  constexpr int64_t group_bytes = kWideQuads * 64;
+  for (int64_t g = 0; g < a.groups; g += 2) {
+    if (prefetch)
+      for (int64_t off = 0; off < 2 * group_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(B + g * group_bytes + kPrefetchBytes + off), _MM_HINT_T0);
+    const bool two = g + 1 < a.groups;
+    _tile_zero(4);
+    _tile_loadd(0, A + g * kWide, a.Kp);
+    _tile_loadd(2, B + g * group_bytes, 64);
+    _tile_dpbsud(4, 0, 2);
+    _tile_loadd(1, A + g * kWide + 64, a.Kp);
+    _tile_loadd(3, B + g * group_bytes + 16 * 64, 64);
+    _tile_dpbsud(4, 1, 3);
+    if (two) {
+      _tile_zero(5);
+      _tile_loadd(0, A + (g + 1) * kWide, a.Kp);
+      _tile_loadd(2, B + (g + 1) * group_bytes, 64);
+      _tile_dpbsud(5, 0, 2);
+      _tile_loadd(1, A + (g + 1) * kWide + 64, a.Kp);
+      _tile_loadd(3, B + (g + 1) * group_bytes + 16 * 64, 64);
+      _tile_dpbsud(5, 1, 3);
+    }
+    _tile_stored(4, c[0], 64);
+    scale_group(c[0], a, m0, g, f);
+    if (two) {
+      _tile_stored(5, c[1], 64);
+      scale_group(c[1], a, m0, g + 1, f);
+    }
+  }
+  const TileOutput out(o, t);
+  for (int64_t r = 0; r < kAmxRows && m0 + r < a.M; ++r) out.put(f[r], Y + (m0 + r) * o.N);
+}
 #endif
 #elif defined(INFERD_AVX2)
 // 16 vector registers: a block's int32 sums (MB rows x NT tiles x 2 vectors) stay in registers with the
@@ -412,12 +509,26 @@ void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const Quant
 #if defined(INFERD_AMX)
 constexpr int64_t kAmxRowsOr1 = kAmxRows;
 bool amx_enabled = true;  // tests switch it off to compare the two paths
+// Wide groups for bf16 rows (1), off (0), or for float32 rows too (2, tests). float32 rows keep groups of 32, so
+// their outputs stay the same bits whatever the batch's row count (the vpdpbusd path below 8 rows, AMX above);
+// bf16 rows already differ between row counts (their outputs' rounding, the widened path beyond 64 rows).
+int wide_mode = 1;
 bool amx_available() { return amx_enabled && amx_permitted(); }
 bool use_amx(int64_t M) { return M >= kAmxMinRows && amx_available(); }
+bool wide_groups(int64_t Kp, bool bf16) { return (wide_mode == 2 || (wide_mode == 1 && bf16)) && Kp % kWide == 0; }
+template <typename T>
+QuantizedRows quantize_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
+  return quantize_rows_wide(x, M, K, Kp, Mp);
+}
 #else
 constexpr int64_t kAmxRowsOr1 = 1;
 bool amx_available() { return false; }
 bool use_amx(int64_t) { return false; }
+bool wide_groups(int64_t, bool) { return false; }
+template <typename T>
+QuantizedRows quantize_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
+  return quantize_rows(x, M, K, Kp, Mp);  // never called: no AMX, no wide groups
+}
 #endif
 
 // q [N, K] int8 in -127..127 (as quantize_int8 makes it) -> [ceil(N / 16), Kp / 4, 16, 4] uint8, q + 128, with
@@ -519,9 +630,10 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
   auto y = torch::empty({M, N}, x.options());
   const bool amx = use_amx(M);
   const int64_t Mp = amx ? (M + kAmxRowsOr1 - 1) / kAmxRowsOr1 * kAmxRowsOr1 : M;
-  const QuantizedRows a = x.scalar_type() == torch::kFloat32
-                              ? quantize_rows(x.data_ptr<float>(), M, K, Kp, Mp)
-                              : quantize_rows(x.data_ptr<at::BFloat16>(), M, K, Kp, Mp);
+  const bool wide = amx && wide_groups(Kp, x.scalar_type() == torch::kBFloat16);
+  auto quantize = [&](const auto* xp) { return wide ? quantize_wide(xp, M, K, Kp, Mp) : quantize_rows(xp, M, K, Kp, Mp); };
+  const QuantizedRows a = x.scalar_type() == torch::kFloat32 ? quantize(x.data_ptr<float>())
+                                                             : quantize(x.data_ptr<at::BFloat16>());
   const uint8_t* P = packed.data_ptr<uint8_t>();
   const int64_t tile_bytes = Kp * kTile;
   const Output o{N, scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
@@ -529,9 +641,11 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
   if (amx) {
     auto run = [&](auto* Y) {
       parallel_claim(tiles, kClaimTiles, [&](auto each) {
-        configure_tiles();
+        wide ? configure_wide_tiles() : configure_tiles();
         each([&](int64_t t) {
-          for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
+          for (int64_t m0 = 0; m0 < M; m0 += kAmxRows)
+            wide ? amx_wide_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y)
+                 : amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
         });
         _tile_release();
       });
@@ -690,6 +804,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
 #if defined(INFERD_AMX)
   m.def("set_amx", [](bool on) { amx_enabled = on; }, "tests: switch the AMX path off or on");
+  m.def("set_wide_groups", [](int mode) { wide_mode = mode; },
+        "tests: AMX rows quantized in groups of 128 for bf16 rows (1, the default), never (0), or always (2)");
+  m.def("wide_group", [] { return kWide; }, "the AMX path's activation group where K is a multiple of it");
 #endif
 #if defined(INFERD_AMX_BF16)
   m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 rows x int8 weights widened in cache, AMX-BF16 (many rows)");
