@@ -19,7 +19,8 @@ docs/performance.md):
   (`kernels/int8_linear_cpu.cpp`, `kernels/int4_linear_cpu.cpp`) quantize each activation row to int8 in
   groups of 32 (as llama.cpp's Q8_0) and sum the products in int32 (AVX-512 VNNI, AMX from 8 rows, AVX2, or
   a portable loop, chosen when the kernel is compiled for the CPU), so a decode step is bound by the weight
-  bytes it streams. int8 holds its weights in the kernel's tiled layout (`int8_pack`).
+  bytes it streams; bf16 rows on the AMX path go in groups of 128 where K allows (a quarter of the per-group
+  float work, which bounded AMX). int8 holds its weights in the kernel's tiled layout (`int8_pack`).
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
 - float32 rows (the CPUs without native bf16): the int8 kernel at every row count, prefill included: its

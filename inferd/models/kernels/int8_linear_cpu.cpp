@@ -18,8 +18,9 @@
 // AVX2 without VNNI takes the same layout 8 lanes at a time with vpmaddubsw + vpmaddwd, whose int16 pair
 // sums would overflow with +128 weights: it turns a weight back to signed and moves its sign onto the
 // activation (|q| * (sign(q) * xq), 2 * 127 * 127 <= 32767). A portable loop serves CPUs without AVX2.
-// On a CPU with AMX, 8 rows and more take AMX tiles for the same integer sums (the same bits), and
-// int8_linear_bf16 serves bf16 prefill rows without quantizing them (its own section below).
+// On a CPU with AMX, 8 rows and more take AMX tiles for the same integer sums (the same bits; bf16 rows there in
+// groups of 128 where K allows: see kWide), and int8_linear_bf16 serves bf16 prefill rows without quantizing
+// them (its own section below).
 // Work is claimed by the threads a few tiles at a time as each becomes free (work_queue.h; OpenMP threads);
 // -march=native picks the instruction set (quantized_common.h).
 #include <torch/extension.h>
@@ -799,7 +800,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack", &int8_pack, "int8 weights [N, K] -> the tiled layout int8_linear reads");
   m.def("int8_unpack", &int8_unpack, "the packed int8 weights as [N, K] float32 or bfloat16 (times scale, if given)",
         py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("scale") = py::none());
-  m.def("int8_linear", &int8_linear, "int8 weights x int8-quantized activations (groups of 32), decode batches (CPU)");
+  m.def("int8_linear", &int8_linear,
+        "int8 weights x int8-quantized activations (groups of 32; 128 for bf16 rows on AMX), decode batches (CPU)");
   m.def("isa", [] { return std::string(kIsa) + (amx_available() ? "+amx" : ""); },
         "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
 #if defined(INFERD_AMX)
