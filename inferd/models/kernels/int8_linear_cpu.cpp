@@ -137,15 +137,21 @@ void quantize_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t 
   r.init[m * r.groups + g] = -128 * sum;
 }
 
-// Rows beyond M (up to Mp, for whole AMX row tiles) stay zero.
-template <typename T>
+// Rows beyond M (up to Mp, for whole AMX row tiles) stay zero. Groups of Width: 32, or 128 on the AMX path
+// (quantize_wide_group, below).
+template <typename T, int64_t Width = kGroup>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
-  const int64_t G = Kp / kGroup;
+  const int64_t G = Kp / Width;
   QuantizedRows r{M, Kp, G, std::vector<int8_t>(Mp * Kp), std::vector<float>(Mp * G), std::vector<int32_t>(Mp * G)};
   // rows claimed by the threads, at least 16 at a time: a prefill's many on both, a decode batch's few on one
   parallel_claim(M, 16, [&](auto each) {
     each([&](int64_t m) {
-      for (int64_t g = 0; g < G; ++g) quantize_group(x + m * K + g * kGroup, std::min(kGroup, K - g * kGroup), r, m, g);
+      for (int64_t g = 0; g < G; ++g) {
+        const T* group = x + m * K + g * Width;
+        const int64_t n = std::min(Width, K - g * Width);
+        if constexpr (Width == kGroup) quantize_group(group, n, r, m, g);
+        else quantize_wide_group(group, n, r, m, g);
+      }
     });
   });
   return r;
@@ -256,41 +262,6 @@ inline void scale_group(const int32_t (*c)[kTile], const QuantizedRows& a, int64
   }
 }
 
-// Rows m0 .. m0 + 15 (zero past M) x tile t.
-template <typename Out>
-void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t, bool prefetch,
-               const Output& o, Out* Y) {
-  __m512 f[kAmxRows];
-  for (auto& v : f) v = _mm512_setzero_ps();
-  alignas(64) int32_t c[2][kAmxRows][kTile];
-  const int8_t* A = a.q.data() + m0 * a.Kp;
-  const uint8_t* B = P + t * tile_bytes;
-  constexpr int64_t group_bytes = kQuadsPerGroup * 64;
-  for (int64_t g = 0; g < a.groups; g += 2) {
-    if (prefetch)
-      for (int64_t off = 0; off < 2 * group_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(B + g * group_bytes + kPrefetchBytes + off), _MM_HINT_T0);
-    const bool two = g + 1 < a.groups;
-    _tile_zero(4);
-    _tile_loadd(0, A + g * kGroup, a.Kp);
-    _tile_loadd(2, B + g * group_bytes, 64);
-    _tile_dpbsud(4, 0, 2);
-    if (two) {
-      _tile_zero(5);
-      _tile_loadd(1, A + (g + 1) * kGroup, a.Kp);
-      _tile_loadd(3, B + (g + 1) * group_bytes, 64);
-      _tile_dpbsud(5, 1, 3);
-    }
-    _tile_stored(4, c[0], 64);
-    scale_group(c[0], a, m0, g, f);
-    if (two) {
-      _tile_stored(5, c[1], 64);
-      scale_group(c[1], a, m0, g + 1, f);
-    }
-  }
-  const TileOutput out(o, t);
-  for (int64_t r = 0; r < kAmxRows && m0 + r < a.M; ++r) out.put(f[r], Y + (m0 + r) * o.N);
-}
 
 // Wider activation groups for the AMX path: each group's int32 sums must go through memory (a tile store) to take
 // their float step, and at groups of 32 that store and the 16 rows' multiply-adds cost ~3x the TDPBSUD itself.
@@ -298,7 +269,6 @@ void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int
 // products quantize activations in blocks of 256), and one group's sum is two TDPBSUD of 64 k into one C tile.
 // The values change (a wider group's step is set by its largest value): benchmarks/quality.py measures it.
 constexpr int64_t kWide = 128;
-constexpr int64_t kWideQuads = kWide / 4;
 
 // Group g of row m, n <= kWide values: as quantize_group, 16 lanes at a time.
 template <typename T>
@@ -328,17 +298,6 @@ void quantize_wide_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int
   r.init[m * r.groups + g] = -128 * _mm512_reduce_add_epi32(sum);
 }
 
-template <typename T>
-QuantizedRows quantize_rows_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
-  const int64_t G = Kp / kWide;
-  QuantizedRows r{M, Kp, G, std::vector<int8_t>(Mp * Kp), std::vector<float>(Mp * G), std::vector<int32_t>(Mp * G)};
-  parallel_claim(M, 16, [&](auto each) {
-    each([&](int64_t m) {
-      for (int64_t g = 0; g < G; ++g) quantize_wide_group(x + m * K + g * kWide, std::min(kWide, K - g * kWide), r, m, g);
-    });
-  });
-  return r;
-}
 
 // A tiles 0-1 (16 rows x 64 int8), B tiles 2-3 (16 quads x 64 bytes), C tiles 4-5 (16 x 16 int32).
 void configure_wide_tiles() {
@@ -347,37 +306,49 @@ void configure_wide_tiles() {
   load_tile_config(c);
 }
 
-// Rows m0 .. m0 + 15 x tile t, groups of kWide (a from quantize_rows_wide); two groups in flight.
-template <typename Out>
-void amx_wide_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t,
-                    bool prefetch, const Output& o, Out* Y) {
+// One TDPBSUD into C tile c from A tile a and B tile b. A macro: GCC's tile intrinsics paste the tile numbers
+// into their assembly text, so they must be literals, not template parameters.
+#define INFERD_TILE_PRODUCT(c, a, b, A, lda, B) \
+  do {                                          \
+    _tile_loadd(a, A, lda);                     \
+    _tile_loadd(b, B, 64);                      \
+    _tile_dpbsud(c, a, b);                      \
+  } while (0)
+
+// One group's int32 sums of 16 rows into C tile 4 (first) or 5: one TDPBSUD of 32 k (Width 32: configure_tiles)
+// or two of 64 k (Width 128: configure_wide_tiles), alternating the A/B tile pairs so a load need not wait.
+template <int64_t Width, bool first>
+inline void group_sums(const int8_t* A, int64_t lda, const uint8_t* B) {
+  static_assert(Width == kGroup || Width == 128, "groups of 32 or 128");
+  constexpr bool wide = Width == 128;
+  if constexpr (first) {
+    _tile_zero(4);
+    INFERD_TILE_PRODUCT(4, 0, 2, A, lda, B);
+    if constexpr (wide) INFERD_TILE_PRODUCT(4, 1, 3, A + 64, lda, B + 16 * 64);
+  } else {
+    _tile_zero(5);
+    INFERD_TILE_PRODUCT(5, 1, 3, A, lda, B);
+    if constexpr (wide) INFERD_TILE_PRODUCT(5, 0, 2, A + 64, lda, B + 16 * 64);
+  }
+}
+
+// Rows m0 .. m0 + 15 (zero past M) x tile t, in activation groups of Width (a from quantize_rows<T, Width>); two groups in flight, each scaled while the other's product runs.
+template <int64_t Width, typename Out>
+void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t, bool prefetch,
+               const Output& o, Out* Y) {
   __m512 f[kAmxRows];
   for (auto& v : f) v = _mm512_setzero_ps();
   alignas(64) int32_t c[2][kAmxRows][kTile];
   const int8_t* A = a.q.data() + m0 * a.Kp;
   const uint8_t* B = P + t * tile_bytes;
-  constexpr int64_t group_bytes = kWideQuads * 64;
+  constexpr int64_t group_bytes = Width / 4 * 64;
   for (int64_t g = 0; g < a.groups; g += 2) {
     if (prefetch)
       for (int64_t off = 0; off < 2 * group_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(B + g * group_bytes + kPrefetchBytes + off), _MM_HINT_T0);
     const bool two = g + 1 < a.groups;
-    _tile_zero(4);
-    _tile_loadd(0, A + g * kWide, a.Kp);
-    _tile_loadd(2, B + g * group_bytes, 64);
-    _tile_dpbsud(4, 0, 2);
-    _tile_loadd(1, A + g * kWide + 64, a.Kp);
-    _tile_loadd(3, B + g * group_bytes + 16 * 64, 64);
-    _tile_dpbsud(4, 1, 3);
-    if (two) {
-      _tile_zero(5);
-      _tile_loadd(0, A + (g + 1) * kWide, a.Kp);
-      _tile_loadd(2, B + (g + 1) * group_bytes, 64);
-      _tile_dpbsud(5, 0, 2);
-      _tile_loadd(1, A + (g + 1) * kWide + 64, a.Kp);
-      _tile_loadd(3, B + (g + 1) * group_bytes + 16 * 64, 64);
-      _tile_dpbsud(5, 1, 3);
-    }
+    group_sums<Width, true>(A + g * Width, a.Kp, B + g * group_bytes);
+    if (two) group_sums<Width, false>(A + (g + 1) * Width, a.Kp, B + (g + 1) * group_bytes);
     _tile_stored(4, c[0], 64);
     scale_group(c[0], a, m0, g, f);
     if (two) {
@@ -519,7 +490,7 @@ bool use_amx(int64_t M) { return M >= kAmxMinRows && amx_available(); }
 bool wide_groups(int64_t Kp, bool bf16) { return (wide_mode == 2 || (wide_mode == 1 && bf16)) && Kp % kWide == 0; }
 template <typename T>
 QuantizedRows quantize_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
-  return quantize_rows_wide(x, M, K, Kp, Mp);
+  return quantize_rows<T, kWide>(x, M, K, Kp, Mp);
 }
 #else
 constexpr int64_t kAmxRowsOr1 = 1;
@@ -645,8 +616,8 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
         wide ? configure_wide_tiles() : configure_tiles();
         each([&](int64_t t) {
           for (int64_t m0 = 0; m0 < M; m0 += kAmxRows)
-            wide ? amx_wide_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y)
-                 : amx_block(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
+            wide ? amx_block<kWide>(P, tile_bytes, a, m0, t, m0 == 0, o, Y)
+                 : amx_block<kGroup>(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
         });
         _tile_release();
       });
