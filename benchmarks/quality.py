@@ -40,6 +40,9 @@ MODES: dict[str, dict] = {
     "int8-fp32": dict(dtype="float32", quantization="int8"),  # int8 weights, fp32 activations (the AVX2 path)
     "int4": dict(dtype="auto", quantization="int4"),  # int4 weights (groups of 32), bf16 activations where native
     "int4-fp32": dict(dtype="float32", quantization="int4"),
+    "int8-kv-fp8": dict(dtype="auto", quantization="int8", kv_cache_dtype="fp8"),  # and an fp8 (e4m3) KV cache
+    "int8-kv-fp8_e5m2": dict(dtype="auto", quantization="int8", kv_cache_dtype="fp8_e5m2"),
+    "bf16-kv-fp8": dict(dtype="bfloat16", kv_cache_dtype="fp8"),
 }
 
 

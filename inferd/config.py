@@ -63,6 +63,12 @@ class CacheConfig:
         shown="2GiB",
     )
     num_blocks: int | None = setting(None, "number of KV blocks; overrides --kv-cache-memory", minimum=1)
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, half a bf16 cache's bytes: "
+        "twice the tokens in the same memory and half the bytes a decode step's attention reads",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    )
     enable_prefix_caching: bool = setting(True, "automatic prefix caching: reuse the KV blocks of shared prefixes")
 
     def validate(self) -> None:

@@ -41,7 +41,7 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V."""
-        elem = {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.dtype, 4)
+        elem = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}.get(self.dtype, 4)
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 

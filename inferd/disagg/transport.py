@@ -66,8 +66,8 @@ def _rows(kv: KVCaches, block_ids: Sequence[int]) -> list[torch.Tensor]:
     out = []
     for k, v in kv:
         for t in (k, v):
-            rows = t.index_select(0, idx).contiguous()
-            out.append(rows.view(torch.uint8).reshape(len(block_ids), -1).cpu())
+            rows = t.view(torch.uint8).index_select(0, idx).contiguous()
+            out.append(rows.reshape(len(block_ids), -1).cpu())
     return out
 
 
@@ -100,8 +100,9 @@ def scatter(kv: KVCaches, block_ids: Sequence[int], payload: bytes | bytearray |
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=k0.device)
     for i, t in enumerate(t for pair in kv for t in pair):
-        rows = data[i * part : (i + 1) * part].view(t.dtype).reshape(m, *t.shape[1:])
-        t.index_copy_(0, idx, rows.to(t.device))
+        dst = t.view(torch.uint8)  # as bytes: torch's CPU index_copy_ has no fp8 kernel
+        rows = data[i * part : (i + 1) * part].reshape(m, *dst.shape[1:])
+        dst.index_copy_(0, idx, rows.to(t.device))
 
 
 def copy_blocks(src: KVCaches, src_ids: Sequence[int], dst: KVCaches, dst_ids: Sequence[int]) -> None:
@@ -109,8 +110,8 @@ def copy_blocks(src: KVCaches, src_ids: Sequence[int], dst: KVCaches, dst_ids: S
     s = torch.tensor(list(src_ids), dtype=torch.long, device=src[0][0].device)
     d = torch.tensor(list(dst_ids), dtype=torch.long, device=dst[0][0].device)
     for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
-        dk.index_copy_(0, d, sk.index_select(0, s).to(dk.device))
-        dv.index_copy_(0, d, sv.index_select(0, s).to(dv.device))
+        for a, b in ((sk, dk), (sv, dv)):  # as bytes: torch's CPU index ops have no fp8 kernels
+            b.view(torch.uint8).index_copy_(0, d, a.view(torch.uint8).index_select(0, s).to(b.device))
 
 
 def host_identity() -> str:

@@ -27,7 +27,7 @@ from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
 from inferd.errors import ConfigError, InvalidRequestError
 from inferd.models import loader
-from inferd.models.dtypes import resolve_dtype
+from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from inferd.models.quant import check_quantization
 from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestTimes, TokenLogprobs
 from inferd.request import Request, RequestStatus, sub_request_id
@@ -87,6 +87,7 @@ class Engine:
         self.dtype_choice = resolve_dtype(config.dtype, self.device)
         self.dtype = self.dtype_choice.dtype
         logger.info("dtype: %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         check_quantization(config.quantization, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
@@ -103,7 +104,14 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(
-            self.model, num_blocks, block_size, self.dtype, self.device, config.attention_backend, config.seed
+            self.model,
+            num_blocks,
+            block_size,
+            self.dtype,
+            self.device,
+            config.attention_backend,
+            config.seed,
+            kv_dtype=self.kv_dtype,
         )
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
@@ -132,7 +140,7 @@ class Engine:
     # -- set-up ------------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
         cache = self.config.cache
-        per_block = ModelRunner.bytes_per_block(self.model, cache.block_size, self.dtype)
+        per_block = ModelRunner.bytes_per_block(self.model, cache.block_size, self.kv_dtype)
         num_blocks = cache.num_blocks or cache.kv_cache_memory // per_block
         tokens = num_blocks * cache.block_size
         if tokens < self.max_model_len:
@@ -141,7 +149,8 @@ class Engine:
                 f"{self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
             )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at %d tokens: %.1fx",
+            "KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB); max concurrency at %d tokens: %.1fx",
+            str(self.kv_dtype).removeprefix("torch."),
             num_blocks,
             cache.block_size,
             tokens,

@@ -60,14 +60,17 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         seed: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the cache's storage: the model's dtype, or fp8 (--kv-cache-dtype)
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        kv = self.kv_dtype
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=kv, device=device), torch.zeros(shape, dtype=kv, device=device))
             for _ in range(model.num_layers)
         ]
         self.decode_kernel = self._pick_decode_kernel(attention_backend)

@@ -12,6 +12,9 @@ them into groups to keep the padding (copied and attended for nothing) small.
 Native CPU kernels take over where they are built (the runner puts them in the metadata): decodes in fp32 or
 bf16 (`kernels/paged_decode_cpu.cpp`), and prefill chunks in bf16 on CPUs with AMX-BF16
 (`kernels/prefill_attention_cpu.cpp`); both read K/V from the block tables in place.
+
+The cache may be fp8 (`--kv-cache-dtype`): new K/V are rounded into it as they are written, and every path
+(kernels, gathers, a first chunk's own fresh K/V) attends over those rounded values, widened to q's dtype.
 """
 
 from __future__ import annotations
@@ -101,17 +104,40 @@ class AttentionMetadata:
         return self._prefill_masks[key]
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """New K or V in the cache's dtype: fp8 rounds to nearest, clamped to the format's finite range (a cast
+    alone turns e4m3's overflow into NaN)."""
+    if dtype in FP8:
+        top = torch.finfo(dtype).max
+        return x.clamp(-top, top).to(dtype)
+    return x
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as attention sees it once cached: rounded through an fp8 cache and back, unchanged otherwise."""
+    return to_cache(x, cache_dtype).to(x.dtype) if cache_dtype in FP8 else x
+
+
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    """t, or its bytes where torch's CPU indexing ops have no kernel for its dtype (fp8)."""
+    return t.view(torch.uint8) if t.dtype in FP8 else t
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        rows = _indexable(to_cache(new, cache.dtype))
+        _indexable(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, rows)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_blocks * block_size, kv_heads, head_dim]."""
-    return cache[block_table].flatten(-4, -3)
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_blocks * block_size, kv_heads, head_dim] in dtype."""
+    return _indexable(cache)[block_table].view(cache.dtype).flatten(-4, -3).to(dtype)
 
 
 def _sdpa(q, k, v, mask, scale, softcap, is_causal=False):
@@ -173,11 +199,14 @@ def paged_attention(
             out[s:e] = _native_decode(q[s:e], k_cache, v_cache, meta, group, scale, window, softcap)
             continue
         tables, mask = group.view(window)
-        keys = _gather(k_cache, tables).transpose(1, 2)
-        values = _gather(v_cache, tables).transpose(1, 2)
+        keys = _gather(k_cache, tables, q.dtype).transpose(1, 2)
+        values = _gather(v_cache, tables, q.dtype).transpose(1, 2)
         out[s:e] = _sdpa(q[s:e].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
     native_prefill = (
-        meta.prefill_kernel is not None and q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+        meta.prefill_kernel is not None
+        and q.dtype == torch.bfloat16
+        and k_cache.dtype in (torch.bfloat16, *FP8)
+        and q.shape[-1] % 32 == 0
     )
     for i, chunk in enumerate(meta.prefills):
         s, e = chunk.start, chunk.start + chunk.num_tokens
@@ -189,13 +218,13 @@ def paged_attention(
                 )  # fmt: skip
             continue
         first, mask = meta.prefill_view(i, window)
-        if chunk.context_len == 0:
-            keys, values = k[s:e], v[s:e]  # nothing earlier: attend over the chunk's own fresh K/V
+        if chunk.context_len == 0:  # nothing earlier: the chunk's own K/V, as the cache holds them
+            keys, values = as_cached(k[s:e], k_cache.dtype), as_cached(v[s:e], v_cache.dtype)
         else:
             total = chunk.context_len + chunk.num_tokens
             table = chunk.block_table[first // meta.block_size :]
-            keys = _gather(k_cache, table)[: total - first]
-            values = _gather(v_cache, table)[: total - first]
+            keys = _gather(k_cache, table, q.dtype)[: total - first]
+            values = _gather(v_cache, table, q.dtype)[: total - first]
         o = _sdpa(
             q[s:e].transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),

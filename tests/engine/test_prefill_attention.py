@@ -80,7 +80,7 @@ def test_kernel_rejects_what_it_cannot_run():
         return
     with pytest.raises(RuntimeError, match="table is too short"):
         kernel(q, cache, cache, table, 6, 1.0, 0, 0.0, q.clone())
-    with pytest.raises(RuntimeError, match="bfloat16 only"):
+    with pytest.raises(RuntimeError, match="q and out bfloat16"):
         kernel(q.float(), cache, cache, table, 0, 1.0, 0, 0.0, q.clone())
     with pytest.raises(RuntimeError, match="a multiple of 32"):
         kernel(q[..., :24].contiguous(), cache[..., :24].contiguous(), cache[..., :24].contiguous(), table, 0, 1.0, 0,

@@ -11,6 +11,8 @@
 // tokens. The sums keep their order either way, so results are bitwise those of one row at a time. The softmax's
 // exp is a polynomial that vectorises (fast_exp.h; within 2 ulp of std::exp): at batch 32 these two took a
 // step's attention from 20.3 to 16.6 ms here, and what remains is mostly moving the cache's rows into L1.
+// The cache may also be fp8 (e4m3 or e5m2, with q and the output in float32 or bf16): its rows are widened
+// to float32 like bf16's (fp8.h), for half the bytes read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,6 +29,7 @@
 #endif
 
 #include "fast_exp.h"
+#include "fp8.h"
 #include "work_queue.h"
 
 namespace {
@@ -46,6 +49,20 @@ inline float widen(uint16_t x) {
 // Ask for a row a few tokens ahead: blocks sit anywhere in the cache, so the hardware prefetcher, which
 // follows one 4 KiB page, loses the stream at every block boundary. The scores pass asks for values too,
 // so the values pass finds them in L2.
+inline float widen(inferd::E4M3 x) { return inferd::fp8_to_float(x); }
+inline float widen(inferd::E5M2 x) { return inferd::fp8_to_float(x); }
+
+// n cache values as float32 into dst (vectorised: a shift for bf16, fp8.h's conversions for fp8)
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  if constexpr (inferd::is_fp8<T>) {
+    inferd::widen_fp8_row(src, dst, n);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+  }
+}
+
 template <typename T>
 inline void prefetch_row(const T* row, int64_t D) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -68,8 +85,7 @@ inline void as_float4(const T* const* rows, int64_t D, float* buf, const float**
       out[j] = rows[j];
     } else {
       float* dst = buf + j * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) dst[i] = widen(rows[j][i]);
+      widen_row(rows[j], dst, D);
       out[j] = dst;
     }
   }
@@ -134,8 +150,7 @@ inline void accumulate(const float* p, int64_t n, const T* v, int64_t G, int64_t
   if constexpr (std::is_same_v<T, float>) {
     row = v;
   } else {
-#pragma omp simd
-    for (int64_t i = 0; i < D; ++i) vbuf[i] = widen(v[i]);
+    widen_row(v, vbuf, D);
     row = vbuf;
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -177,6 +192,8 @@ inline __m512 load16(const uint16_t* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+inline __m512 load16(const inferd::E4M3* p) { return inferd::widen16(p); }
+inline __m512 load16(const inferd::E5M2* p) { return inferd::widen16(p); }
 
 // acc[g, d0 .. d0+63] += p[g, t] * v_t[d0 .. d0+63] for GN heads and the tokens [t0, t1): 4 x GN sums held in
 // registers across the tokens, each value chunk loaded (and widened) once for all the heads.
@@ -238,8 +255,8 @@ struct Workspace {
 // probability-weighted values. normalize: the softmax over these tokens is the whole softmax (the pair is
 // not split), and acc is the output; else each head's largest score and sum of exp(score - largest) go to
 // mx and sum, acc holds the unnormalized sums, and the parts are merged by `merge_parts`.
-template <typename T>
-void attend(const T* q_in, const T* kp, const T* vp, const int64_t* table, int64_t start, int64_t t0, int64_t t1,
+template <typename TQ, typename T>
+void attend(const TQ* q_in, const T* kp, const T* vp, const int64_t* table, int64_t start, int64_t t0, int64_t t1,
             int64_t kvh, int64_t G, int64_t D, int64_t BS, int64_t KVH, float fscale, float fcap, bool normalize,
             Workspace<T>& w, float* acc, float* mx, float* sum) {
   const int64_t n = t1 - t0;
@@ -269,7 +286,7 @@ void attend(const T* q_in, const T* kp, const T* vp, const int64_t* table, int64
       }
     const T* keys[4] = {w.krows[t], w.krows[t + 1], w.krows[t + 2], w.krows[t + 3]};
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, uint16_t>) {
+    if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<TQ, uint16_t>) {
       if (D % 32 == 0) {
         scores4_bf16(q_in, keys, G, D, scores + t, n);
         continue;
@@ -357,11 +374,12 @@ inline void merge_parts(const float* acc, const float* mx, const float* sum, int
 // tokens below which a pair is not split: a part must be long enough to pay for its merge
 constexpr int64_t kMinPartTokens = 128;
 
-// T: the storage type of q, K/V and the output (float, or uint16_t holding bfloat16 bits).
-// Work is split over (request, kv head) pairs. Fewer pairs than threads (decoding one or two requests)
-// would leave threads idle, so then each pair's tokens are split into parts, one per thread, merged after.
-template <typename T>
-void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int64_t* lp, T* op, int64_t B,
+// TQ: the storage type of q and the output (float, or uint16_t holding bfloat16 bits); T: the cache's (TQ, or
+// an fp8 format). Work is split over (request, kv head) pairs. Fewer pairs than threads (decoding one or two
+// requests) would leave threads idle, so then each pair's tokens are split into parts, one per thread, merged
+// after.
+template <typename TQ, typename T>
+void decode(const TQ* qp, const T* kp, const T* vp, const int64_t* btp, const int64_t* lp, TQ* op, int64_t B,
             int64_t H, int64_t D, int64_t BS, int64_t KVH, int64_t MB, float fscale, int64_t window, float fcap,
             int64_t threads) {
   const int64_t G = H / KVH, pairs = B * KVH;
@@ -384,7 +402,7 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
       each([&](int64_t item) {
         const int64_t b = item / KVH, kvh = item % KVH;
         const auto [start, len] = window_of(b);
-        const T* q_in = qp + (b * H + kvh * G) * D;
+        const TQ* q_in = qp + (b * H + kvh * G) * D;
         attend(q_in, kp, vp, btp + b * MB, start, 0, len - start, kvh, G, D, BS, KVH, fscale, fcap, true, w,
                acc.data(), nullptr, nullptr);
         store(acc.data(), G * D, op + (b * H + kvh * G) * D);
@@ -416,15 +434,17 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* btp, const int
 
 }  // namespace
 
-// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int64;
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D] in q's dtype or fp8; block_tables: [B, max_blocks] int64;
 // seq_lens: [B] int64 (including the token being decoded); window <= 0 means none; threads <= 0: torch's
 // thread count (what decides whether a pair's tokens are split). Returns [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                            int64_t window, double softcap, int64_t threads) {
-  const auto dtype = q.scalar_type();
+  const auto dtype = q.scalar_type(), kv = k_cache.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "paged_decode runs on float32 or bfloat16");
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, "q and the KV cache differ in dtype");
+  const bool fp8 = kv == at::ScalarType::Float8_e4m3fn || kv == at::ScalarType::Float8_e5m2;
+  TORCH_CHECK(v_cache.scalar_type() == kv && (kv == dtype || fp8),
+              "paged_decode: the KV cache is q's dtype or fp8 (e4m3fn, e5m2), the same for K and V");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
@@ -436,13 +456,26 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t MB = bt.size(1);
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   if (threads <= 0) threads = at::get_num_threads();
+  auto run = [&](auto* qp, auto* op, auto cache_tag) {
+    using C = decltype(cache_tag);
+    const C* kp = reinterpret_cast<const C*>(k_cache.data_ptr());
+    const C* vp = reinterpret_cast<const C*>(v_cache.data_ptr());
+    decode(qp, kp, vp, btp, lp, op, B, H, D, BS, KVH, MB, fscale, window, fcap, threads);
+  };
+  auto with_cache = [&](auto* qp, auto* op, auto own) {
+    if (kv == at::ScalarType::Float8_e4m3fn) {
+      run(qp, op, inferd::E4M3{});
+    } else if (kv == at::ScalarType::Float8_e5m2) {
+      run(qp, op, inferd::E5M2{});
+    } else {
+      run(qp, op, own);
+    }
+  };
   if (dtype == torch::kFloat32) {
-    decode<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), btp, lp,
-                  out.data_ptr<float>(), B, H, D, BS, KVH, MB, fscale, window, fcap, threads);
+    with_cache(q.data_ptr<float>(), out.data_ptr<float>(), 0.f);
   } else {
     auto bits = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    decode<uint16_t>(bits(q), bits(k_cache), bits(v_cache), btp, lp, bits(out), B, H, D, BS, KVH, MB, fscale,
-                     window, fcap, threads);
+    with_cache(bits(q), bits(out), uint16_t{0});
   }
   return out;
 }
@@ -461,7 +494,7 @@ int64_t parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads the work split reaches");
-  m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32 or bfloat16)",
+  m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32 or bfloat16; the cache in that or fp8)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("threads") = 0);
 }

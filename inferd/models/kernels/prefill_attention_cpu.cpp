@@ -28,6 +28,7 @@
 
 #include "amx.h"
 #include "fast_exp.h"
+#include "fp8.h"
 #include "quantized_common.h"
 #include "work_queue.h"
 
@@ -60,14 +61,25 @@ struct Chunk {
   float scale, softcap;           // softcap <= 0: none
 };
 
+// A cache value's bf16 bits: itself in a bf16 cache; an fp8 cache's, looked up (exact).
+struct Bf16Of {
+  const uint16_t* lut = nullptr;  // fp8: its 256 values' bf16 bits
+  uint16_t operator()(uint16_t x) const { return x; }
+  uint16_t operator()(E4M3 x) const { return lut[x.bits]; }
+  uint16_t operator()(E5M2 x) const { return lut[x.bits]; }
+};
+
 // The chunk's keys and values of KV head g, out of their blocks, into B-tile layouts; padding keys are zero.
 // K is written a row of the layout at a time (one pair of d for every key): the reads jump between the keys'
 // rows, which stay in L1 across the pairs, and the writes run on, where writing each key's pairs into their
-// rows (a store per cache line) cost more than the products.
-void repack(const Chunk& c, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t BS,
-            int64_t g, uint16_t* kb, uint16_t* vb) {
+// rows (a store per cache line) cost more than the products. An fp8 cache is widened to bf16 on the way.
+template <typename C>
+void repack(const Chunk& c, const C* k_cache, const C* v_cache, const int64_t* table, int64_t BS, int64_t g,
+            uint16_t* kb, uint16_t* vb) {
   const int64_t D = c.D, Lp = c.Lp, n_keys = c.total - c.first;
-  std::vector<const uint16_t*> krow(n_keys), vrow(Lp, nullptr);
+  Bf16Of bf;
+  if constexpr (is_fp8<C>) bf.lut = fp8_bf16_table<C>();
+  std::vector<const C*> krow(n_keys), vrow(Lp, nullptr);
   for (int64_t n = 0; n < n_keys; ++n) {
     const int64_t pos = c.first + n, slot = table[pos / BS] * BS + pos % BS;
     krow[n] = k_cache + (slot * c.KVH + g) * D;
@@ -77,16 +89,21 @@ void repack(const Chunk& c, const uint16_t* k_cache, const uint16_t* v_cache, co
     for (int64_t i = i0; i < i1; ++i) {
       if (i < D / 2) {  // K: [D / 2][Lp] of (d, d + 1) pairs
         uint32_t* dst = reinterpret_cast<uint32_t*>(kb) + i * Lp;
-        for (int64_t n = 0; n < n_keys; ++n) std::memcpy(dst + n, krow[n] + 2 * i, 4);
+        if constexpr (is_fp8<C>) {
+          for (int64_t n = 0; n < n_keys; ++n)
+            dst[n] = bf(krow[n][2 * i]) | static_cast<uint32_t>(bf(krow[n][2 * i + 1])) << 16;
+        } else {
+          for (int64_t n = 0; n < n_keys; ++n) std::memcpy(dst + n, krow[n] + 2 * i, 4);
+        }
         std::fill(dst + n_keys, dst + Lp, 0u);
         continue;
       }
       const int64_t pair = i - D / 2;  // V: [Lp / 2][D][2]
-      const uint16_t *a = vrow[2 * pair], *b = vrow[2 * pair + 1];
+      const C *a = vrow[2 * pair], *b = vrow[2 * pair + 1];
       uint16_t* dst = vb + pair * 2 * D;
       for (int64_t d = 0; d < D; ++d) {
-        dst[2 * d] = a ? a[d] : 0;
-        dst[2 * d + 1] = b ? b[d] : 0;
+        dst[2 * d] = a ? bf(a[d]) : 0;
+        dst[2 * d + 1] = b ? bf(b[d]) : 0;
       }
     }
   });
@@ -202,8 +219,8 @@ void attend_rows(const Chunk& c, const uint16_t* kb, const uint16_t* vb, int64_t
   }
 }
 
-void attend_chunk(const Chunk& c, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                  int64_t BS) {
+template <typename C>
+void attend_chunk(const Chunk& c, const C* k_cache, const C* v_cache, const int64_t* table, int64_t BS) {
   const int64_t D = c.D, Lp = c.Lp, G = c.H / c.KVH, blocks = (c.T + kRows - 1) / kRows;
   std::vector<uint16_t> kb(c.KVH * Lp * D), vb(c.KVH * Lp * D);
   for (int64_t g = 0; g < c.KVH; ++g) repack(c, k_cache, v_cache, table, BS, g, kb.data() + g * Lp * D, vb.data() + g * Lp * D);
@@ -233,15 +250,17 @@ bool available() {
 }
 
 // q, out: [T, H, D] bfloat16 (out may be a slice of a larger contiguous tensor); k_cache, v_cache: [num_blocks,
-// block_size, KVH, D] bfloat16 holding the chunk's own K/V already; block_table: [>= ceil((context_len + T) /
+// block_size, KVH, D] bfloat16 or fp8 (e4m3fn, e5m2) holding the chunk's own K/V already; block_table: [>= ceil((context_len + T) /
 // block_size)] int64; the chunk's queries sit at positions context_len .. context_len + T - 1. window <= 0 and
 // softcap <= 0 mean none.
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                        int64_t context_len, double scale, int64_t window, double softcap, torch::Tensor out) {
   TORCH_CHECK(available(), "prefill_attention: needs AMX-BF16, granted by the OS");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-                  v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
-              "prefill_attention: bfloat16 only");
+  const auto kv = k_cache.scalar_type();
+  const bool kv_ok = kv == torch::kBFloat16 || kv == at::ScalarType::Float8_e4m3fn || kv == at::ScalarType::Float8_e5m2;
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 && kv_ok &&
+                  v_cache.scalar_type() == kv,
+              "prefill_attention: q and out bfloat16, the cache bfloat16 or fp8");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && out.is_contiguous() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && out.sizes() == q.sizes(),
               "prefill_attention: q/out [T, H, D] and caches [blocks, block_size, KVH, D], contiguous");
@@ -257,7 +276,18 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   const Chunk c{bits(q), bits(out), T, H, KVH, D, context_len, first, total,
                 (total - first + kStep - 1) / kStep * kStep, window, static_cast<float>(scale),
                 static_cast<float>(softcap)};
-  attend_chunk(c, bits(k_cache), bits(v_cache), table.data_ptr<int64_t>(), BS);
+  auto run = [&](auto tag) {
+    using C = decltype(tag);
+    attend_chunk(c, reinterpret_cast<const C*>(k_cache.data_ptr()), reinterpret_cast<const C*>(v_cache.data_ptr()),
+                 table.data_ptr<int64_t>(), BS);
+  };
+  if (kv == at::ScalarType::Float8_e4m3fn) {
+    run(E4M3{});
+  } else if (kv == at::ScalarType::Float8_e5m2) {
+    run(E5M2{});
+  } else {
+    run(uint16_t{0});
+  }
 #endif
 }
 

@@ -1,0 +1,177 @@
+"""An fp8 KV cache (--kv-cache-dtype): what is stored, what every attention path reads back, what it holds."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from inferd import LLM, SamplingParams
+from inferd.disagg.transport import checksums, copy_blocks, gather, scatter
+from inferd.errors import ConfigError
+from inferd.models import cpu_kernels, dtypes
+from inferd.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention, to_cache
+from tests.conftest import assert_idle
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+HAS_AMX_BF16 = {"amx_bf16", "amx_tile"} <= dtypes.cpu_flags()
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_writes_round_to_nearest_and_clamp_to_the_finite_range(fp8):
+    top = torch.finfo(fp8).max
+    x = torch.tensor([0.0, 1.0, -3.3, 1e-3, 2 * top, -5 * top, float(top)])
+    stored = to_cache(x, fp8)
+    assert stored.dtype == fp8
+    assert torch.isfinite(stored.float()).all(), "a bare cast turns e4m3's overflow into NaN"
+    assert stored.float()[4] == top and stored.float()[5] == -top
+    assert torch.equal(stored.float()[:4], x[:4].to(fp8).float())
+
+
+def _finite_patterns(fp8: torch.dtype, n: int) -> torch.Tensor:
+    """n values of the format covering every finite bit pattern (NaNs and infinities replaced by zero)."""
+    bits = torch.arange(256, dtype=torch.uint8).repeat(-(-n // 256))[:n]
+    values = bits.view(fp8).float()
+    return torch.where(torch.isfinite(values), values, 0.0).to(fp8)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_widens_every_value_exactly(fp8, dtype):
+    """One key: the softmax is 1 and the output is that token's value row, as torch converts it. The row
+    holds every finite pattern of the format (subnormals, both signs), through the kernel's vector path."""
+    D = 256
+    v_cache = _finite_patterns(fp8, D).view(1, 1, 1, D)
+    k_cache = torch.zeros(1, 1, 1, D).to(fp8)
+    q = torch.randn(1, 2, D).to(dtype)
+    out = cpu_kernels.paged_decode_kernel()(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.long),
+                                            torch.tensor([1]), 0.1, 0, 0.0)  # fmt: skip
+    assert torch.equal(out[0].float(), v_cache.view(1, D).float().expand(2, D).to(dtype).float())
+
+
+def _decode_case(seed, fp8, batch=6, heads=4, kv_heads=2, head_dim=64, block_size=4, longest=300):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = batch * -(-longest // block_size) + 4
+    k_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 3, fp8)
+    v_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g), fp8)
+    seq_lens = torch.randint(1, longest, (batch,), generator=g)
+    seq_lens[0] = longest
+    width = -(-longest // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in range(batch)])
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    k_new = torch.randn(batch, kv_heads, head_dim, generator=g)
+    v_new = torch.randn(batch, kv_heads, head_dim, generator=g)
+    last = seq_lens - 1
+    slots = tables.gather(1, (last // block_size)[:, None]).squeeze(1) * block_size + last % block_size
+    return q, k_new, v_new, k_cache, v_cache, tables, seq_lens, slots
+
+
+def _decode(kernel, case, dtype, window, softcap):
+    q, k_new, v_new, k_cache, v_cache, tables, seq_lens, slots = case
+    group = DecodeGroup(0, q.shape[0], tables, seq_lens, k_cache.shape[1])
+    meta = AttentionMetadata(slots, k_cache.shape[1], decode_groups=[group], decode_kernel=kernel)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out = paged_attention(q.to(dtype), k_new.to(dtype), v_new.to(dtype), k_cache, v_cache, meta, 0.2, window, softcap)
+    return out, k_cache
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("threads", [0, 8])  # 8: long requests' tokens split over threads and merged
+def test_decode_kernel_on_fp8_matches_the_reference_on_the_same_values(fp8, dtype, window, threads):
+    case = _decode_case(int(dtype.itemsize) + (window or 0), fp8)
+    case = [t.to(dtype).float() if t.dtype == torch.float32 else t for t in case]  # q and new K/V as dtype holds them
+    ref, ref_cache = _decode(None, case, torch.float32, window, 20.0)
+    kernel = functools.partial(cpu_kernels.paged_decode_kernel(), threads=threads)
+    got, cache = _decode(kernel, case, dtype, window, 20.0)
+    assert got.dtype == dtype and cache.dtype == fp8
+    if dtype == torch.float32:  # the same new K/V, rounded into the cache alike by either path
+        assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    assert torch.allclose(got.float(), ref, **tol)
+
+
+def _prefill_case(seed, fp8, heads=4, kv_heads=1, head_dim=256, block_size=16):
+    chunks = [(70, 0), (17, 37), (16, 100)]
+    g = torch.Generator().manual_seed(seed)
+    per_request = [-(-(n + ctx) // block_size) for n, ctx in chunks]
+    num_blocks = sum(per_request) + 3
+    order = torch.randperm(num_blocks, generator=g)
+    k_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 3, fp8)
+    v_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g), fp8)
+    prefills, slots, start, used = [], [], 0, 0
+    for (n, ctx), blocks in zip(chunks, per_request, strict=True):
+        table = order[used : used + blocks]
+        used += blocks
+        prefills.append(PrefillChunk(start, n, ctx, table))
+        slots += [int(table[p // block_size]) * block_size + p % block_size for p in range(ctx, ctx + n)]
+        start += n
+    # bf16 values, so fp32 and bf16 runs write the same fp8 K/V and ask with the same queries
+    q, k, v = (torch.randn(start, h, head_dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
+    return (q, k, v, k_cache, v_cache), prefills, torch.tensor(slots)
+
+
+def _prefill(kernel, case, dtype, window, softcap):
+    (q, k, v, k_cache, v_cache), prefills, slots = case
+    meta = AttentionMetadata(slots, k_cache.shape[1], prefills=prefills, prefill_kernel=kernel)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    return paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, q.shape[-1] ** -0.5, window, softcap)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("window", [None, 40])
+def test_prefill_on_fp8_reads_what_the_cache_holds(fp8, window):
+    """Chunks with and without context: the AMX-BF16 kernel (where the CPU has it) and bf16 SDPA both see the
+    fp8 values, the first chunk's own fresh K/V included; fp32 SDPA on the same values is the reference."""
+    case = _prefill_case(3, fp8)
+    ref = _prefill(None, case, torch.float32, window, 20.0)
+    sdpa = _prefill(None, case, torch.bfloat16, window, 20.0)
+    got = _prefill(cpu_kernels.prefill_attention_kernel(), case, torch.bfloat16, window, 20.0)
+    assert torch.allclose(got.float(), ref, atol=2e-2, rtol=1e-2)
+    assert (got.float() - ref).norm() <= 2 * (sdpa.float() - ref).norm() + 1e-3
+    # a bf16 cache with the same values gives the kernel the same answer, bit for bit
+    (q, k, v, k_cache, v_cache), prefills, slots = case
+    k, v = (to_cache(t, fp8).bfloat16() for t in (k, v))  # rounded as the fp8 path rounds them
+    as_bf16 = ((q, k, v, k_cache.bfloat16(), v_cache.bfloat16()), prefills, slots)
+    same = _prefill(cpu_kernels.prefill_attention_kernel(), as_bf16, torch.bfloat16, window, 20.0)
+    assert torch.equal(got, same)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_block_bytes_move_between_fp8_caches(fp8):
+    """The disaggregated handoff copies blocks as bytes: fp8 caches included (torch has no fp8 index ops)."""
+    src = [(to_cache(torch.randn(8, 4, 1, 16), fp8), to_cache(torch.randn(8, 4, 1, 16), fp8)) for _ in range(2)]
+    dst = [(torch.zeros(8, 4, 1, 16).to(fp8), torch.zeros(8, 4, 1, 16).to(fp8)) for _ in range(2)]
+    scatter(dst, [5, 0], gather(src, [1, 2]))
+    assert checksums(dst, [5, 0]) == checksums(src, [1, 2])
+    assert torch.equal(dst[1][1][5].view(torch.uint8), src[1][1][1].view(torch.uint8))
+    copy_blocks(src, [3], dst, [7])
+    assert torch.equal(dst[0][0][7].view(torch.uint8), src[0][0][3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_fp8_engine_holds_more_tokens_and_both_backends_agree(tiny_models, dtype):
+    """Gemma 3 (sliding windows) with an fp8 cache: the same memory holds 2x (bf16) or 4x (fp32) the blocks;
+    prompts prefilled in chunks after a cached prefix decode the same greedy tokens under either backend."""
+    prefix = list(range(5, 45))
+    prompts = [prefix + [50 + i, 60 + 2 * i, 70 + 3 * i] * (i + 2) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = dict(dtype=dtype, max_num_batched_tokens=16, kv_cache_memory=8 * 2**20)
+    auto = LLM(str(tiny_models["gemma3"]), **base)
+    outputs = {}
+    for backend in ("torch", "auto"):
+        llm = LLM(str(tiny_models["gemma3"]), kv_cache_dtype="fp8", attention_backend=backend, **base)
+        assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        assert llm.engine.kv.num_blocks == auto.engine.kv.num_blocks * {"float32": 4, "bfloat16": 2}[dtype]
+        assert (llm.engine.runner.decode_kernel is not None) == (backend == "auto")
+        llm.generate(prompts[:1], params)  # the prefix is cached for the others
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert_idle(llm)
+    assert outputs["auto"] == outputs["torch"]
+
+
+def test_an_unknown_kv_cache_dtype_is_refused(tiny_models):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8"):
+        LLM(str(tiny_models["llama"]), kv_cache_dtype="int4")
