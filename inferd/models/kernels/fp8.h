@@ -60,6 +60,14 @@ inline __m512 widen16(const E5M2* p) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// 32 values -> 32 bfloat16 lanes (exact: the values fit in bf16)
+template <typename F>
+inline __m512i widen32_bf16(const F* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(widen16(p + 16), widen16(p));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__F16C__)
 // 8 values -> 8 float32 lanes
 inline __m256 widen8(const E4M3* p) {

@@ -141,6 +141,32 @@ inline void scores4_bf16(const uint16_t* qbits, const uint16_t* const* keys, int
     o[3] = _mm512_reduce_add_ps(a3);
   }
 }
+
+// The same for an fp8 cache: each 32 of d of the four keys widened to bf16 in registers once (exact, fp8.h),
+// then `vdpbf16ps` for every head, d outer: widening the rows to float32 in memory and four FMAs per 16
+// of d took a step's attention here from 12.3 ms (bf16 cache) to 14.6.
+template <typename F>
+inline void scores4_fp8(const uint16_t* qbits, const F* const* keys, int64_t G, int64_t D, float* out, int64_t n) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    __m512 acc[4][4];
+    for (auto& a : acc)
+      for (auto& v : a) v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 32) {
+      const __m512bh k0 = (__m512bh)inferd::widen32_bf16(keys[0] + i), k1 = (__m512bh)inferd::widen32_bf16(keys[1] + i),
+                     k2 = (__m512bh)inferd::widen32_bf16(keys[2] + i), k3 = (__m512bh)inferd::widen32_bf16(keys[3] + i);
+      for (int64_t g = 0; g < gn; ++g) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qbits + (g0 + g) * D + i);
+        acc[g][0] = _mm512_dpbf16_ps(acc[g][0], qv, k0);
+        acc[g][1] = _mm512_dpbf16_ps(acc[g][1], qv, k1);
+        acc[g][2] = _mm512_dpbf16_ps(acc[g][2], qv, k2);
+        acc[g][3] = _mm512_dpbf16_ps(acc[g][3], qv, k3);
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g)
+      for (int j = 0; j < 4; ++j) out[(g0 + g) * n + j] = _mm512_reduce_add_ps(acc[g][j]);
+  }
+}
 #endif
 
 // acc[g * D + i] += p[g * n] * v[i] for every head g: the value row is widened once for the whole group.
@@ -289,6 +315,12 @@ void attend(const TQ* q_in, const T* kp, const T* vp, const int64_t* table, int6
     if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<TQ, uint16_t>) {
       if (D % 32 == 0) {
         scores4_bf16(q_in, keys, G, D, scores + t, n);
+        continue;
+      }
+    }
+    if constexpr (inferd::is_fp8<T> && std::is_same_v<TQ, uint16_t>) {
+      if (D % 32 == 0) {
+        scores4_fp8(q_in, keys, G, D, scores + t, n);
         continue;
       }
     }
