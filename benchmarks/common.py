@@ -29,6 +29,20 @@ def median_time(fn: Callable[[], object], runs: int = 5, warmup: int = 1) -> flo
     return statistics.median(times)
 
 
+def alternated(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each function, called in turn `repeats` times after one warm-up each: a drift of
+    the machine's speed over the run is shared by all of them rather than read as a difference."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def matmul_peak_gflops(n: int = 3072, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Large matmul throughput in `dtype`, with torch's dense path and (fp32) oneDNN's packed linear: the
     peak a step in that dtype is measured against (bf16 on an AMX CPU runs ~3x fp32's)."""

@@ -16,31 +16,16 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
-from benchmarks.common import machine, write_result  # noqa: E402
+from benchmarks.common import alternated, machine, write_result  # noqa: E402
 from inferd import LLM, SamplingParams  # noqa: E402
 from inferd.models import cpu_kernels  # noqa: E402
-
-
-def alternated(fns: dict, repeats: int) -> dict[str, float]:
-    """Median milliseconds of each function, called in turn `repeats` times after one warm-up each."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t) * 1e3)
-    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def one_layer(length: int, repeats: int, heads: int = 4, head_dim: int = 256, block_size: int = 16) -> dict:

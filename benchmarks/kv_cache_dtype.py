@@ -1,0 +1,135 @@
+"""The KV cache's dtype (`--kv-cache-dtype`): what fp8 holds and what it costs or saves a decode step.
+
+1. Capacity: the tokens the default 2 GiB KV cache holds for each cache dtype (the engine's own block size).
+2. The decode attention kernel alone: Gemma 3 270M's 18 layers (4 query heads on one KV head, head_dim 256),
+   a batch of 32 requests of each `--lengths` tokens, bf16 queries, a bf16 cache against fp8 (e4m3, e5m2)
+   caches holding the same values, alternated, medians of `--repeats`; with the bytes each reads per second.
+3. A whole decode step at batch 32: engines with a bf16 and an fp8 cache in one process, each filled with the
+   same 32 requests (prompts 32-512 tokens), their steps alternated, medians of `--repeats`.
+
+    .venv/bin/python benchmarks/kv_cache_dtype.py                   # writes results/kv_cache_dtype.json
+    .venv/bin/python benchmarks/kv_cache_dtype.py --lengths 268 --repeats 5 --quantization none
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
+from benchmarks.common import alternated, machine, write_result  # noqa: E402
+from benchmarks.offline_throughput import make_workload  # noqa: E402
+from inferd import LLM, SamplingParams  # noqa: E402
+from inferd.engine.runner import ModelRunner  # noqa: E402
+from inferd.models import cpu_kernels  # noqa: E402
+from inferd.models.attention import to_cache  # noqa: E402
+from inferd.models.dtypes import KV_CACHE_DTYPES  # noqa: E402
+
+CACHES = {"bf16": torch.bfloat16, "fp8_e4m3": KV_CACHE_DTYPES["fp8_e4m3"], "fp8_e5m2": KV_CACHE_DTYPES["fp8_e5m2"]}
+
+
+def capacity(llm: LLM, memory: int = 2 * 1024**3) -> dict[str, int]:
+    engine = llm.engine
+    block = engine.kv.block_size
+    return {
+        name: memory // ModelRunner.bytes_per_block(engine.model, block, dtype) * block
+        for name, dtype in CACHES.items()
+    }
+
+
+def decode_kernel(length: int, repeats: int, batch: int = 32, layers: int = 18, heads: int = 4, head_dim: int = 256):
+    kernel = cpu_kernels.paged_decode_kernel()
+    g = torch.Generator().manual_seed(length)
+    bs = 16
+    per_request = -(-length // bs)
+    num_blocks = batch * per_request + 4
+    shape = (num_blocks, bs, 1, head_dim)
+    values = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(layers)]
+    caches = {
+        name: [(to_cache(k, dtype).to(dtype), to_cache(v, dtype).to(dtype)) for k, v in values]
+        for name, dtype in CACHES.items()
+    }
+    q = torch.randn(batch, heads, head_dim, generator=g).bfloat16()
+    tables = torch.randperm(num_blocks, generator=g)[: batch * per_request].view(batch, per_request)
+    lens = torch.full((batch,), length)
+    scale = head_dim**-0.5
+
+    def run(name: str) -> None:
+        for k, v in caches[name]:
+            kernel(q, k, v, tables, lens, scale, 0, 0.0)
+
+    ms = alternated({name: (lambda n=name: run(n)) for name in caches}, repeats)
+    read = {name: 2 * batch * length * layers * head_dim * dtype.itemsize for name, dtype in CACHES.items()}
+    return {
+        "tokens": length,
+        "batch": batch,
+        "layers": layers,
+        "ms": ms,
+        "read_gbs": {name: read[name] / ms[name] / 1e6 for name in ms},
+        "speedup_over_bf16": {name: ms["bf16"] / ms[name] for name in ms},
+    }
+
+
+def decode_step(repeats: int, quantization: str | None, kv_dtypes: list[str], batch: int = 32) -> dict:
+    prompts, _ = make_workload(batch, seed=0)
+    engines = {}
+    for kv in kv_dtypes:
+        engine = LLM(quantization=quantization, kv_cache_dtype=kv, max_model_len=1024, max_num_seqs=batch).engine
+        for i, p in enumerate(prompts):
+            engine.add_request(f"d{i}", p, SamplingParams(temperature=0, max_tokens=4 * repeats + 8, ignore_eos=True))
+        sched = engine.scheduler
+        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+            engine.step()
+        engines[kv] = engine
+    ms = alternated({kv: e.step for kv, e in engines.items()}, repeats)
+    for engine in engines.values():
+        for i in range(batch):
+            engine.abort(f"d{i}")
+    return {"batch": batch, "prompt_tokens": sum(map(len, prompts)), "ms": ms,
+            "speedup_over_auto": {kv: ms["auto"] / ms[kv] for kv in ms}}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 268, 1000])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--quantization", default="int8", choices=["int8", "int4", "none"])
+    ap.add_argument("--out", default="kv_cache_dtype")
+    args = ap.parse_args()
+    if cpu_kernels.paged_decode_kernel() is None:
+        print("the native decode kernel did not build: nothing to compare", file=sys.stderr)
+        return 1
+    quantization = None if args.quantization == "none" else args.quantization
+    llm = LLM(quantization=quantization)
+    if llm.engine.dtype != torch.bfloat16:
+        print("--dtype auto is not bf16 on this CPU: the bf16-query comparison does not apply", file=sys.stderr)
+        return 1
+    tokens = capacity(llm)
+    del llm
+    print("tokens in 2 GiB: " + ", ".join(f"{k} {v}" for k, v in tokens.items()))
+    kernel = [decode_kernel(n, args.repeats) for n in args.lengths]
+    for r in kernel:
+        print(f"decode attention, 32 x {r['tokens']} tokens, 18 layers: "
+              + ", ".join(f"{k} {v:.2f} ms ({r['read_gbs'][k]:.1f} GB/s)" for k, v in r["ms"].items()))  # fmt: skip
+    step = decode_step(args.repeats, quantization, ["auto", "fp8", "fp8_e5m2"])
+    print("decode step, batch 32: " + ", ".join(f"{k} {v:.1f} ms" for k, v in step["ms"].items()))
+    write_result(
+        args.out,
+        {
+            "benchmark": "kv_cache_dtype",
+            "machine": machine(),
+            "quantization": quantization,
+            "repeats": args.repeats,
+            "tokens_in_2gib": tokens,
+            "decode_kernel": kernel,
+            "decode_step": step,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
