@@ -43,6 +43,20 @@ def alternated(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def kernel_args(doc: str, lengths: list[int], out: str):
+    """The flags the kernel benchmarks share: --lengths, --repeats, --quantization, --out."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=lengths)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--quantization", default="int8", choices=["int8", "int4", "none"])
+    ap.add_argument("--out", default=out)
+    args = ap.parse_args()
+    args.quantization = None if args.quantization == "none" else args.quantization
+    return args
+
+
 def matmul_peak_gflops(n: int = 3072, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Large matmul throughput in `dtype`, with torch's dense path and (fp32) oneDNN's packed linear: the
     peak a step in that dtype is measured against (bf16 on an AMX CPU runs ~3x fp32's)."""

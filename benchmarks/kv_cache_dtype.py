@@ -13,14 +13,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
-from benchmarks.common import alternated, machine, write_result  # noqa: E402
+from benchmarks.common import alternated, kernel_args, machine, write_result  # noqa: E402
 from benchmarks.offline_throughput import make_workload  # noqa: E402
 from inferd import LLM, SamplingParams  # noqa: E402
 from inferd.engine.runner import ModelRunner  # noqa: E402
@@ -93,16 +92,11 @@ def decode_step(repeats: int, quantization: str | None, kv_dtypes: list[str], ba
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 268, 1000])
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--quantization", default="int8", choices=["int8", "int4", "none"])
-    ap.add_argument("--out", default="kv_cache_dtype")
-    args = ap.parse_args()
+    args = kernel_args(__doc__, [64, 268, 1000], "kv_cache_dtype")
     if cpu_kernels.paged_decode_kernel() is None:
         print("the native decode kernel did not build: nothing to compare", file=sys.stderr)
         return 1
-    quantization = None if args.quantization == "none" else args.quantization
+    quantization = args.quantization
     llm = LLM(quantization=quantization)
     if llm.engine.dtype != torch.bfloat16:
         print("--dtype auto is not bf16 on this CPU: the bf16-query comparison does not apply", file=sys.stderr)

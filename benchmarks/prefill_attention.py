@@ -14,7 +14,6 @@ Only where the CPU has AMX-BF16 (elsewhere the kernel is absent and the script s
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
-from benchmarks.common import alternated, machine, write_result  # noqa: E402
+from benchmarks.common import alternated, kernel_args, machine, write_result  # noqa: E402
 from inferd import LLM, SamplingParams  # noqa: E402
 from inferd.models import cpu_kernels  # noqa: E402
 
@@ -79,12 +78,7 @@ def whole_prefill(lengths: list[int], repeats: int, quantization: str | None) ->
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 290, 460, 1024])
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--quantization", default="int8", choices=["int8", "int4", "none"])
-    ap.add_argument("--out", default="prefill_attention")
-    args = ap.parse_args()
+    args = kernel_args(__doc__, [128, 290, 460, 1024], "prefill_attention")
     if cpu_kernels.prefill_attention_kernel() is None:
         print("this CPU (or its OS) has no AMX-BF16, or the kernel did not build: nothing to compare", file=sys.stderr)
         return 1
@@ -92,7 +86,7 @@ def main() -> int:
     for r in layers:
         times = f"native {r['native_ms']:.3f} ms, SDPA {r['sdpa_ms']:.3f} ms ({r['speedup']:.2f}x)"
         print(f"one layer, {r['tokens']} tokens: {times}")
-    quantization = None if args.quantization == "none" else args.quantization
+    quantization = args.quantization
     prefills = whole_prefill([n for n in args.lengths if n <= 512], args.repeats, quantization)
     for r in prefills:
         times = f"native {r['native_ms']:.1f} ms, SDPA {r['sdpa_ms']:.1f} ms ({r['speedup']:.2f}x)"

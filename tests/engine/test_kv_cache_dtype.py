@@ -11,8 +11,10 @@ from inferd import LLM, SamplingParams
 from inferd.disagg.transport import checksums, copy_blocks, gather, scatter
 from inferd.errors import ConfigError
 from inferd.models import cpu_kernels, dtypes
-from inferd.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention, to_cache
+from inferd.models.attention import AttentionMetadata, DecodeGroup, paged_attention, to_cache
 from tests.conftest import assert_idle
+from tests.engine.test_attention import _case as attention_case
+from tests.engine.test_prefill_attention import _case as prefill_case
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 HAS_AMX_BF16 = {"amx_bf16", "amx_tile"} <= dtypes.cpu_flags()
@@ -50,21 +52,11 @@ def test_the_decode_kernel_widens_every_value_exactly(fp8, dtype):
     assert torch.equal(out[0].float(), v_cache.view(1, D).float().expand(2, D).to(dtype).float())
 
 
-def _decode_case(seed, fp8, batch=6, heads=4, kv_heads=2, head_dim=64, block_size=4, longest=300):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = batch * -(-longest // block_size) + 4
-    k_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 3, fp8)
-    v_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g), fp8)
-    seq_lens = torch.randint(1, longest, (batch,), generator=g)
-    seq_lens[0] = longest
-    width = -(-longest // block_size)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in range(batch)])
-    q = torch.randn(batch, heads, head_dim, generator=g)
-    k_new = torch.randn(batch, kv_heads, head_dim, generator=g)
-    v_new = torch.randn(batch, kv_heads, head_dim, generator=g)
-    last = seq_lens - 1
-    slots = tables.gather(1, (last // block_size)[:, None]).squeeze(1) * block_size + last % block_size
-    return q, k_new, v_new, k_cache, v_cache, tables, seq_lens, slots
+def _decode_case(seed, fp8):
+    """test_attention's decode batch (one request 300 tokens long), its caches in fp8."""
+    case = list(attention_case(seed, 4, 2, batch=6, head_dim=64, longest=300, first_len=300))
+    case[3], case[4] = to_cache(case[3] * 3, fp8), to_cache(case[4], fp8)
+    return case
 
 
 def _decode(kernel, case, dtype, window, softcap):
@@ -93,24 +85,11 @@ def test_decode_kernel_on_fp8_matches_the_reference_on_the_same_values(fp8, dtyp
     assert torch.allclose(got.float(), ref, **tol)
 
 
-def _prefill_case(seed, fp8, heads=4, kv_heads=1, head_dim=256, block_size=16):
-    chunks = [(70, 0), (17, 37), (16, 100)]
-    g = torch.Generator().manual_seed(seed)
-    per_request = [-(-(n + ctx) // block_size) for n, ctx in chunks]
-    num_blocks = sum(per_request) + 3
-    order = torch.randperm(num_blocks, generator=g)
-    k_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 3, fp8)
-    v_cache = to_cache(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g), fp8)
-    prefills, slots, start, used = [], [], 0, 0
-    for (n, ctx), blocks in zip(chunks, per_request, strict=True):
-        table = order[used : used + blocks]
-        used += blocks
-        prefills.append(PrefillChunk(start, n, ctx, table))
-        slots += [int(table[p // block_size]) * block_size + p % block_size for p in range(ctx, ctx + n)]
-        start += n
-    # bf16 values, so fp32 and bf16 runs write the same fp8 K/V and ask with the same queries
-    q, k, v = (torch.randn(start, h, head_dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
-    return (q, k, v, k_cache, v_cache), prefills, torch.tensor(slots)
+def _prefill_case(seed, fp8):
+    """test_prefill_attention's chunks (bf16 queries and new K/V), with and without context, caches in fp8."""
+    tensors, prefills, slots = prefill_case(seed, 4, 1, 256, 16, [(70, 0), (17, 37), (16, 100)])
+    q, k, v, k_cache, v_cache = tensors
+    return (q, k, v, to_cache(k_cache.float() * 3, fp8), to_cache(v_cache.float(), fp8)), prefills, slots
 
 
 def _prefill(kernel, case, dtype, window, softcap):
