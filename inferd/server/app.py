@@ -74,9 +74,24 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def cache_config_labels(engine: Engine) -> dict[str, str]:
+    """The labels of `cache_config_info`, under vLLM's names (its CPU backend too calls its KV blocks
+    num_gpu_blocks), and the dtype the cache stores."""
+    cache = engine.config.cache
+    return {
+        "block_size": str(engine.kv.block_size),
+        "cache_dtype": cache.kv_cache_dtype,
+        "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
+        "num_gpu_blocks": str(engine.kv.num_blocks),
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+    }
+
+
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; its step thread runs while the app's lifespan does."""
-    metrics = ServerMetrics(settings.served_model_names[0], settings.ttft_buckets, settings.itl_buckets)
+    metrics = ServerMetrics(
+        settings.served_model_names[0], settings.ttft_buckets, settings.itl_buckets, cache_config_labels(engine)
+    )
     exposed = exposition_registry(metrics.registry, settings.metrics_names)
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))

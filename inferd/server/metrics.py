@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -68,9 +68,14 @@ class _EngineStateCollector(Collector):
 
 class ServerMetrics:
     def __init__(
-        self, model_name: str, ttft_buckets: list[float] | None = None, itl_buckets: list[float] | None = None
+        self,
+        model_name: str,
+        ttft_buckets: list[float] | None = None,
+        itl_buckets: list[float] | None = None,
+        cache_config: dict[str, str] | None = None,
     ):
-        """`ttft_buckets`/`itl_buckets` replace vLLM's: finer around an SLO, a quantile read from them is closer."""
+        """`ttft_buckets`/`itl_buckets` replace vLLM's: finer around an SLO, a quantile read from them is closer.
+        `cache_config`: the KV cache's settings, exposed as `cache_config_info` labels (vLLM's info gauge)."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
@@ -98,6 +103,10 @@ class ServerMetrics:
         self.success = Counter(
             P + "request_success", "Finished sequences by finish reason.", [*lbl, "finished_reason"], registry=r
         )
+        if cache_config:
+            names = sorted(cache_config)
+            info = Gauge(P + "cache_config_info", "The KV cache's configuration (value 1).", names, registry=r)
+            info.labels(*(cache_config[n] for n in names)).set(1)
         self._started: set[str] = set()  # requests whose prompt tokens are already counted
         self._snapshot: Callable[[], tuple[EngineStats, int]] | None = None
         r.register(_EngineStateCollector(model_name, lambda: self._snapshot()))

@@ -28,6 +28,7 @@ VLLM_NAMES = [
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
     "vllm:lora_requests_info",
+    "vllm:cache_config_info",
 ]
 
 
@@ -77,3 +78,11 @@ def test_the_gateway_counts_a_replica_with_both_names_once(vllm_server):
 def test_the_default_is_inferd_names_only(server):
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert "inferd:num_requests_waiting" in text and "vllm:" not in text
+
+
+def test_cache_config_info_describes_the_kv_cache(vllm_server):
+    """vLLM's info gauge: capacity planners and dashboards read the KV cache's size and dtype from it."""
+    samples = _samples(httpx.get(vllm_server.url + "/metrics", timeout=10).text)
+    (labels,) = [dict(k[1]) for k in samples if k[0] == "inferd:cache_config_info"]
+    assert labels["block_size"] == "16" and labels["cache_dtype"] == "auto" and labels["kv_dtype"] == "float32"
+    assert int(labels["num_gpu_blocks"]) > 0 and labels["enable_prefix_caching"] == "True"
