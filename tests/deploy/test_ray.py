@@ -115,8 +115,16 @@ models:
             if attempt:
                 raise
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(parse_fleet(fleet)), name="inferd", route_prefix="/")
+        for attempt in range(2):  # Serve kills an HTTP proxy slow to report healthy: a loaded machine can miss it once
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                serve.run(build(parse_fleet(fleet)), name="inferd", route_prefix="/")
+                break
+            except ray.exceptions.RayActorError:
+                serve.shutdown()
+                if attempt:
+                    raise
+                port = free_port()
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

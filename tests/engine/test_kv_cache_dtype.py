@@ -52,6 +52,53 @@ def test_the_decode_kernel_widens_every_value_exactly(fp8, dtype):
     assert torch.equal(out[0].float(), v_cache.view(1, D).float().expand(2, D).to(dtype).float())
 
 
+@pytest.mark.parametrize("fp8", FP8)
+def test_bf16_queries_on_fp8_equal_a_bf16_cache_of_the_same_values(fp8):
+    """Keys and values holding every finite pattern: the fp8 cache, widened in the kernel, gives the bits a bf16
+    cache holding the same values gives (both products sum the same bf16 values in the same order)."""
+    g = torch.Generator().manual_seed(1)
+    D, BS, blocks = 256, 16, 8
+    k_cache = _finite_patterns(fp8, blocks * BS * D)[torch.randperm(blocks * BS * D, generator=g)].view(
+        blocks, BS, 1, D
+    )
+    v_cache = _finite_patterns(fp8, blocks * BS * D).view(blocks, BS, 1, D)
+    q = (torch.randn(3, 4, D, generator=g) / 64).bfloat16()  # small: the scores of 448-sized keys stay finite
+    tables = torch.stack([torch.randperm(blocks, generator=g) for _ in range(3)])
+    lens = torch.tensor([BS * blocks, 77, 1])
+    kernel = cpu_kernels.paged_decode_kernel()
+    got = kernel(q, k_cache, v_cache, tables, lens, 0.05, 0, 0.0)
+    same = kernel(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.05, 0, 0.0)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, same)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_every_key_pattern_reaches_the_scores_exactly(fp8):
+    """Each (request, head) probes one pattern: its query is 1 / |k| at that d, so the score is +-1 and a key
+    widened wrongly (even a subnormal off by one step) moves the weight of its value row of ones against three
+    keys of zeros by far more than bf16's rounding; bf16 queries take the kernel's vdpbf16ps path."""
+    D = 256
+    keys = _finite_patterns(fp8, D)
+    exact = keys.float()
+    batch = D // 4
+    k_cache = torch.zeros(batch, 16, 1, D).to(fp8)
+    v_cache = torch.zeros(batch, 16, 1, D).to(fp8)
+    k_cache[:, 0, 0] = keys
+    v_cache[:, 0, 0] = torch.ones(D).to(fp8)
+    q = torch.zeros(batch, 4, D)
+    d = torch.arange(D)
+    q.view(D, D)[d, d] = torch.where(exact != 0, 1 / exact.abs().clamp(min=2**-16), 0.0)
+    q = q.bfloat16()
+    tables, lens = torch.arange(batch)[:, None], torch.full((batch,), 4)  # four keys: the vector path takes fours
+    kernel = cpu_kernels.paged_decode_kernel()
+    got = kernel(q, k_cache, v_cache, tables, lens, 1.0, 0, 0.0)
+    same = kernel(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 1.0, 0, 0.0)
+    assert torch.equal(got, same)
+    e = torch.exp(q.float().view(D, D)[d, d] * exact)
+    expected = (e / (e + 3)).view(batch, 4, 1).expand(batch, 4, D)  # against three keys of zeros
+    assert torch.allclose(got.float(), expected, atol=1e-2)
+
+
 def _decode_case(seed, fp8):
     """test_attention's decode batch (one request 300 tokens long), its caches in fp8."""
     case = list(attention_case(seed, 4, 2, batch=6, head_dim=64, longest=300, first_len=300))

@@ -60,11 +60,22 @@ inline __m512 widen16(const E5M2* p) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 // 32 values -> 32 bfloat16 lanes (exact: the values fit in bf16)
-template <typename F>
-inline __m512i widen32_bf16(const F* p) {
-  return (__m512i)_mm512_cvtne2ps_pbh(widen16(p + 16), widen16(p));
+inline __m512i widen32_bf16(const E5M2* p) { return (__m512i)_mm512_cvtne2ps_pbh(widen16(p + 16), widen16(p)); }
+
+// e4m3 straight to bf16 in 16-bit lanes, no float conversion: a normal value's exponent and mantissa shifted
+// into bf16's and rebiased (+120); the seven subnormals (m x 2^-9) from a table; the sign moved to bit 15.
+// Half the instructions of the float16 route (17 for 32 values), which made an e4m3 cache's decode step 8%
+// slower than a bf16 cache's.
+inline __m512i widen32_bf16(const E4M3* p) {
+  alignas(64) static constexpr uint16_t kSubnormals[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i bits = _mm512_mask_permutexvar_epi16(normal, sub, mag, _mm512_load_si512(kSubnormals));
+  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
 }
 #endif
 

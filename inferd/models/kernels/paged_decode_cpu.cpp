@@ -118,7 +118,7 @@ inline void scores4(const float* query, const T* const* keys, int64_t G, int64_t
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 // bfloat16 on a CPU with AVX512_BF16: `vdpbf16ps` multiplies 32 bf16 pairs and accumulates in float32,
 // straight from the cache's bits (no widening); the query is bf16 already (the model computed it so).
 inline void scores4_bf16(const uint16_t* qbits, const uint16_t* const* keys, int64_t G, int64_t D, float* out,
@@ -311,7 +311,7 @@ void attend(const TQ* q_in, const T* kp, const T* vp, const int64_t* table, int6
         prefetch_row(w.vrows[t + PF + j], D);
       }
     const T* keys[4] = {w.krows[t], w.krows[t + 1], w.krows[t + 2], w.krows[t + 3]};
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<TQ, uint16_t>) {
       if (D % 32 == 0) {
         scores4_bf16(q_in, keys, G, D, scores + t, n);
