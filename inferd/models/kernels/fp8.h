@@ -7,6 +7,8 @@
 // Neither format's NaN or infinity reaches here: the cache is written clamped to the finite range.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -45,6 +47,22 @@ inline float fp8_to_float(E5M2 x) {
 
 template <typename F>
 constexpr bool is_fp8 = std::is_same_v<F, E4M3> || std::is_same_v<F, E5M2>;
+
+inline bool is_fp8_type(c10::ScalarType t) {
+  return t == c10::ScalarType::Float8_e4m3fn || t == c10::ScalarType::Float8_e5m2;
+}
+
+// f(a value of the cache's element type): E4M3 or E5M2 for an fp8 cache, else `own` (the kernel's own type).
+template <typename Own, typename F>
+inline void with_cache_type(c10::ScalarType kv, Own own, F&& f) {
+  if (kv == c10::ScalarType::Float8_e4m3fn) {
+    f(E4M3{});
+  } else if (kv == c10::ScalarType::Float8_e5m2) {
+    f(E5M2{});
+  } else {
+    f(own);
+  }
+}
 
 #if defined(__AVX512F__)
 // 16 values -> 16 float32 lanes

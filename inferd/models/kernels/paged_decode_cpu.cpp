@@ -474,7 +474,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            int64_t window, double softcap, int64_t threads) {
   const auto dtype = q.scalar_type(), kv = k_cache.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "paged_decode runs on float32 or bfloat16");
-  const bool fp8 = kv == at::ScalarType::Float8_e4m3fn || kv == at::ScalarType::Float8_e5m2;
+  const bool fp8 = inferd::is_fp8_type(kv);
   TORCH_CHECK(v_cache.scalar_type() == kv && (kv == dtype || fp8),
               "paged_decode: the KV cache is q's dtype or fp8 (e4m3fn, e5m2), the same for K and V");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
@@ -488,20 +488,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t MB = bt.size(1);
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   if (threads <= 0) threads = at::get_num_threads();
-  auto run = [&](auto* qp, auto* op, auto cache_tag) {
-    using C = decltype(cache_tag);
-    const C* kp = reinterpret_cast<const C*>(k_cache.data_ptr());
-    const C* vp = reinterpret_cast<const C*>(v_cache.data_ptr());
-    decode(qp, kp, vp, btp, lp, op, B, H, D, BS, KVH, MB, fscale, window, fcap, threads);
-  };
   auto with_cache = [&](auto* qp, auto* op, auto own) {
-    if (kv == at::ScalarType::Float8_e4m3fn) {
-      run(qp, op, inferd::E4M3{});
-    } else if (kv == at::ScalarType::Float8_e5m2) {
-      run(qp, op, inferd::E5M2{});
-    } else {
-      run(qp, op, own);
-    }
+    inferd::with_cache_type(kv, own, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      const C* kp = reinterpret_cast<const C*>(k_cache.data_ptr());
+      const C* vp = reinterpret_cast<const C*>(v_cache.data_ptr());
+      decode(qp, kp, vp, btp, lp, op, B, H, D, BS, KVH, MB, fscale, window, fcap, threads);
+    });
   };
   if (dtype == torch::kFloat32) {
     with_cache(q.data_ptr<float>(), out.data_ptr<float>(), 0.f);

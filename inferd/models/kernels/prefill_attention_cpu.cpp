@@ -257,7 +257,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
                        int64_t context_len, double scale, int64_t window, double softcap, torch::Tensor out) {
   TORCH_CHECK(available(), "prefill_attention: needs AMX-BF16, granted by the OS");
   const auto kv = k_cache.scalar_type();
-  const bool kv_ok = kv == torch::kBFloat16 || kv == at::ScalarType::Float8_e4m3fn || kv == at::ScalarType::Float8_e5m2;
+  const bool kv_ok = kv == torch::kBFloat16 || is_fp8_type(kv);
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 && kv_ok &&
                   v_cache.scalar_type() == kv,
               "prefill_attention: q and out bfloat16, the cache bfloat16 or fp8");
@@ -276,18 +276,11 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   const Chunk c{bits(q), bits(out), T, H, KVH, D, context_len, first, total,
                 (total - first + kStep - 1) / kStep * kStep, window, static_cast<float>(scale),
                 static_cast<float>(softcap)};
-  auto run = [&](auto tag) {
+  with_cache_type(kv, uint16_t{0}, [&](auto tag) {
     using C = decltype(tag);
     attend_chunk(c, reinterpret_cast<const C*>(k_cache.data_ptr()), reinterpret_cast<const C*>(v_cache.data_ptr()),
                  table.data_ptr<int64_t>(), BS);
-  };
-  if (kv == at::ScalarType::Float8_e4m3fn) {
-    run(E4M3{});
-  } else if (kv == at::ScalarType::Float8_e5m2) {
-    run(E5M2{});
-  } else {
-    run(uint16_t{0});
-  }
+  });
 #endif
 }
 
