@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
 from benchmarks.common import alternated, kernel_args, machine, write_result  # noqa: E402
-from benchmarks.offline_throughput import make_workload  # noqa: E402
-from inferd import LLM, SamplingParams  # noqa: E402
+from benchmarks.offline_throughput import fill_decode_batch, make_workload  # noqa: E402
+from inferd import LLM  # noqa: E402
 from inferd.engine.runner import ModelRunner  # noqa: E402
 from inferd.models import cpu_kernels  # noqa: E402
 from inferd.models.attention import to_cache  # noqa: E402
@@ -77,16 +77,11 @@ def decode_step(repeats: int, quantization: str | None, kv_dtypes: list[str], ba
     engines = {}
     for kv in kv_dtypes:
         engine = LLM(quantization=quantization, kv_cache_dtype=kv, max_model_len=1024, max_num_seqs=batch).engine
-        for i, p in enumerate(prompts):
-            engine.add_request(f"d{i}", p, SamplingParams(temperature=0, max_tokens=4 * repeats + 8, ignore_eos=True))
-        sched = engine.scheduler
-        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
-            engine.step()
-        engines[kv] = engine
-    ms = alternated({kv: e.step for kv, e in engines.items()}, repeats)
-    for engine in engines.values():
-        for i in range(batch):
-            engine.abort(f"d{i}")
+        engines[kv] = (engine, fill_decode_batch(engine, prompts, max_tokens=4 * repeats + 8))
+    ms = alternated({kv: e.step for kv, (e, _) in engines.items()}, repeats)
+    for engine, ids in engines.values():
+        for rid in ids:
+            engine.abort(rid)
     return {"batch": batch, "prompt_tokens": sum(map(len, prompts)), "ms": ms,
             "speedup_over_auto": {kv: ms["auto"] / ms[kv] for kv in ms}}  # fmt: skip
 

@@ -86,6 +86,18 @@ def weight_bytes(llm: LLM) -> int:
     return (flops.body_params + flops.hidden * flops.vocab) * per_weight
 
 
+def fill_decode_batch(engine, prompts, max_tokens: int) -> list[str]:
+    """Add one greedy request per prompt and step until every prefill is done: what follows are decode steps
+    of the whole batch. Returns the request ids (to abort them after)."""
+    ids = [f"decode-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        engine.step()
+    return ids
+
+
 def decode_step_efficiency(llm: LLM, prompts, batch: int, weight_bytes: int, rounds: int = 7) -> dict:
     """Fill the batch, finish every prefill, then time decode steps and profile one. Both ceilings are
     reported: FLOP/s against the matmul peak, and bytes read (every weight once, each request's K and V)
@@ -97,12 +109,7 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, weight_bytes: int, rou
     set against that round's ceilings, and the fractions are the medians over rounds."""
     engine = llm.engine
     flops = FlopCounter(engine.model)
-    for i, p in enumerate(prompts[:batch]):
-        engine.add_request(f"decode-{i}", p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    while (
-        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
-    ):
-        engine.step()
+    ids = fill_decode_batch(engine, prompts[:batch], max_tokens=64)
     running = list(engine.scheduler.running)
     step_flops = sum(flops.token(r.num_tokens, sampled=True) for r in running)
     kv_elem = llm.engine.kv_dtype.itemsize
@@ -132,8 +139,8 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, weight_bytes: int, rou
         {"op": e.key, "self_ms": e.self_cpu_time_total / 1000, "calls": e.count}
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     ]
-    for i in range(batch):
-        engine.abort(f"decode-{i}")
+    for rid in ids:
+        engine.abort(rid)
     engine.check_idle()
     return {
         "batch": len(running),

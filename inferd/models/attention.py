@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from inferd.models.dtypes import KV_CACHE_DTYPES
+
 
 @dataclass
 class PrefillChunk:
@@ -104,7 +106,7 @@ class AttentionMetadata:
         return self._prefill_masks[key]
 
 
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8 = frozenset(KV_CACHE_DTYPES.values())  # the cache dtypes that are not a model dtype
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -205,7 +207,7 @@ def paged_attention(
     native_prefill = (
         meta.prefill_kernel is not None
         and q.dtype == torch.bfloat16
-        and k_cache.dtype in (torch.bfloat16, *FP8)
+        and (k_cache.dtype == torch.bfloat16 or k_cache.dtype in FP8)
         and q.shape[-1] % 32 == 0
     )
     for i, chunk in enumerate(meta.prefills):
