@@ -46,6 +46,17 @@ def _source_hash(source: Path, flags: Sequence[str] = ()) -> str:
     return digest.hexdigest()[:10]
 
 
+def _toolchain() -> str:
+    """What else torch writes into an extension's build arguments: its version and its headers' folder, and
+    Python's. In the module's name too, so two environments on one machine (a checkout's and a CI clone's)
+    with the same sources each keep their own build, rather than rebuilding one module in turn."""
+    import sysconfig
+
+    import torch
+
+    return f"{torch.__version__} {Path(torch.__file__).parent} {sysconfig.get_paths()['include']}"
+
+
 @contextlib.contextmanager
 def _build_lock(name: str):
     """One build of `name` at a time across processes, held with flock so the OS releases it when its holder
@@ -187,6 +198,11 @@ def _stable_copy(source: Path, name: str) -> Path:
     return target
 
 
+def _build_name(prefix: str, source: Path, flags: Sequence[str]) -> str:
+    """The module's name: the CPU, the sources and flags, and the toolchain (one build per environment)."""
+    return f"{prefix}_{_cpu_fingerprint()}_{_source_hash(source, [*flags, _toolchain()])}"
+
+
 def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None):
     if os.environ.get("INFERD_DISABLE_CPU_KERNELS"):
         return None
@@ -194,7 +210,7 @@ def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None
         from torch.utils.cpp_extension import load
 
         flags = ["-O3", "-march=native", "-fopenmp", *(cflags or [])]
-        name = f"{prefix}_{_cpu_fingerprint()}_{_source_hash(source, flags)}"
+        name = _build_name(prefix, source, flags)
         with _build_lock(name):
             copy = _stable_copy(source, name)
             return load(

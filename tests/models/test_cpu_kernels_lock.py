@@ -56,3 +56,19 @@ def test_two_checkouts_share_a_build_and_its_headers_only_when_both_are_the_same
     assert (copy.with_suffix(".include") / "common.h").read_text() == "constexpr int kX = 1;\n"
     (b / "common.h").write_text("constexpr int kX = 2;\n")  # another checkout, another header: another build
     assert cpu_kernels._source_hash(b / "k.cpp") != cpu_kernels._source_hash(a / "k.cpp")
+
+
+def test_two_environments_keep_their_own_builds_of_one_source(tmp_path, monkeypatch):
+    """torch rebuilds a module whose build arguments name another torch or Python (their headers' folders), so
+    two environments on one machine (a checkout's and a CI clone's) would rebuild one module in turn: the
+    name carries the toolchain, and each keeps its own build."""
+    import torch
+
+    assert str(Path(torch.__file__).parent) in cpu_kernels._toolchain()
+    (tmp_path / "k.cpp").write_text("int k;\n")
+    names = []
+    for torch_dir in ("/env-a/torch", "/env-b/torch"):
+        monkeypatch.setattr(cpu_kernels, "_toolchain", lambda d=torch_dir: f"2.13.0 {d} /usr/include/python3.11")
+        names.append(cpu_kernels._build_name("k", tmp_path / "k.cpp", ["-O3"]))
+    assert names[0] != names[1]
+    assert names[1] == cpu_kernels._build_name("k", tmp_path / "k.cpp", ["-O3"])  # and the same again
