@@ -23,13 +23,16 @@ docs/performance.md):
   float work, which bounded AMX). int8 holds its weights in the kernel's tiled layout (`int8_pack`).
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
-- float32 rows (the CPUs without native bf16): the int8 kernel at every row count, prefill included: its
-  integer products outrun an fp32 matmul (1.8x widening the weights, 1.5x fp32 weights, on a Zen 3).
-- many bf16 rows (prefill): on an AMX CPU (up to AMX_BF16_MAX_ROWS): `int8_linear_bf16`
-  widens the weights stripe by stripe in cache for AMX-BF16. Otherwise the weights are widened (int8:
-  q * scale, rounded once to the activations' dtype, by the native `int8_unpack`; exactly q, scaled after
-  the matmul, without it) or unpacked (int4, a chunk of rows at a time into a cache-sized buffer) for the
-  dense matmul (AMX / AVX512_BF16 for bf16), which is compute-bound there; the activations are not quantized.
+- float32 rows (the CPUs without native bf16), and bf16 rows on a CPU with AMX: the int8 kernel at every row
+  count, prefill included: its integer products outrun a matmul on the widened weights (fp32: 1.8x widening
+  the weights, 1.5x fp32 weights, on a Zen 3; AMX: TDPBSUD runs at twice TDPBF16PS's rate, 1.3-1.6x widening
+  the weights in cache for AMX-BF16 at 65-1024 rows, even at 2048). Prefill's activations are then rounded
+  to int8 as a decode step's are.
+- many bf16 rows otherwise (prefill on AVX512_BF16 without AMX, or without the native kernel): the weights are
+  widened (int8: q * scale, rounded once to the activations' dtype, by the native `int8_unpack`; exactly q,
+  scaled after the matmul, without it) or unpacked (int4, a chunk of rows at a time into a cache-sized
+  buffer) for the dense matmul (AVX512_BF16 for bf16), which is compute-bound there; the activations are not
+  quantized.
 - int8 without its native kernel (no compiler): `torch.ops.aten._weight_int8pack_mm` for a few bf16 rows
   (only where K is a multiple of 16: torch 2.13's kernel gives wrong results otherwise), widening otherwise.
 """
@@ -55,14 +58,11 @@ QUANTIZATIONS = ("int8", "int4")
 # doc): torch's packed op without our kernel; ours (measured on Gemma 3 270M's shapes, bf16: 1.7x faster than
 # widening at 32-64 rows, about even at ~110). float32 rows take our kernel at every count: an fp32 matmul is
 # slower than its integer products (Zen 3, the body's 72 layers at 290 rows: 433 ms against 781 widened and
-# 648 with fp32 weights held)
+# 648 with fp32 weights held); so do bf16 rows on an AMX CPU (session 16, the body's 72 layers alternated in one
+# process, ms, int8 kernel / AMX-BF16 on the weights widened in cache / widened in memory: 65 rows 25.6 / 41.8
+# / 73.1, 128 38.3 / 59.9 / 95.7, 512 143.8 / 195.9 / 227.5, 1024 294.9 / 380.4 / 454.8, 2048 764 / 790 / 743)
 INT8PACK_MAX_ROWS = 8
 NATIVE_MAX_ROWS = 64
-# bf16 rows up to which AMX-BF16 on weights widened in cache beats widening them in memory for torch's matmul
-# (a 290-token prefill step 189 -> 167 ms). Session 14, Gemma 3 270M's body (72 layers) alternated in one
-# process: 384 rows 53.6 against 66.4 ms, 460 76.2 / 108.1, 512 81.1 / 100.5, 1024 176 / 227, 2048 354 / 312;
-# the default step budget (512 tokens) stays on it.
-AMX_BF16_MAX_ROWS = 1024
 # torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
 INT8PACK_K_MULTIPLE = 16
 INT4_GROUP = 32
@@ -111,9 +111,8 @@ class Int8Linear(QuantizedLinear):
         self._scales: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale}
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.int8pack_ok = self.in_features % INT8PACK_K_MULTIPLE == 0
-        # bf16 rows beyond NATIVE_MAX_ROWS on a CPU with AMX: weights widened in cache, not in memory
-        amx = native is not None and native.isa().endswith("+amx")
-        self.amx_bf16 = getattr(native, "int8_linear_bf16", None) if amx else None
+        # on a CPU with AMX, bf16 rows take the native kernel at every row count, as float32 rows do
+        self.amx = native is not None and native.isa().endswith("+amx")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, native=None) -> Int8Linear:
@@ -156,8 +155,8 @@ class Int8Linear(QuantizedLinear):
 
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
         rows, dtype = x2.shape[0], x2.dtype
-        few_bf16 = dtype == torch.bfloat16 and rows <= NATIVE_MAX_ROWS
-        if self.native is not None and (dtype == torch.float32 or few_bf16):
+        native_bf16 = dtype == torch.bfloat16 and (self.amx or rows <= NATIVE_MAX_ROWS)
+        if self.native is not None and (dtype == torch.float32 or native_bf16):
             with named_in_profiles("inferd::int8_linear"):
                 return self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
         bias = None if self.bias is None else self.bias.to(dtype)  # the kernels take the float32 bias as it is
@@ -165,9 +164,6 @@ class Int8Linear(QuantizedLinear):
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
             if bias is not None:
                 y = y + bias
-        elif dtype == torch.bfloat16 and self.amx_bf16 is not None and rows <= AMX_BF16_MAX_ROWS:
-            with named_in_profiles("inferd::int8_linear_bf16"):
-                y = self.amx_bf16(x2, self.packed, self.scale, self.bias)
         elif self.native is not None:  # the weights widened with their scales folded in, for the dense matmul
             with named_in_profiles("inferd::int8_unpack"):
                 w = self._widened(dtype, scaled=True)

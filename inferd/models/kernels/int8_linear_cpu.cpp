@@ -1,5 +1,6 @@
 // Weight-only int8 linear on CPU: y[M,N] = x[M,K] @ (q[N,K] * scale[N])^T + bias, x float32 or bfloat16, for
-// decode batches (1 to a few dozen rows).
+// decode batches (1 to a few dozen rows), and for prefill's many rows where float32 or AMX makes the integer
+// products the faster way (quant.py picks).
 //
 // As llama.cpp's Q8_0 x Q8_0: each activation row is quantized per group of 32 to int8 with one float step
 // (x ~= xq * xd, xd = max|x| / 127), and a group's products are summed exactly in int32 before the float
@@ -19,8 +20,7 @@
 // sums would overflow with +128 weights: it turns a weight back to signed and moves its sign onto the
 // activation (|q| * (sign(q) * xq), 2 * 127 * 127 <= 32767). A portable loop serves CPUs without AVX2.
 // On a CPU with AMX, 8 rows and more take AMX tiles for the same integer sums (the same bits; bf16 rows there in
-// groups of 128 where K allows: see kWide), and int8_linear_bf16 serves bf16 prefill rows without quantizing
-// them (its own section below).
+// groups of 128 where K allows: see kWide), prefill's hundreds of rows too.
 // Work is claimed by the threads a few tiles at a time as each becomes free (work_queue.h; OpenMP threads);
 // -march=native picks the instruction set (quantized_common.h).
 #include <torch/extension.h>
@@ -566,8 +566,8 @@ torch::Tensor int8_unpack(torch::Tensor packed, int64_t N, int64_t K, torch::Sca
   return w;
 }
 
-// What int8_linear and int8_linear_bf16 check and share: x [M, K] and packed weights of matching shapes, the
-// scales (float32) and the bias (float32, or undefined), made contiguous.
+// What int8_linear checks: x [M, K] and packed weights of matching shapes, the scales (float32) and the bias
+// (float32, or undefined), made contiguous.
 struct Call {
   torch::Tensor x, packed, scale, bias;
   int64_t M, K, N, tiles, Kp;
@@ -645,134 +645,12 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
   return y;
 }
 
-#if defined(INFERD_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#define INFERD_AMX_BF16 1
-// ---- bf16 activations, many rows: AMX-BF16 on weights widened in cache ----
-//
-// For a batch of bf16 rows the activations need not be quantized at all: each stripe of two weight tiles (32
-// output rows) is widened to bf16 once, into a buffer that stays in L2, laid out as AMX-BF16's B tiles (16 k
-// pairs x 16 outputs per 32 k), and TDPBF16PS multiplies 16 activation rows x 32 k by it, summing in float32
-// across the whole row; the per-channel scale applies once at the end. The products are those of the dense
-// matmul on the widened weights (bf16 x times q, exact), in another summation order. The weights stream from
-// memory once per call as int8 and nothing goes back to memory: where widening the whole matrix for torch's
-// matmul wrote and read it again in bf16, twice int8's bytes.
-constexpr int64_t kStripeTiles = 4;  // widened together: more would leave fewer stripes to balance
-constexpr int64_t kChunk = 32;                 // k per TDPBF16PS
-constexpr int64_t kChunkBytes = kChunk * kTile * 2;  // one B tile: 16 pairs x 16 outputs x 2 bf16
-
-// Tile t's quads [0, Kp / 4) (u8, q + 128) -> B tiles in buf: for chunk c, row p holds k = 32c + 2p and
-// 32c + 2p + 1 of the 16 outputs, as bf16 (exact: |q| <= 127).
-void widen_tile(const uint8_t* tile, int64_t quads, uint16_t* buf) {
-  // bytes 4n, 4n+1 of the 16 outputs, then bytes 4n+2, 4n+3: the two k-pair rows a quad row holds
-  alignas(64) uint8_t order[64];
-  for (int n = 0; n < 16; ++n) {
-    order[2 * n] = 4 * n, order[2 * n + 1] = 4 * n + 1;
-    order[32 + 2 * n] = 4 * n + 2, order[32 + 2 * n + 1] = 4 * n + 3;
-  }
-  const __m512i perm = _mm512_load_si512(order);
-  const __m512i magic = _mm512_set1_epi32(0x4B000000);     // 2^23 + u as float32 bits, for u < 2^23
-  const __m512 offset = _mm512_set1_ps(8388608.f + 128.f);  // minus 2^23 and the +128: float(q), exact
-  auto to_float = [&](__m128i bytes) {
-    return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_cvtepu8_epi32(bytes), magic)), offset);
-  };
-  for (int64_t j = 0; j < quads; ++j) {
-    const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(tile + j * 64));
-    uint16_t* row = buf + (j / 8) * (kChunkBytes / 2) + (j % 8) * 2 * 32;  // rows 2j, 2j+1 of chunk j / 8
-    for (int h = 0; h < 2; ++h) {
-      const __m512bh b = _mm512_cvtne2ps_pbh(to_float(_mm512_extracti32x4_epi32(v, 2 * h + 1)),
-                                             to_float(_mm512_extracti32x4_epi32(v, 2 * h)));
-      _mm512_store_si512(row + h * 32, reinterpret_cast<const __m512i&>(b));
-    }
-  }
-}
-
-// x [Mp, Kp] bf16 (zero-padded), buf the stripe's widened tiles -> C tiles for rows m0.. (1-2 row tiles) x the
-// stripe's tiles (1-2), stored to out [2][2][16][16] float.
-template <int MT, int NT>
-void bf16_block(const uint16_t* x, int64_t Kp, const uint16_t* buf, int64_t m0, float (*out)[2][16][16]) {
-  _tile_zero(4);
-  if constexpr (NT > 1) _tile_zero(5);
-  if constexpr (MT > 1) _tile_zero(6);
-  if constexpr (MT > 1 && NT > 1) _tile_zero(7);
-  const int64_t tile_buf = Kp * kTile;  // bf16 elements of one widened tile
-  for (int64_t c = 0; c < Kp / kChunk; ++c) {
-    _tile_loadd(0, x + m0 * Kp + c * kChunk, Kp * 2);
-    _tile_loadd(2, buf + c * (kChunkBytes / 2), 64);
-    _tile_dpbf16ps(4, 0, 2);
-    if constexpr (NT > 1) {
-      _tile_loadd(3, buf + tile_buf + c * (kChunkBytes / 2), 64);
-      _tile_dpbf16ps(5, 0, 3);
-    }
-    if constexpr (MT > 1) {
-      _tile_loadd(1, x + (m0 + 16) * Kp + c * kChunk, Kp * 2);
-      _tile_dpbf16ps(6, 1, 2);
-      if constexpr (NT > 1) _tile_dpbf16ps(7, 1, 3);
-    }
-  }
-  _tile_stored(4, out[0][0], 64);
-  if constexpr (NT > 1) _tile_stored(5, out[0][1], 64);
-  if constexpr (MT > 1) _tile_stored(6, out[1][0], 64);
-  if constexpr (MT > 1 && NT > 1) _tile_stored(7, out[1][1], 64);
-}
-
-// x [M, K] bfloat16, packed from int8_pack, scale [N], bias [N] or None -> [M, N] bfloat16.
-torch::Tensor int8_linear_bf16(torch::Tensor x_in, torch::Tensor packed_in, torch::Tensor scale_in,
-                               c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16, "int8_linear_bf16: x must be bfloat16");
-  TORCH_CHECK(amx_permitted(), "int8_linear_bf16: the OS does not grant AMX");
-  const Call c = check_call("int8_linear_bf16", x_in, packed_in, scale_in, bias);
-  const torch::Tensor &x = c.x, &packed = c.packed, &scale = c.scale, &b = c.bias;
-  const int64_t M = c.M, K = c.K, N = c.N, tiles = c.tiles, Kp = c.Kp;
-  const int64_t Mp = (M + 31) / 32 * 32;  // whole pairs of row tiles: the A tiles read 16 rows each
-  auto xp = torch::empty({Mp, Kp}, x.options());  // zeroed only where x does not cover it (a full fill cost ~2%)
-  if (Kp > K) xp.narrow(1, K, Kp - K).zero_();
-  if (Mp > M) xp.narrow(0, M, Mp - M).zero_();
-  xp.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
-  auto y = torch::empty({M, N}, x.options());
-  const uint16_t* X = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const uint8_t* P = packed.data_ptr<uint8_t>();
-  const Output o{N, scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
-  // stripes of kStripeTiles tiles, widened once each (4 x 16 x 2048 bf16 = 256 KiB: L2), claimed one at a time;
-  // x is read from cache once per stripe, per tile pair from L1/L2
-  const int64_t per = kStripeTiles;
-  const int64_t stripes = (tiles + per - 1) / per;
-  parallel_claim(stripes, 1, [&](auto each) {
-    configure_full_tiles();  // A 16 x 32 bf16; B 16 pairs x 16 x 2; C 16 x 16 fp32
-    std::vector<uint8_t> raw(per * Kp * kTile * 2 + 64);
-    uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
-    alignas(64) float out[2][2][16][16];
-    each([&](int64_t s) {
-      const int64_t first = s * per, count = std::min(per, tiles - first);
-      for (int64_t t = 0; t < count; ++t) widen_tile(P + (first + t) * Kp * kTile, Kp / 4, buf + t * Kp * kTile);
-      for (int64_t m0 = 0; m0 < M; m0 += 32)
-        for (int64_t t0 = 0; t0 < count; t0 += 2) {
-          const int mt = M - m0 > 16 ? 2 : 1, nt = count - t0 > 1 ? 2 : 1;
-          const uint16_t* b0 = buf + t0 * Kp * kTile;
-          if (mt == 2 && nt == 2) bf16_block<2, 2>(X, Kp, b0, m0, out);
-          else if (mt == 2) bf16_block<2, 1>(X, Kp, b0, m0, out);
-          else if (nt == 2) bf16_block<1, 2>(X, Kp, b0, m0, out);
-          else bf16_block<1, 1>(X, Kp, b0, m0, out);
-          for (int64_t i = 0; i < mt; ++i)
-            for (int64_t t = 0; t < nt; ++t) {
-              const TileOutput tile(o, first + t0 + t);
-              for (int64_t r = 0; r < 16 && m0 + i * 16 + r < M; ++r)
-                tile.put(_mm512_load_ps(out[i][t][r]), Y + (m0 + i * 16 + r) * N);
-            }
-        }
-    });
-    _tile_release();
-  });
-  return y;
-}
-#endif
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack", &int8_pack, "int8 weights [N, K] -> the tiled layout int8_linear reads");
   m.def("int8_unpack", &int8_unpack, "the packed int8 weights as [N, K] float32 or bfloat16 (times scale, if given)",
         py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("scale") = py::none());
   m.def("int8_linear", &int8_linear,
-        "int8 weights x int8-quantized activations (groups of 32; 128 for bf16 rows on AMX), decode batches (CPU)");
+        "int8 weights x int8-quantized activations (groups of 32; 128 for bf16 rows on AMX), on CPU");
   m.def("isa", [] { return std::string(kIsa) + (amx_available() ? "+amx" : ""); },
         "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
 #if defined(INFERD_AMX)
@@ -780,8 +658,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_wide_groups", [](int mode) { wide_mode = mode; },
         "tests: AMX rows quantized in groups of 128 for bf16 rows (1, the default), never (0), or always (2)");
   m.def("wide_group", [] { return kWide; }, "the AMX path's activation group where K is a multiple of it");
-#endif
-#if defined(INFERD_AMX_BF16)
-  m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 rows x int8 weights widened in cache, AMX-BF16 (many rows)");
 #endif
 }
