@@ -612,12 +612,20 @@ torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Te
 #if defined(INFERD_AMX)
   if (amx) {
     auto run = [&](auto* Y) {
-      parallel_claim(tiles, kClaimTiles, [&](auto each) {
+      // runs of kClaimTiles tiles, each taken row tile by row tile: a row's outputs are then written in runs of
+      // whole cache lines, where tile by tile (all rows each) wrote 32-byte pieces a row (N outputs) apart, half
+      // lines that two threads could share. At prefill's hundreds of rows the outputs' writes cost more than the
+      // products (a timing experiment without them: 384 rows x 4096 outputs 2.8 -> 0.85 ms on one thread); this
+      // order took 1.14-1.17x off 384 rows x 4096 or 16384 outputs (1.03x at 640; decode's 16-32 rows even).
+      const int64_t runs = (tiles + kClaimTiles - 1) / kClaimTiles;
+      parallel_claim(runs, 1, [&](auto each) {
         wide ? configure_wide_tiles() : configure_tiles();
-        each([&](int64_t t) {
+        each([&](int64_t r) {
+          const int64_t t0 = r * kClaimTiles, t1 = std::min(tiles, t0 + kClaimTiles);
           for (int64_t m0 = 0; m0 < M; m0 += kAmxRows)
-            wide ? amx_block<kWide>(P, tile_bytes, a, m0, t, m0 == 0, o, Y)
-                 : amx_block<kGroup>(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
+            for (int64_t t = t0; t < t1; ++t)
+              wide ? amx_block<kWide>(P, tile_bytes, a, m0, t, m0 == 0, o, Y)
+                   : amx_block<kGroup>(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
         });
         _tile_release();
       });
