@@ -241,7 +241,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 // to take their float step per row, as the vpdpbusd path does, in the same order: the two give the same bits.
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxMinRows = 8;  // below, the vpdpbusd blocks are as fast (a row tile would be mostly padding)
-constexpr int64_t kClaimTiles = 4;  // the fewest tiles a thread claims at once (work_queue.h)
+constexpr int64_t kClaimTiles = 4;  // tiles a run (taken row tile by row tile), the fewest a thread claims at once
 
 // Per thread (tile configuration is thread state): A tiles 0-1 (16 rows x 32 int8), B tiles 2-3 (8 quads x 64
 // bytes), C tiles 4-5 (16 x 16 int32); two of each, so one group's product runs while the other's is scaled.
