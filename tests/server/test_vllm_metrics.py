@@ -67,6 +67,8 @@ def test_every_inferd_metric_is_also_under_its_vllm_name(vllm_server):
 
 
 def test_the_gateway_counts_a_replica_with_both_names_once(vllm_server):
+    body = {"model": MODEL_NAME, "prompt": "prefix queries to count", "max_tokens": 1}
+    assert httpx.post(vllm_server.url + "/v1/completions", json=body, timeout=60).status_code == 200
     text = httpx.get(vllm_server.url + "/metrics", timeout=10).text
     both = parse_load(text, at=0.0)
     only_inferd = "\n".join(line for line in text.splitlines() if "vllm:" not in line) + "\n"
