@@ -4,9 +4,11 @@ A lab measures (`Measurement`: flat numbers, plot series, the settings used), th
 plain text and `Claim`s. A claim is a sentence with its measured numbers in it *and* the relation it states
 (`left op factor x right`, over the measurement's numbers), so anyone holding the JSON can check that the
 sentence is true of the numbers (`Claim.holds`). Claims are decided from the numbers (`decide`): where this
-machine bears the textbook out the lab says so; where it does not, the lab says that instead, and
-`agrees` records which. A claim marked `must` is one no machine may contradict (paged concurrency above
-contiguous, goodput at or below throughput): the tests insist on it.
+machine bears the textbook out the lab says so; where it does not, the lab says that instead, with the
+opposite relation, and `agrees` records which. A claim marked `must` is an invariant no machine may
+contradict (paged concurrency above contiguous, goodput at or below throughput): its relation is fixed, so
+numbers that break it leave a claim false of its numbers, which `inferd lab` reports, naming the claim,
+before it exits non-zero.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class Claim:
     def holds(self, numbers: dict[str, float]) -> bool:
         return _OPS[self.op](self.value(numbers, self.left), self.value(numbers, self.right))
 
+    def broken(self, numbers: dict[str, float]) -> bool:
+        """A `must` claim its numbers contradict (or one a flipped relation once made to fit them)."""
+        return self.must and (self.agrees is False or not self.holds(numbers))
+
     def shown_numbers(self, numbers: dict[str, float]) -> list[str]:
         """The formatted numbers this claim's text must contain."""
         return [fmt(float(numbers[s])) for s in (self.left, self.right) if isinstance(s, str)]
@@ -85,8 +91,9 @@ def decide(
     must: bool = False,
 ) -> Claim:
     """The claim `relation` ("left op right", right a key or a number, e.g. "paged > contiguous"), told with
-    `yes` where the numbers bear it out, else with `no` and the opposite relation. Templates name numbers
-    as {key}, formatted with `fmt`."""
+    `yes` where the numbers bear it out, else with `no` and the opposite relation. A `must` claim is an
+    invariant: told with `no` where the numbers break it, it keeps its relation, so it is false of them and
+    the run that made it fails. Templates name numbers as {key}, formatted with `fmt`."""
     left, op, right_text = relation.split()
     try:
         right: str | float = float(right_text)
@@ -96,6 +103,8 @@ def decide(
     shown = {k: fmt(v) for k, v in numbers.items() if isinstance(v, int | float)}
     if probe.holds(numbers):
         return Claim(yes.format(**shown), left, op, right, True if textbook else None, must)
+    if must:
+        return Claim(no.format(**shown), left, op, right, False, must)
     return Claim(no.format(**shown), left, _NEGATE[op], right, False if textbook else None, must)
 
 
@@ -113,13 +122,19 @@ class Explanation:
     intro: list[str]  # what the term is, in plain words, with this run's numbers
     claims: list[Claim]
     why: list[str] = field(default_factory=list)  # why it matters for a platform
+    # what the claims are about: a stored result's claims are its own run's, not this machine's
+    claims_heading: str = "What this machine showed:"
 
     def text(self, title: str) -> str:
         parts = [title, *self.intro]
         if self.claims:
-            parts.append("What this machine showed:\n" + "\n".join(f"- {c.text}" for c in self.claims))
+            parts.append(self.claims_heading + "\n" + "\n".join(f"- {_marked(c)}" for c in self.claims))
         parts += self.why
         return "\n\n".join(parts)
+
+
+def _marked(claim: Claim) -> str:
+    return f"INVARIANT BROKEN: {claim.text}" if claim.must and claim.agrees is False else claim.text
 
 
 @dataclass(frozen=True)

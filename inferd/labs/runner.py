@@ -83,10 +83,14 @@ def _save_plot(lab: Lab, m, path: Path) -> None:
 
 
 def check_result(result: LabResult) -> list[str]:
-    """What is wrong with a result: claims false of their own numbers, numbers missing from the text."""
+    """What is wrong with a result: invariants its numbers break, claims false of their own numbers, numbers
+    missing from the text."""
     problems = []
     for c in result.claims:
-        if not c.holds(result.numbers):
+        if c.broken(result.numbers):
+            must = _relation(c, result)
+            problems.append(f"{result.lab}: invariant broken (a false claim): {c.text!r} (it must be that {must})")
+        elif not c.holds(result.numbers):
             problems.append(f"{result.lab}: false claim: {c.text!r} ({c.left} {c.op} {c.right})")
         for shown in c.shown_numbers(result.numbers):
             if shown not in c.text:
@@ -94,6 +98,12 @@ def check_result(result: LabResult) -> list[str]:
         if c.text not in result.text:
             problems.append(f"{result.lab}: claim missing from the text: {c.text!r}")
     return problems
+
+
+def _relation(c, result: LabResult) -> str:
+    """'used_plus_cost > limit, and it was 90 against 100'."""
+    shown = [f"{fmt(c.value(result.numbers, side))}" for side in (c.left, c.right)]
+    return f"{c.left} {c.op} {c.right}, and it was {shown[0]} against {shown[1]}"
 
 
 # -- the capstone report and the glossary pages --------------------------------------------------------
