@@ -40,7 +40,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--kv-peers",
         nargs="+",
         default=[],
-        help="decode: the prefill instances' KV channels (host:port) it may pull from; others are refused (400). "
+        help="decode: the prefill instances' KV channels (host:port) it may pull from; a lease naming another is "
+        "not used (the request is prefilled here). "
         "A DNS name admits every address it resolves to (a Kubernetes headless Service)",
     )
     g.add_argument(

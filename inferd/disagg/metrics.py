@@ -74,7 +74,15 @@ class DisaggCollector(Collector):
         yield counter("kv_leases_created", "Leases handed out by this prefill instance.", s.leases_created)
         yield counter("kv_leases_released", "Leases acknowledged by a decode instance.", s.leases_released)
         yield counter("kv_lease_expiries", "Leases that expired before an acknowledgement.", s.lease_expiries)
-        yield counter("kv_transfer_params_rejected", "Requests refused for bad kv_transfer_params.", s.bad_params)
+        rejected = CounterMetricFamily(
+            P + "kv_transfer_params_rejected",
+            "kv_transfer_params not used, by reason: a decode instance prefilled the request itself, "
+            "a prefill instance refused it (400).",
+            labels=[*labels, "reason"],
+        )
+        for reason, n in sorted(s.params_rejected.items()):
+            rejected.add_metric([*values, reason], n)
+        yield rejected
         yield gauge("kv_leases_active", "Leases holding blocks now.", s.leases_active)
         yield gauge("kv_blocks_leased", "Blocks pinned under leases now.", s.blocks_leased)
         hist = HistogramMetricFamily(P + "kv_transfer_seconds", "Time to pull one request's KV blocks.", labels=labels)

@@ -3,9 +3,11 @@
 A prefill instance answers a request that asked for `{"do_remote_decode": true}` with a lease on the
 blocks holding its prompt's K/V: which instance (`peer`, `epoch`), which lease, until when, which blocks,
 a checksum per block and a hash of the prompt the blocks belong to. It signs all of it with HMAC-SHA256
-under the secret it shares with the decode instances. The decode side refuses (400) anything malformed,
-unsigned or signed with another key, or naming a peer outside its allow-list, before it touches a block
-or opens a connection: a client can neither forge a lease nor point the decode side at another host.
+under the secret it shares with the decode instances. The decode side uses no lease that is malformed,
+unsigned or signed with another key, or that names a peer outside its allow-list: it decides so before it
+touches a block or opens a connection, so a client can neither forge a lease nor point the decode side at
+another host. Such a request is prefilled on the decode side instead (inferd.engine.kv_connector); the
+reason travels in `BadTransferParams.reason`, a label of `inferd:kv_transfer_params_rejected`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,19 @@ VERSION = 1
 _HEX = set("0123456789abcdef")
 
 
+# why kv_transfer_params were not used (the `reason` label of inferd:kv_transfer_params_rejected)
+UNSIGNED = "bad_signature"  # no signature, or not this instance's secret's: forged, altered, another secret
+MALFORMED = "malformed"  # signed under the secret, but not a lease this version reads
+UNTRUSTED_PEER = "untrusted_peer"  # signed, naming a KV channel outside the allow-list
+OTHER_PROMPT = "other_prompt"  # signed for another prompt (or cache_salt)
+
+
 class BadTransferParams(ValueError):
     """kv_transfer_params that cannot be used: malformed, forged, or from an untrusted peer."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -73,16 +86,18 @@ class KVTransferParams:
     def from_dict(cls, body: Any, secret: bytes, allowed_peers: Container[str]) -> KVTransferParams:
         """Check and parse what a client sent; raises BadTransferParams with the reason."""
         if not isinstance(body, dict):
-            raise BadTransferParams("kv_transfer_params must be an object")
+            raise BadTransferParams("kv_transfer_params must be an object", MALFORMED)
         signature = body.get("signature")
         if not isinstance(signature, str) or not hmac.compare_digest(signature, sign(body, secret)):
-            raise BadTransferParams("kv_transfer_params are not signed by a trusted prefill instance")
+            raise BadTransferParams("kv_transfer_params are not signed by a trusted prefill instance", UNSIGNED)
         try:
             params = cls._parse(body)
         except (KeyError, TypeError, ValueError) as e:
-            raise BadTransferParams(f"kv_transfer_params are malformed: {e}") from None
+            raise BadTransferParams(f"kv_transfer_params are malformed: {e}", MALFORMED) from None
         if params.peer not in allowed_peers:
-            raise BadTransferParams(f"kv_transfer_params name peer {params.peer!r}, which is not a configured peer")
+            raise BadTransferParams(
+                f"kv_transfer_params name peer {params.peer!r}, which is not a configured peer", UNTRUSTED_PEER
+            )
         return params
 
     @classmethod

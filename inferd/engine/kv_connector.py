@@ -18,6 +18,13 @@ load was writing, which were never entered in the prefix cache, so no one can re
 under a lease (`inferd.disagg.leases`) and hands out signed transfer parameters; a decode instance pulls
 the blocks its own prefix cache lacks over shared memory or TCP (`inferd.disagg.transport`), checks
 their checksums and goes on as if it had prefilled.
+
+Transfer parameters a decode instance cannot trust (not signed under its secret, malformed, naming a peer
+outside its allow-list, or another prompt's) are not the client's fault: the proxy passes on what a prefill
+instance wrote, and the usual cause is an operator's (`INFERD_KV_SECRET` differing between the pools). So the
+request is prefilled here, as one without parameters, and answered; nothing of the lease is read or
+contacted. Each rejection is counted by reason and logged once per claimed peer and reason, not per request.
+A client sending forged parameters directly gets the same: an answer it could have had without them.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferd.disagg.leases import Lease, LeaseTable
-from inferd.disagg.params import BadTransferParams, KVTransferParams, prompt_digest
+from inferd.disagg.params import OTHER_PROMPT, BadTransferParams, KVTransferParams, prompt_digest
 from inferd.disagg.transport import (
     KVCaches,
     KVClient,
@@ -56,6 +63,11 @@ logger = logging.getLogger(__name__)
 ROLES = ("both", "prefill", "decode")
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 _EXPIRY_MARGIN = 1.0  # seconds: a lease this close to its end is not worth starting a pull on
+_LOGGED_MAX = 64  # (claimed peer, reason) pairs whose rejection is logged; later ones are only counted
+_REJECTION_HINTS = {
+    "bad_signature": "is INFERD_KV_SECRET (--kv-secret) the same on every prefill and decode instance?",
+    "untrusted_peer": "is the prefill instance's KV channel in --kv-peers or --kv-peers-file?",
+}
 
 
 # -- the interface -----------------------------------------------------------------------------------
@@ -163,10 +175,14 @@ class DisaggStats:
     lease_expiries: int = 0
     leases_active: int = 0
     blocks_leased: int = 0
-    bad_params: int = 0
+    # kv_transfer_params not used, by reason: prefilled locally (decode) or refused with a 400 (prefill)
+    params_rejected: dict[str, int] = field(default_factory=dict)
 
     def local(self, reason: str) -> None:
         self.local_prefills[reason] = self.local_prefills.get(reason, 0) + 1
+
+    def reject(self, reason: str) -> None:
+        self.params_rejected[reason] = self.params_rejected.get(reason, 0) + 1
 
     def observe_transfer(self, seconds: float) -> None:
         self.transfer_count += 1
@@ -216,6 +232,7 @@ class DisaggConnector(KVConnector):
         self._attached: dict[str, SharedKV] = {}
         self._acks: queue.SimpleQueue = queue.SimpleQueue()
         self._acker: threading.Thread | None = None
+        self._logged: set[tuple[str, str]] = set()  # rejections already logged, by (claimed peer, reason)
 
     @property
     def peer(self) -> str:
@@ -276,21 +293,47 @@ class DisaggConnector(KVConnector):
             return
         if self.s.role == "prefill":
             if params.get("do_remote_decode") is not True:
-                raise self._bad('a prefill instance takes kv_transfer_params {"do_remote_decode": true} only')
+                message = 'a prefill instance takes kv_transfer_params {"do_remote_decode": true} only'
+                raise self._bad(message, "not_a_prefill_request")
             if n != 1:
-                raise self._bad("a request handed to a decode instance must have n=1 here (the decode side fans out)")
+                raise self._bad(
+                    "a request handed to a decode instance must have n=1 here (the decode side fans out)", "n_above_1"
+                )
             return
         try:
             lease = KVTransferParams.from_dict(params, self.s.secret, self.s.peers)
+            if lease.prompt_hash != prompt_digest(token_ids, salt):
+                raise BadTransferParams("kv_transfer_params belong to another prompt (or cache_salt)", OTHER_PROMPT)
         except BadTransferParams as e:
-            raise self._bad(str(e)) from None
-        if lease.prompt_hash != prompt_digest(token_ids, salt):
-            raise self._bad("kv_transfer_params belong to another prompt (or cache_salt)")
+            self._rejected(request_id, params, e)
+            return
         self._incoming[request_id] = lease
 
-    def _bad(self, message: str) -> InvalidRequestError:
-        self.stats.bad_params += 1
+    def _bad(self, message: str, reason: str) -> InvalidRequestError:
+        self.stats.reject(reason)
         return InvalidRequestError(message, param="kv_transfer_params")
+
+    def _rejected(self, request_id: str, params: Any, e: BadTransferParams) -> None:
+        """Parameters the decode side does not trust: the request prefills here, as one without them."""
+        self.stats.reject(e.reason)
+        self.stats.local("params_rejected")
+        claimed = params.get("peer") if isinstance(params, dict) else None
+        peer = claimed[:100] if isinstance(claimed, str) else "(none)"
+        key = (peer, e.reason)
+        if key in self._logged or len(self._logged) >= _LOGGED_MAX:
+            logger.debug("request %s: kv_transfer_params rejected (%s); prefilling here", request_id, e)
+            return
+        self._logged.add(key)
+        hint = _REJECTION_HINTS.get(e.reason)
+        logger.warning(
+            "kv_transfer_params claiming prefill peer %r rejected (%s): %s; such requests are prefilled here%s. "
+            'Further ones are counted in inferd:kv_transfer_params_rejected_total{reason="%s"}, not logged',
+            peer,
+            e.reason,
+            e,
+            f" ({hint})" if hint else "",
+            e.reason,
+        )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         lease = self._incoming.get(request.parent_id)

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from inferd.config import make_engine_config
+from inferd.disagg.params import sign
 from inferd.engine.engine import Engine
 from inferd.engine.kv_connector import DisaggConnector, DisaggSettings
 from inferd.errors import InvalidRequestError
@@ -118,6 +119,7 @@ def _stats(connector) -> dict:
     flat = {k: v for k, v in vars(s).items() if isinstance(v, int)}
     flat.update({f"local.{k}": v for k, v in s.local_prefills.items()})
     flat.update({f"transfers.{k}": v for k, v in s.transfers.items()})
+    flat.update({f"rejected.{k}": v for k, v in s.params_rejected.items()})
     return flat
 
 
@@ -167,32 +169,58 @@ def test_sampling_parameters_carry_over(pair: Pair):
     pair.check_idle()
 
 
-def test_forged_and_malformed_params_are_refused_before_any_block(pair: Pair):
+def test_untrusted_params_are_prefilled_locally_before_any_block(pair: Pair, caplog):
+    """Forged, altered, malformed, foreign or another prompt's parameters: the request is answered as one
+    without them (a local prefill, the reference's tokens), nothing of the lease is read, each is counted by
+    reason, and the warning comes once per claimed peer and reason, not per request."""
     prompt = _prompt(40, offset=5)
     kv = pair.lease(prompt)
-    bad = [
+    unsigned = [
         {**kv, "lease_id": "0" * 32},  # changed after signing
         {**kv, "peer": "10.0.0.1:9"},  # changed after signing
         {k: v for k, v in kv.items() if k != "signature"},
         {"do_remote_decode": True},
         {**kv, "block_ids": "nope"},
         {},
+        {**kv, "signature": "0" * 64},
     ]
-    before, usage = _stats(pair.dc), pair.decode.kv.usage
-    for params in bad:
-        with pytest.raises(InvalidRequestError):
-            pair.decode.add_request(pair.rid(), prompt, SamplingParams(kv_transfer_params=params))
-    with pytest.raises(InvalidRequestError, match="another prompt"):
-        pair.decode.add_request(pair.rid(), _prompt(40, offset=6), SamplingParams(kv_transfer_params=kv))
-    assert pair.decode.kv.usage == usage and not pair.decode.has_unfinished_requests()
-    assert _delta(before, _stats(pair.dc)) == {"bad_params": len(bad) + 1}
-    # a peer outside the allow-list, correctly signed: refused too
+    pair.dc._logged.clear()  # noqa: SLF001  (the decode engines are the module's: count this test's warnings)
+    before = _stats(pair.dc)
+    with caplog.at_level("WARNING", logger="inferd.engine.kv_connector"):
+        for params in unsigned:
+            assert pair.decode_with(prompt, params) == pair.reference(prompt)
+        assert pair.decode_with(_prompt(40, offset=6), kv) == pair.reference(_prompt(40, offset=6))  # other prompt
+        foreign = {**kv, "signature": sign(kv, b"another-secret")}  # what a decode with another secret sees
+        for _ in range(2):
+            assert pair.decode_with(prompt, foreign) == pair.reference(prompt)
+    n_unsigned = len(unsigned) + 2
+    assert _delta(before, _stats(pair.dc)) == {
+        "rejected.bad_signature": n_unsigned,
+        "rejected.other_prompt": 1,
+        "local.params_rejected": n_unsigned + 1,
+    }
+    warnings = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    peers = {kv["peer"], "10.0.0.1:9", "(none)"}
+    assert len(warnings) == len(peers) + 1, warnings  # bad_signature per claimed peer, other_prompt once
+    assert sum("INFERD_KV_SECRET" in w for w in warnings) == len(peers)
+    # a peer outside the allow-list, correctly signed: prefilled locally too, and no 400
     other = DisaggConnector(DisaggSettings("decode", SECRET, peers=frozenset({"127.0.0.1:1"})), BS)
-    with pytest.raises(InvalidRequestError, match="not a configured peer"):
-        other.add_request("x", kv, prompt, None, 1)
+    other.add_request("x", kv, prompt, None, 1)
+    assert other.stats.params_rejected == {"untrusted_peer": 1} and not other._incoming  # noqa: SLF001
     # the genuine lease still works after all that
     assert pair.decode_with(prompt, kv) == pair.reference(prompt)
     pair.check_idle()
+
+
+def test_a_prefill_instance_refuses_what_is_not_a_prefill_request(pair: Pair):
+    before = _stats(pair.pc)
+    with pytest.raises(InvalidRequestError, match="do_remote_decode"):
+        pair.prefill.add_request(pair.rid(), _prompt(8), SamplingParams(kv_transfer_params={"peer": "x"}))
+    with pytest.raises(InvalidRequestError, match="n=1"):
+        params = SamplingParams(n=2, temperature=1.0, kv_transfer_params={"do_remote_decode": True})
+        pair.prefill.add_request(pair.rid(), _prompt(8), params)
+    assert _delta(before, _stats(pair.pc)) == {"rejected.not_a_prefill_request": 1, "rejected.n_above_1": 1}
+    assert not pair.prefill.has_unfinished_requests()
 
 
 def test_used_lease_is_never_read_again(pair: Pair):

@@ -38,20 +38,23 @@ def test_params_round_trip_and_refusals():
     assert KVTransferParams.from_dict(body, SECRET, frozenset({"127.0.0.1:5"})) == _params(
         expires_at=body["expires_at"]
     )
-    with pytest.raises(BadTransferParams, match="not signed"):
+    with pytest.raises(BadTransferParams, match="not signed") as e:
         KVTransferParams.from_dict(body, b"other", frozenset({"127.0.0.1:5"}))
-    with pytest.raises(BadTransferParams, match="not a configured peer"):
+    assert e.value.reason == "bad_signature"
+    with pytest.raises(BadTransferParams, match="not a configured peer") as e:
         KVTransferParams.from_dict(body, SECRET, frozenset({"127.0.0.1:6"}))
+    assert e.value.reason == "untrusted_peer"
     for broken in ({**body, "block_ids": [3]}, {**body, "num_tokens": -1}, {**body, "checksums": ["zz", "cd"]}):
         broken["signature"] = _params().to_dict(SECRET)["signature"]  # even re-signed wrongly: refused
         with pytest.raises(BadTransferParams):
             KVTransferParams.from_dict(broken, SECRET, frozenset({"127.0.0.1:5"}))
-    with pytest.raises(BadTransferParams, match="malformed"):  # signed with the key but the wrong shape
+    with pytest.raises(BadTransferParams, match="malformed") as e:  # signed with the key but the wrong shape
         from inferd.disagg.params import sign
 
         bad = {**body, "block_ids": [3]}
         bad["signature"] = sign(bad, SECRET)
         KVTransferParams.from_dict(bad, SECRET, frozenset({"127.0.0.1:5"}))
+    assert e.value.reason == "malformed"
     with pytest.raises(BadTransferParams):
         KVTransferParams.from_dict([1, 2], SECRET, frozenset())
 

@@ -52,9 +52,9 @@ def _prefill(model: Path, logs: Path, kv_port: int) -> Proc:
     )
 
 
-def _decode(model: Path, logs: Path, kv_port: int, *extra: str) -> Proc:
+def _decode(model: Path, logs: Path, kv_port: int, *extra: str, secret: str = SECRET) -> Proc:
     return start_replica(
-        model, logs, *SMALL, "--role", "decode", "--kv-secret", SECRET, "--kv-peers", f"127.0.0.1:{kv_port}", *extra
+        model, logs, *SMALL, "--role", "decode", "--kv-secret", secret, "--kv-peers", f"127.0.0.1:{kv_port}", *extra
     )
 
 
@@ -109,6 +109,16 @@ def _metric(proc: Proc, name: str) -> float:
     return replica_metrics(proc.url).get(name, 0.0)
 
 
+def _by_label(proc: Proc, name: str, label: str) -> dict[str, float]:
+    """One labelled counter of a server's /metrics: {label value: value}."""
+    out: dict[str, float] = {}
+    for line in httpx.get(proc.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0.0) + float(line.rpartition(" ")[2])
+    return out
+
+
 def _wait_idle(proc: Proc, timeout: float = 20.0) -> None:
     """Every block free: no running request, no lease."""
     deadline = time.monotonic() + timeout
@@ -122,6 +132,7 @@ def _wait_idle(proc: Proc, timeout: float = 20.0) -> None:
 
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+REJECTED = "inferd:kv_transfer_params_rejected_total"
 
 
 def test_greedy_outputs_through_the_proxy_equal_a_both_instance(cluster: Cluster):
@@ -178,25 +189,62 @@ def test_prefix_hits_on_the_decode_side_pull_fewer_blocks(cluster: Cluster):
     assert blocks() - b0 == 6 + 2  # 94 tokens, all but the last: 6 blocks, 4 of them cached
 
 
-def test_bad_transfer_params_are_refused_and_touch_nothing(cluster: Cluster):
+def test_untrusted_transfer_params_sent_directly_are_prefilled_locally_and_touch_nothing(cluster: Cluster):
+    """A client sending forged, altered or malformed parameters straight to a decode instance gets what it
+    would without them: 200 and a `both` instance's tokens. No block is pulled, nothing is contacted, and
+    each is counted by reason."""
     prompt = _prompt(40, 11)
     lease = _completion(
         cluster.prefill.url, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     )
     kv = lease["kv_transfer_params"]
     _wait_idle(cluster.decode)
-    for bad in [{**kv, "peer": "10.1.2.3:80"}, {**kv, "block_ids": [0]}, {"x": 1}, {**kv, "signature": "0" * 64}]:
-        r = httpx.post(cluster.decode.url + "/v1/completions", json={"prompt": prompt, "kv_transfer_params": bad})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    want = _completion(cluster.both.url, {"prompt": prompt, **GREEDY})["choices"][0]["text"]
+    before, rejected = replica_metrics(cluster.decode.url), _by_label(cluster.decode, REJECTED, "reason")
+    bad = [{**kv, "peer": "10.1.2.3:80"}, {**kv, "block_ids": [0]}, {"x": 1}, {**kv, "signature": "0" * 64}]
+    for params in bad:
+        got = _completion(cluster.decode.url, {"prompt": prompt, "kv_transfer_params": params, **GREEDY})
+        assert got["choices"][0]["text"] == want
+    after = replica_metrics(cluster.decode.url)
+    for name in ("inferd:remote_prefills_total", "inferd:kv_transfer_blocks_total", "inferd:kv_transfers_total"):
+        assert after.get(name, 0) == before.get(name, 0), name
+    now = _by_label(cluster.decode, REJECTED, "reason")
+    assert now.get("bad_signature", 0) - rejected.get("bad_signature", 0) == len(bad), now
+    # a `both` instance is not disaggregated: the field is refused there
     r = httpx.post(cluster.both.url + "/v1/completions", json={"prompt": prompt, "kv_transfer_params": kv})
-    assert r.status_code == 400
-    assert _metric(cluster.decode, "inferd:kv_cache_usage_perc") == 0
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    _wait_idle(cluster.decode)
     # the genuine lease, used directly, gives the same tokens as the both instance
     got = _completion(cluster.decode.url, {"prompt": prompt, "kv_transfer_params": kv, **GREEDY})
-    assert (
-        got["choices"][0]["text"] == _completion(cluster.both.url, {"prompt": prompt, **GREEDY})["choices"][0]["text"]
-    )
+    assert got["choices"][0]["text"] == want
     _wait_idle(cluster.prefill)
+
+
+def test_a_decode_instance_with_another_secret_answers_prefilling_itself_and_says_so_once(cluster: Cluster):
+    """An operator's mistake (INFERD_KV_SECRET differs between the pools) is not blamed on the client: every
+    request through the proxy is answered with a `both` instance's tokens, the decode instance prefills them
+    itself, counts each, and logs the cause once; the prefill side frees the leases nobody collected."""
+    decode = _decode(cluster.model, cluster.logs, cluster.kv_port, secret="not-the-prefill-secret")
+    proxy = _proxy(cluster.logs, [cluster.prefill.url], [decode.url])
+    try:
+        for p in (decode, proxy):
+            wait_http(p, "/health", timeout=180)
+        bodies = [{"prompt": _prompt(30 + 7 * i, 60 + i), **GREEDY} for i in range(4)]
+        expiries = _metric(cluster.prefill, "inferd:kv_lease_expiries_total")
+        for body in bodies:
+            got = _completion(proxy.url, body)["choices"][0]["text"]
+            assert got == _completion(cluster.both.url, body)["choices"][0]["text"]
+        assert _by_label(decode, REJECTED, "reason") == {"bad_signature": len(bodies)}
+        assert _by_label(decode, "inferd:local_prefills_total", "reason")["params_rejected"] == len(bodies)
+        assert _metric(decode, "inferd:remote_prefills_total") == 0
+        warned = [line for line in decode.log.read_text().splitlines() if "kv_transfer_params claiming" in line]
+        assert len(warned) == 1 and "INFERD_KV_SECRET" in warned[0], decode.log_tail()
+        _wait_idle(decode)
+    finally:
+        proxy.stop()
+        decode.stop()
+    _wait_idle(cluster.prefill, timeout=LEASE_TTL + 10)  # the leases expire there
+    assert _metric(cluster.prefill, "inferd:kv_lease_expiries_total") - expiries == len(bodies)
 
 
 def test_a_4xx_from_the_prefill_instance_passes_through(cluster: Cluster):
