@@ -176,7 +176,9 @@ class TenantConfig(_Model):
     priority: int = Field(0, description="higher is admitted first when requests queue")
     isolate_cache: bool = Field(False, description="send the tenant id as cache_salt: no prefix shared with others")
     limits: Limits = Limits()
-    default_max_tokens: int = Field(256, ge=1, description="reserved when a request sets no max_tokens")
+    default_max_tokens: int = Field(
+        256, ge=1, description="a request's max_tokens when it sets none: reserved and sent upstream"
+    )
 
     @field_validator("api_key_sha256")
     @classmethod

@@ -133,8 +133,9 @@ def read_request(kind: str, body: dict) -> RequestInfo:
     if opts is not None and not isinstance(opts, dict):
         raise bad_request("`stream_options` must be an object", param="stream_options")
     max_tokens = _int_field(body, "max_tokens", 0)
-    if kind == "chat":
-        max_tokens = _int_field(body, "max_completion_tokens", 0) or max_tokens
+    if kind == "chat":  # the server reads max_completion_tokens first, then max_tokens
+        completion_cap = _int_field(body, "max_completion_tokens", 0)
+        max_tokens = completion_cap if completion_cap is not None else max_tokens
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise bad_request("`messages` must be a non-empty list of message objects", param="messages")
@@ -269,6 +270,10 @@ class Gateway:
         tenant = st.authenticate(raw.headers.get("authorization"))
         body = parse_json_body(await read_body(raw, st.config.max_body_bytes))
         info = read_request(kind, body)
+        if tenant is not None and info.max_tokens is None:
+            # the cap reserved is the cap sent upstream: a replica's own default (none at all, for chat)
+            # could generate more than the budget holds
+            info.max_tokens = body["max_tokens"] = tenant.default_max_tokens
         if st.router.resolve(info.model) is None:
             self._reject(tenant, "(unknown)", "model_not_found")  # a client's string is no metric label
             raise model_not_found(info.model, st.router.names())
@@ -318,8 +323,7 @@ class Gateway:
         if tenant is None:
             return
         limits = tenant.limits
-        output = (info.max_tokens if info.max_tokens is not None else tenant.default_max_tokens) * info.n
-        output *= info.num_prompts
+        output = info.max_tokens * info.n * info.num_prompts  # handle() set max_tokens where the client did not
         amounts = amount_vector(limits, prompt.count if prompt else 0, output)
         decision = await self.budgets.reserve(
             tenant.id, limit_vector(limits), amounts, limits.window_s, limits.max_concurrent

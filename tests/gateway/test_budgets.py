@@ -138,3 +138,41 @@ def test_two_gateways_share_one_budget_through_redis(replicas, gateway, redis_pr
     with ThreadPoolExecutor(12) as ex:
         codes = list(ex.map(lambda i: _post((a, b)[i % 2].url, "par").status_code, range(12)))
     assert sorted(codes) == [200] * 5 + [429] * 7, codes
+
+
+def _usage(r: httpx.Response) -> dict:
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        return r.json()["usage"]
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    return next(e["usage"] for e in reversed(events) if e.get("usage"))
+
+
+def test_a_request_without_max_tokens_is_capped_upstream_at_its_reservation(replicas, gateway):
+    cap, limit = 24, 300
+    tenants = [{**_tenant("cap", tokens={"total": limit}), "default_max_tokens": cap}, _tenant("mct")]
+    gw = gateway(_config(replicas, tenants))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story."}], "ignore_eos": True}
+    bodies = [
+        {"model": "tiny", "prompt": PROMPT, "ignore_eos": True},  # a replica's default would be 16
+        chat,  # no default at all: up to the context length
+        {**chat, "stream": True, "stream_options": {"include_usage": True}},
+    ]
+
+    def send(i: int) -> httpx.Response:
+        path = "/v1/completions" if "prompt" in bodies[i % 3] else "/v1/chat/completions"
+        return httpx.post(gw.url + path, json=bodies[i % 3], headers={"Authorization": f"Bearer {_key('cap')}"})
+
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(send, range(8)))
+    served = [_usage(r) for r in answers if r.status_code == 200]
+    assert {r.status_code for r in answers} == {200, 429}, [r.text for r in answers]
+    assert [u["completion_tokens"] for u in served] == [cap] * len(served)
+    assert sum(u["total_tokens"] for u in served) <= limit
+
+    # a chat's max_completion_tokens is its cap (the server reads it before max_tokens)
+    r = httpx.post(
+        f"{gw.url}/v1/chat/completions",
+        json={**chat, "max_completion_tokens": 5, "max_tokens": 50},
+        headers={"Authorization": f"Bearer {_key('mct')}"},
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
