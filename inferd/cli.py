@@ -18,6 +18,7 @@ _PLUGIN_COMMANDS = [
     "inferd.deploy.cli",
     "inferd.disagg.cli",
     "inferd.labs.cli",
+    "inferd.doctor",
 ]
 
 

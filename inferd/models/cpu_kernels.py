@@ -167,16 +167,19 @@ def build_all() -> dict[str, bool]:
     one lock. Each build is one compiler process, so they run side by side, one per core."""
     from concurrent.futures import ThreadPoolExecutor
 
-    modules = {
-        "paged_decode": _paged_decode_module,
-        "int8_linear": int8_module,
-        "int4_linear": int4_kernels,
-        "norm_rope": _norm_rope_module,
-        "prefill_attention": _prefill_attention_module,
-    }
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        built = {name: pool.submit(build) for name, build in modules.items()}
+        built = {name: pool.submit(build) for name, build in MODULES.items()}
         return {name: future.result() is not None for name, future in built.items()}
+
+
+#: every native module by its short name -> the function that builds (or loads) it, None where it failed
+MODULES: dict[str, Callable] = {
+    "paged_decode": _paged_decode_module,
+    "int8_linear": int8_module,
+    "int4_linear": int4_kernels,
+    "norm_rope": _norm_rope_module,
+    "prefill_attention": _prefill_attention_module,
+}
 
 
 def _stable_copy(source: Path, name: str) -> Path:
@@ -203,8 +206,19 @@ def _build_name(prefix: str, source: Path, flags: Sequence[str]) -> str:
     return f"{prefix}_{_cpu_fingerprint()}_{_source_hash(source, [*flags, _toolchain()])}"
 
 
+#: why each native module that did not build is missing, by its name in MODULES (`inferd doctor` shows it)
+BUILD_ERRORS: dict[str, str] = {}
+
+
+def _first_error(e: Exception) -> str:
+    """The compiler's first `error:` line (a failed build's message holds the whole log), else the message."""
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {next((line.strip() for line in lines if 'error:' in line), lines[0])}"[:400]
+
+
 def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None):
     if os.environ.get("INFERD_DISABLE_CPU_KERNELS"):
+        BUILD_ERRORS[prefix.removeprefix("inferd_")] = "disabled by INFERD_DISABLE_CPU_KERNELS"
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -224,5 +238,6 @@ def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None
                 verbose=False,
             )
     except Exception as e:  # no compiler, no ninja, odd platform: the reference path still works
+        BUILD_ERRORS[prefix.removeprefix("inferd_")] = _first_error(e)
         logger.warning("%s unavailable (%s); using the PyTorch reference", what, e)
         return None

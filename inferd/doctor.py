@@ -1,0 +1,117 @@
+"""`inferd doctor`: what this machine runs and why: the CPU's features, which native kernels built (or why not),
+and the path each part of a step takes here.
+
+The engine chooses kernels and dtypes at run time from the CPU's flags, and falls back to the PyTorch reference
+when a kernel cannot be built. That fallback keeps inferd correct everywhere but can be several times slower,
+and it is silent unless one reads the start-up log. This command says it in one place, and exits 1 when a kernel
+that should be there is missing, so an image or a wheel install can check itself (`inferd doctor` in a
+Dockerfile, or in a test of the installed package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+#: the CPU features the kernels and the dtype choice look at, in the order they are shown
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8",
+            "amx_bf16")  # fmt: skip
+
+
+def _cpu_model() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    line = next((line for line in info.splitlines() if line.startswith("model name")), "")
+    return line.partition(":")[2].strip() or platform.machine()
+
+
+def report() -> dict:
+    """Everything `inferd doctor` prints, as a plain record (`--json`)."""
+    import torch
+
+    from inferd.models import cpu_kernels, dtypes
+
+    flags = dtypes.cpu_flags()
+    built = cpu_kernels.build_all()
+    kernels = {}
+    for name, ok in built.items():
+        entry: dict = {"built": ok}
+        module = cpu_kernels.MODULES[name]()
+        if ok and hasattr(module, "isa"):
+            entry["isa"] = module.isa()
+        if not ok:
+            entry["why"] = cpu_kernels.BUILD_ERRORS.get(name, "unknown (see the log)")
+        kernels[name] = entry
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    choice = dtypes.resolve_dtype("auto", device)
+    prefill = cpu_kernels.prefill_attention_kernel() is not None
+    int8 = kernels["int8_linear"].get("isa")
+    int4 = kernels["int4_linear"].get("isa")
+    paths = {
+        "dtype (--dtype auto)": f"{choice.name} ({choice.reason})",
+        "decode attention": "native paged kernel" if built["paged_decode"] else "PyTorch reference",
+        "prefill attention (bf16)": "native AMX-BF16 kernel"
+        if prefill
+        else "PyTorch SDPA" + ("" if not built["prefill_attention"] else " (this CPU has no AMX-BF16)"),
+        "int8 weights": f"native kernel ({int8})" if int8 else "PyTorch reference",
+        "int4 weights": f"native kernel ({int4})" if int4 else "unavailable (int4 needs its native kernel)",
+        "RMS norm, rotary, gated activations": "native kernels" if built["norm_rope"] else "PyTorch reference",
+    }
+    if device.type == "cuda":
+        paths = {"dtype (--dtype auto)": paths["dtype (--dtype auto)"], "device": torch.cuda.get_device_name()}
+    disabled = bool(os.environ.get("INFERD_DISABLE_CPU_KERNELS"))
+    missing = [name for name, entry in kernels.items() if not entry["built"]]
+    return {
+        "cpu": {
+            "model": _cpu_model(),
+            "machine": platform.machine(),
+            "cores": os.cpu_count(),
+            "features": {f: f in flags for f in FEATURES},
+        },  # fmt: skip
+        "torch": {"version": torch.__version__, "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
+        "inferd": str(Path(__file__).parent),
+        "kernels": kernels,
+        "paths": paths,
+        "ok": device.type == "cuda" or disabled or not missing,
+        "missing": missing,
+    }
+
+
+def _print(found: dict) -> None:
+    cpu = found["cpu"]
+    print(f"CPU     {cpu['model']} ({cpu['machine']}, {cpu['cores']} cores)")
+    print("        " + " ".join(f if has else f"-{f}" for f, has in cpu["features"].items()))
+    torch_ = found["torch"]
+    print(f"torch   {torch_['version']}, {torch_['threads']} threads, cuda {'yes' if torch_['cuda'] else 'no'}")
+    print(f"inferd  {found['inferd']}")
+    print("kernels")
+    for name, entry in found["kernels"].items():
+        state = f"built ({entry['isa']})" if entry["built"] and "isa" in entry else "built"
+        print(f"  {name:<18} {state if entry['built'] else 'MISSING: ' + entry['why']}")
+    print("paths")
+    for part, path in found["paths"].items():
+        print(f"  {part:<37} {path}")
+    if not found["ok"]:
+        print(f"native kernels missing: {', '.join(found['missing'])}; those parts run the slower PyTorch reference")
+
+
+def _run(args: argparse.Namespace) -> int:
+    found = report()
+    if args.json:
+        json.dump(found, sys.stdout, indent=2)
+        print()
+    else:
+        _print(found)
+    return 0 if found["ok"] else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("doctor", help="which native kernels built on this CPU, which paths run, and why")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_run)
