@@ -150,6 +150,47 @@ def _native_kernels_built():
     yield
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shuffle",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run the modules in a shuffled order, and each module's tests in a shuffled order (a test must pass "
+        "alone and after any other); SEED makes the order repeatable. Also INFERD_TEST_SHUFFLE=SEED",
+    )
+
+
+def _shuffle_seed(config) -> int | None:
+    seed = config.getoption("--shuffle")
+    env = os.environ.get("INFERD_TEST_SHUFFLE")
+    return seed if seed is not None else int(env) if env else None
+
+
+def pytest_report_header(config):
+    seed = _shuffle_seed(config)
+    return None if seed is None else f"tests shuffled: --shuffle {seed} repeats this order"
+
+
+def pytest_collection_modifyitems(config, items):
+    """--shuffle: modules in a random order, tests within each in a random order. Modules stay whole, so a
+    module's servers start once, as in file order."""
+    import random
+
+    seed = _shuffle_seed(config)
+    if seed is None:
+        return
+    rng = random.Random(seed)
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(modules.values())
+    rng.shuffle(order)
+    for group in order:
+        rng.shuffle(group)
+    items[:] = [item for group in order for item in group]
+
+
 def cpu_feature(missing: bool, reason: str):
     """Skip a test where this CPU lacks (or has) the feature it is about, with `reason`; the only skip CI allows
     (`pytest.mark.cpu_feature` on a test that calls `pytest.skip` itself does the same)."""
