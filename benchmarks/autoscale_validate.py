@@ -149,6 +149,22 @@ def saturated_throughput(profile, args) -> float:
     return simulate(profile, burst, replicas=1).report["request_throughput"]
 
 
+def headline(result: dict) -> str:
+    """The result in one sentence, out of sample first: the profile measured before the runs is what a user
+    planning with `inferd profile` has, while the profile refitted from a run's own steps has seen the run it
+    predicts (the simulator's model apart from the machine's drift). README and docs/autoscaling.md quote it."""
+
+    def off(part: str, key: str) -> str:
+        return f"{result[part][key]['relative_error']:.0%}"
+
+    return (
+        f"out of sample (simulated from the profile measured before the runs): TTFT p50 "
+        f"{off('compare', 'ttft_p50_s')} and p95 {off('compare', 'ttft_p95_s')} off, throughput "
+        f"{off('compare', 'request_throughput')} off; in sample (the profile refitted from each run's own steps): "
+        f"TTFT p50 {off('compare_refit', 'ttft_p50_s')} and p95 {off('compare_refit', 'ttft_p95_s')} off"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
@@ -213,7 +229,9 @@ def main() -> None:
         "compare_refit": refit,  # the same, simulated with each run's profile refitted from its own steps
         "runs": runs,
     }
+    out["headline"] = headline(out)
     path = write_json(Path(args.out), out)
+    print(f"medians of {len(runs)} runs, {out['headline']}")
     print(f"medians of {len(runs)} runs:")
     for k, v in out["compare"].items():
         print(f"{k:>20}: sim {v['sim']:.4f}  real {v['real']:.4f}  ({v['relative_error']:.0%} off)")
