@@ -19,12 +19,26 @@ _ROOT_HASH = b"inferd-prefix-root"
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
-    """The key of one block: sha256 over (parent key, token ids as little-endian int64, salt)."""
+    """The key of one block: sha256 over (parent key, token ids as little-endian int64, salt).
+
+    A token id that is no int64 (a float, a string, an int past 64 bits) is a ValueError naming it."""
     h = hashlib.sha256(parent or _ROOT_HASH)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    try:
+        h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    except struct.error:
+        bad = next((t for t in token_ids if not _is_int64(t)), None)
+        raise ValueError(f"token ids are integers in [-2**63, 2**63), not {bad!r}") from None
     if salt:
         h.update(b"\x00salt:" + salt.encode("utf-8", "surrogatepass"))
     return h.digest()
+
+
+def _is_int64(t: object) -> bool:
+    try:
+        struct.pack("<q", t)
+    except struct.error:
+        return False
+    return True
 
 
 def extend_block_hashes(

@@ -19,6 +19,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
+from inferd.errors import InvalidRequestError
 from inferd.gateway.admission import AdmissionQueue
 from inferd.gateway.budget import (
     DIMENSIONS,
@@ -50,6 +51,7 @@ from inferd.gateway.replicas import Pool
 from inferd.gateway.routes import ModelRouter, Target
 from inferd.gateway.tokens import PoolTokenizer, PromptTokens
 from inferd.prefix_hash import block_hashes
+from inferd.prompts import check_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +143,12 @@ def read_request(kind: str, body: dict) -> RequestInfo:
             raise bad_request("`messages` must be a non-empty list of message objects", param="messages")
         num_prompts = 1
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+        if body.get("prompt") is None:
             raise bad_request("`prompt` is required: a string, a list of strings or token ids", param="prompt")
+        try:  # the server's own prompt type, as it reads it (the token counts and prefix keys need that)
+            prompt = body["prompt"] = check_prompt(body["prompt"])
+        except InvalidRequestError as e:
+            raise bad_request(str(e), param=e.param) from None
         num_prompts = len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
     n = _int_field(body, "n", 1) or 1
     wants_usage = bool(opts and opts.get("include_usage"))

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from inferd.chat import chat_text, message_dict
+from inferd.prompts import INT64_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +44,20 @@ def _estimate(text: str) -> int:
 
 
 def _prompt_items(prompt) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes (str, [str], [int], [[int]]) as a list of prompts."""
+    """OpenAI's four prompt shapes (str, [str], [int], [[int]]; `inferd.prompts.check_prompt` has checked
+    which) as a list of prompts."""
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return [prompt]
     if isinstance(prompt, list):
         return prompt
     return []
+
+
+def _token_ids(value) -> bool:
+    """Whether a server's /tokenize answer is token ids the prefix keys can hash (any other server may answer)."""
+    return isinstance(value, list) and all(type(t) is int and 0 <= t <= INT64_MAX for t in value)
 
 
 def _chat_text(messages: list) -> str:
@@ -165,5 +172,8 @@ class PoolTokenizer:
             return None
         if r.status_code != 200:
             return None
-        tokens = r.json().get("tokens")
-        return tokens if isinstance(tokens, list) else None
+        try:
+            tokens = r.json().get("tokens")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            return None
+        return tokens if _token_ids(tokens) else None

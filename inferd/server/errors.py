@@ -24,7 +24,7 @@ from inferd.errors import (
     error_body,
 )
 from inferd.errors import error_event as sse_error_event
-from inferd.server.protocol import UNION_TAGS
+from inferd.prompts import invalid_request
 
 logger = logging.getLogger(__name__)
 
@@ -98,20 +98,13 @@ def stream_error(exc: BaseException, request_id: str) -> str:
     return error_event(exc)
 
 
-def _param(loc: tuple) -> str | None:
-    # drop "body" and the names pydantic gives the members of a tagged union: the client never wrote them
-    return ".".join(str(x) for x in loc if x != "body" and x not in UNION_TAGS) or None
-
-
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
-    details = "; ".join(f"{_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors[:10])
-    if len(errors) > 10:
-        details += f"; and {len(errors) - 10} more"
-    return APIError(400, f"invalid request: {details}", param=_param(tuple(first.get("loc", ()))))
+    e = invalid_request(errors)
+    return APIError(400, str(e), param=e.param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

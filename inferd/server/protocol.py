@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from inferd.prompts import INT64_MAX, INT64_MIN, Prompt, TokenId
+
 MAX_N = 128  # each of n is a sequence in the batch; more than this is a mistake, not a workload
 MAX_LOGPROBS = 20
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class _Request(BaseModel):
@@ -30,31 +30,6 @@ class StreamOptions(_Request):
     include_usage: bool = False
     #: usage on every chunk, as vLLM sends it (needs include_usage)
     continuous_usage_stats: bool = False
-
-
-def _prompt_kind(value: Any) -> str:
-    """Which of OpenAI's four prompt shapes `value` is, from its first element: validating a long list against
-    every shape in turn would cost as much as the request."""
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, list) and value:
-        if isinstance(value[0], str):
-            return "list[str]"
-        if isinstance(value[0], list):
-            return "list[list[int]]"
-    return "list[int]"
-
-
-#: names pydantic puts in an error's location for the prompt's shape; the client never wrote them
-UNION_TAGS = frozenset({"str", "list[str]", "list[int]", "list[list[int]]"})
-
-Prompt = Annotated[
-    Annotated[str, Tag("str")]
-    | Annotated[list[str], Tag("list[str]"), Field(min_length=1)]
-    | Annotated[list[TokenId], Tag("list[int]"), Field(min_length=1)]
-    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Tag("list[list[int]]"), Field(min_length=1)],
-    Discriminator(_prompt_kind),
-]
 
 
 class _SamplingFields(_Request):

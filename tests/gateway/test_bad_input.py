@@ -89,3 +89,76 @@ def test_models_needs_the_key(gw):
     r = httpx.get(f"{gw.url}/v1/models", headers=AUTH)
     assert [m["id"] for m in r.json()["data"]] == ["tiny"]
     assert httpx.get(f"{gw.url}/health").json()["status"] == "ok"
+
+
+BLOCK = [5] * 15  # with one more id, a full block: the gateway hashes it for prefix affinity
+
+PROMPTS = [
+    ("int then string", [1, "a"], "prompt.1"),
+    ("null", [None], "prompt.0"),
+    ("float", [1.5], "prompt.0"),
+    ("object in a list", [{}], "prompt.0"),
+    ("string then int", ["a", 5], "prompt.1"),
+    ("true", True, "prompt"),
+    ("a number", 5, "prompt"),
+    ("an object", {"a": 1}, "prompt"),
+    ("empty list", [], "prompt"),
+    ("nested floats", [[1.5, 2.5]], "prompt.0.0"),
+    ("nested strings", [["a"]], "prompt.0.0"),
+    ("nested empty", [[]], "prompt.0"),
+    ("nested then string", [[5], "a"], "prompt.1"),
+    ("past 64 bits", [2**64], "prompt.0"),
+    ("past 64 bits in a full block", [*BLOCK, 2**64], "prompt.15"),
+    ("past int64 in a nested full block", [[*BLOCK, 5], [*BLOCK, 2**63]], "prompt.1.15"),
+    ("negative", [-1], "prompt.0"),
+    ("negative in a full block", [*BLOCK, -1], "prompt.15"),
+    ("huge negative", [-(2**70)], "prompt.0"),
+]
+
+
+@pytest.mark.parametrize("name,prompt,param", PROMPTS, ids=[c[0] for c in PROMPTS])
+def test_every_bad_prompt_shape_is_a_400_naming_the_element(gw, replicas, name, prompt, param):
+    before = replica_metrics(replicas[0].url)["inferd:e2e_request_latency_seconds_count"]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+    r = httpx.post(f"{gw.url}/v1/completions", json=body, headers=AUTH, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and param in err["message"], err
+    assert replica_metrics(replicas[0].url)["inferd:e2e_request_latency_seconds_count"] == before
+
+
+GOOD_PROMPTS = ["hello", ["a", "b"], [5, 6], [[5, 6], [7]], [*BLOCK, 7, 8], [1.0, 2], [5, "6"]]
+
+
+@pytest.mark.parametrize("prompt", GOOD_PROMPTS, ids=[repr(p)[:30] for p in GOOD_PROMPTS])
+def test_every_prompt_shape_the_server_reads_is_served(gw, prompt):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+    r = httpx.post(f"{gw.url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == (
+        len(prompt) if isinstance(prompt, list) and type(prompt[0]) in (str, list) else 1
+    )
+
+
+MESSAGES = [
+    [{}],
+    [{"role": 5, "content": "x"}],
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": {"a": 1}}],
+    [{"role": "user", "content": [5]}],
+    [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+    [{"role": "user", "content": [{"type": "image_url"}]}],
+    [{"role": "user", "content": "x", "name": 5}],
+    [{"role": "user", "content": None}],
+]
+
+
+@pytest.mark.parametrize("messages", MESSAGES, ids=[repr(m)[:40] for m in MESSAGES])
+def test_odd_messages_are_served_or_a_4xx(gw, messages):
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1}
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]

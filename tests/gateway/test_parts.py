@@ -4,12 +4,14 @@ the prefix index (in memory and in a real redis-server), and the budget stores a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
+import struct
 import time
 
 import pytest
 
-from inferd.errors import ConfigError
+from inferd.errors import ConfigError, InvalidRequestError
 from inferd.gateway.admission import AdmissionQueue
 from inferd.gateway.budget import MemoryBudgetStore, RedisBudgetStore, amount_vector, limit_vector
 from inferd.gateway.config import Limits, PoolConfig, RoutingConfig, parse_config
@@ -19,6 +21,7 @@ from inferd.gateway.prefix import MemoryPrefixIndex, RedisPrefixIndex
 from inferd.gateway.proxy import SSEFilter
 from inferd.gateway.replicas import Load, Pool, parse_load
 from inferd.prefix_hash import block_hashes
+from inferd.prompts import check_prompt
 from tests.gateway.procs import redis_binary, start_redis
 
 pytestmark = pytest.mark.timeout(60)
@@ -260,3 +263,24 @@ def test_gateway_and_server_errors_share_one_body():
     }
     json.dumps(gateway.body(), ensure_ascii=False).encode("utf-8")  # a lone surrogate would not encode
     assert gateway.sse_event() == error_event(server.body).encode()
+
+
+def test_prefix_hash_names_a_token_id_that_is_no_int64():
+    ids = list(range(16))
+    want = hashlib.sha256(b"inferd-prefix-root" + struct.pack("<16q", *ids)).digest()
+    assert block_hashes(ids, 16) == [want]  # keys of valid ids are what they were
+    for bad in (2**64, 2**63, -(2**63) - 1, 1.5, "a", None):
+        with pytest.raises(ValueError, match="token ids are integers") as e:
+            block_hashes([*ids[:15], bad], 16)
+        assert repr(bad) in str(e.value)
+
+
+def test_check_prompt_reads_prompts_as_the_server_does():
+    assert check_prompt([1.0, "2", True]) == [1, 2, 1]
+    assert check_prompt([[5], [6, 7]]) == [[5], [6, 7]]
+    with pytest.raises(InvalidRequestError, match=r"prompt\.1\.0: Input should be a valid integer") as e:
+        check_prompt([[5], ["x"]])
+    assert e.value.param == "prompt.1.0"
+    with pytest.raises(InvalidRequestError, match="less than or equal to 9223372036854775807") as e:
+        check_prompt([2**64])
+    assert e.value.param == "prompt.0"
