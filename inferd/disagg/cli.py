@@ -1,6 +1,8 @@
 """CLI of disaggregated serving: the `inferd serve --role ...` flags and `inferd disagg proxy`.
 
 Nothing heavy is imported at parser-building time; the engine and the proxy app load inside the commands.
+`inferd serve` turns the flags into checked settings (`disagg_settings`) before it loads the model, and
+attaches the connector (`make_connector`) after.
 """
 
 from __future__ import annotations
@@ -9,9 +11,23 @@ import argparse
 import logging
 import os
 
+from inferd.disagg.params import Peers
+from inferd.disagg.settings import ROLES, SECRET_ENV, TRANSPORTS, DisaggSettings, default
+from inferd.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
-SECRET_ENV = "INFERD_KV_SECRET"
+# flags that mean something for some roles only (dest: flag, roles): given with another role, they are a
+# mistake to report (--kv-secret is not one: it may come from the environment of every instance)
+_ROLE_FLAGS = {
+    "kv_host": ("--kv-host", ("prefill",)),
+    "kv_port": ("--kv-port", ("prefill",)),
+    "kv_advertise_host": ("--kv-advertise-host", ("prefill",)),
+    "kv_lease_ttl": ("--kv-lease-ttl", ("prefill",)),
+    "kv_peers": ("--kv-peers", ("decode",)),
+    "kv_peers_file": ("--kv-peers-file", ("decode",)),
+    "kv_transport": ("--kv-transport", ("prefill", "decode")),
+}
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +35,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("disaggregated prefill/decode")
     g.add_argument(
         "--role",
-        choices=["both", "prefill", "decode"],
+        choices=ROLES,
         default="both",
         help="both: prefill and decode here (default); prefill: compute prompts and lend their KV blocks; "
         "decode: pull prompt KV from prefill instances and generate",
@@ -29,11 +45,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get(SECRET_ENV),
         help=f"shared secret of the KV transfer channel and of signed leases (default: ${SECRET_ENV})",
     )
-    g.add_argument("--kv-host", default="127.0.0.1", help="prefill: address the KV transfer channel listens on")
-    g.add_argument("--kv-port", type=int, default=0, help="prefill: port of the KV transfer channel (0: any free)")
+    g.add_argument("--kv-host", default=default("kv_host"), help="prefill: address the KV transfer channel listens on")
+    g.add_argument(
+        "--kv-port", type=int, default=default("kv_port"), help="prefill: port of the KV transfer channel (0: any free)"
+    )
     g.add_argument(
         "--kv-advertise-host",
-        default=None,
+        default=default("advertise_host"),
         help="prefill: host decode instances reach the channel at (default --kv-host)",
     )
     g.add_argument(
@@ -50,40 +68,54 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="decode: a file of more allowed KV channels (one host:port a line), read again whenever it changes; "
         "for prefill instances that come and go (inferd up rewrites it as it scales the prefill pool)",
     )
-    g.add_argument("--kv-lease-ttl", type=float, default=30.0, help="prefill: seconds a lease pins its blocks")
+    g.add_argument(
+        "--kv-lease-ttl", type=float, default=default("lease_ttl"), help="prefill: seconds a lease pins its blocks"
+    )
     g.add_argument(
         "--kv-transport",
-        choices=["auto", "shm", "tcp"],
-        default="auto",
+        choices=TRANSPORTS,
+        default=default("transport"),
         help="auto: shared memory when the prefill instance is on this host, else TCP",
     )
 
 
-def make_connector(args: argparse.Namespace, engine):
-    """The engine's KV connector for --role prefill or decode (None for both), already attached."""
+def disagg_settings(args: argparse.Namespace) -> DisaggSettings | None:
+    """The KV handoff's settings from `inferd serve`'s flags (None for --role both), checked without loading
+    anything: raises ConfigError for a flag missing for the role, or given for a role it means nothing to."""
+    defaults = _serve_parser()
+    for dest, (flag, roles) in _ROLE_FLAGS.items():
+        unset = defaults.get_default(dest)
+        if args.role not in roles and getattr(args, dest, unset) != unset:
+            raise ConfigError(f"{flag} is for --role {' or '.join(roles)}; this instance is --role {args.role}")
     if args.role == "both":
         return None
-    from inferd.disagg.params import Peers
-    from inferd.engine.kv_connector import DisaggConnector, DisaggSettings
-    from inferd.errors import ConfigError
-
-    if not args.kv_secret:
-        raise ConfigError(f"--role {args.role} needs --kv-secret (or ${SECRET_ENV}), the same on every instance")
-    peers_file = getattr(args, "kv_peers_file", None)
-    if args.role == "decode" and not args.kv_peers and not peers_file:
-        raise ConfigError(
-            "--role decode needs --kv-peers (or --kv-peers-file): the prefill instances' KV channels it may pull from"
-        )
     settings = DisaggSettings(
         role=args.role,
-        secret=args.kv_secret.encode(),
-        peers=Peers(args.kv_peers, file=peers_file),
+        secret=(args.kv_secret or "").encode(),
+        peers=Peers(args.kv_peers, file=args.kv_peers_file) if args.role == "decode" else frozenset(),
         lease_ttl=args.kv_lease_ttl,
         kv_host=args.kv_host,
         kv_port=args.kv_port,
         advertise_host=args.kv_advertise_host,
         transport=args.kv_transport,
     )
+    settings.validate()
+    return settings
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """The --role and --kv-* flags alone, for their defaults."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_serve_args(p)
+    return p
+
+
+def make_connector(settings: DisaggSettings | None, engine):
+    """The engine's KV connector for `settings` (None for --role both: no connector), already attached."""
+    if settings is None:
+        return None
+    from inferd.engine.kv_connector import DisaggConnector
+
     connector = DisaggConnector(settings, engine.kv.block_size)
     engine.attach_kv_connector(connector)
     return connector

@@ -36,12 +36,12 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
 from inferd.disagg.leases import Lease, LeaseTable
 from inferd.disagg.params import OTHER_PROMPT, BadTransferParams, KVTransferParams, prompt_digest
+from inferd.disagg.settings import DisaggSettings
 from inferd.disagg.transport import (
     KVCaches,
     KVClient,
@@ -60,7 +60,6 @@ from inferd.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("both", "prefill", "decode")
 TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 _EXPIRY_MARGIN = 1.0  # seconds: a lease this close to its end is not worth starting a pull on
 _LOGGED_MAX = 64  # (claimed peer, reason) pairs whose rejection is logged; later ones are only counted
@@ -193,26 +192,9 @@ class DisaggStats:
 
 
 # -- the prefill/decode handoff ----------------------------------------------------------------------
-@dataclass
-class DisaggSettings:
-    role: str  # prefill | decode
-    secret: bytes
-    peers: Container[str] = frozenset()  # decode: prefill channels (host:port) it may pull from (disagg.params.Peers)
-    lease_ttl: float = 30.0
-    read_timeout: float = 30.0
-    kv_host: str = "127.0.0.1"  # prefill: where its channel listens
-    kv_port: int = 0
-    advertise_host: str | None = None  # prefill: the host decode instances reach it at (default kv_host)
-    transport: str = "auto"  # auto (shared memory on the same host, else TCP) | tcp | shm
-    timeout: float = 10.0
-
-
 class DisaggConnector(KVConnector):
     def __init__(self, settings: DisaggSettings, block_size: int):
-        if settings.role not in ("prefill", "decode"):
-            raise ValueError(f"role {settings.role!r}")
-        if not settings.secret:
-            raise ValueError("a KV transfer secret is required for --role prefill or decode")
+        settings.validate()
         self.s = settings
         self.block_size = block_size
         self.stats = DisaggStats(settings.role)

@@ -19,8 +19,8 @@ given it then fails to start), and caps the pool at a number fixed before the ru
 replica gets a free port when it starts; its channel is written to the peers file *before* the process
 starts (so before it can hand out a lease), and removed only once the process has exited (so leases of a
 draining replica stay valid). A decode replica checks the file on every lease it is handed (one `stat`,
-read again when it changed): the allow-list is exactly the prefill replicas alive, and a channel not in it
-is refused with 400 as with `--kv-peers`.
+read again when it changed): the allow-list is exactly the prefill replicas alive, and a lease naming a
+channel not in it is not used (the decode replica prefills the request itself), as with `--kv-peers`.
 
 **Leaving without breaking requests.** A prefill replica scaled away is unlisted first (the proxy stops
 picking it on its next request), then, once the gateway's grace has passed *and* it holds no lease that a
@@ -46,8 +46,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-SECRET_ENV = "INFERD_KV_SECRET"
-LEASE_WAIT_S = 30.0  # the longest a draining prefill replica waits for its leases (inferd serve's default TTL)
+from inferd.disagg.settings import SECRET_ENV, default
+
+LEASE_WAIT_S = default("lease_ttl")  # the longest a draining prefill replica waits for its leases (their TTL)
 
 
 def kv_secret() -> str:

@@ -1,4 +1,9 @@
-"""`inferd serve`: load the engine, then serve it over HTTP until SIGTERM/SIGINT, draining on the way out."""
+"""`inferd serve`: load the engine, then serve it over HTTP until SIGTERM/SIGINT, draining on the way out.
+
+Every flag is checked before the model loads, which takes seconds to minutes: a flag missing for the role,
+given for another role, out of range or unreadable, or a port already taken, exits at once (status 2) with
+what to change, and only the light modules are imported until then.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 
 import uvicorn
 
@@ -98,16 +104,57 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """The server's own flags, before anything loads; raises ConfigError naming the flag."""
+    from inferd.errors import ConfigError
+
+    for flag, value in (
+        ("--max-waiting-requests", args.max_waiting_requests),
+        ("--drain-timeout", args.drain_timeout),
+        ("--max-prompt-chars", args.max_prompt_chars),
+        ("--max-request-body", _memory("--max-request-body", args.max_request_body)),
+    ):
+        if value is not None and value < 0:
+            raise ConfigError(f"{flag} {value:g}: must be 0 or more")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: a TCP port is 0 to 65535")
+    if args.port:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET  # as uvicorn binds it
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((args.host, args.port))
+            except OSError as e:
+                raise ConfigError(
+                    f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror})"
+                ) from None
+
+
+def _memory(flag: str, text: str) -> int:
+    from inferd.config import parse_memory
+    from inferd.errors import ConfigError
+
+    try:
+        return parse_memory(text)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from inferd.config import engine_config_from_args, parse_memory
-    from inferd.disagg.cli import make_connector, register_metrics
+    from inferd.disagg.cli import disagg_settings, make_connector, register_metrics
+
+    config = engine_config_from_args(args)
+    config.validate()
+    disagg = disagg_settings(args)  # --role prefill|decode: the KV handoff (docs/disaggregation.md)
+    check_serve_flags(args)
+
     from inferd.engine.engine import Engine
     from inferd.server.app import create_app
     from inferd.server.state import ServerSettings
 
-    config = engine_config_from_args(args)
     engine = Engine(config)  # load first: the port opens (and /health answers 200) only once the model is ready
-    connector = make_connector(args, engine)  # --role prefill|decode: the KV handoff (docs/disaggregation.md)
+    connector = make_connector(disagg, engine)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
         api_key=args.api_key,
