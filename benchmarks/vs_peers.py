@@ -36,10 +36,13 @@ level to every server in turn, so a drift of the machine's speed over minutes is
 than read as a difference between servers.
 
 Results: benchmarks/results/vs_peers.json, or `--out NAME` for NAME.json (another CPU's runs keep their own
-file), merged per server and level, so servers and levels can be run one at a time (`--fresh` starts over):
-per server its command, dtype and quantization, per workload and level the runs and their medians; the
-ratios of inferd's best mode over each peer, and the issue's targets (concurrency 16 and 32: 1.5x vLLM bf16's
-output throughput with a lower mean TTFT; concurrency 1: 1.2x llama-server).
+file; a path ending in .json is taken as it is). Each invocation appends one run to the file's `runs`
+(`--fresh`: the file holds this run alone), and never merges its servers into an earlier run's, so every
+ratio compares servers measured together (`inferd.bench.peers`): per run its date, commit, CPU model and
+flags, command line and machine; per server its command, dtype and quantization, per workload and level the
+runs and their medians; the ratios of inferd's best mode over each peer in that run, and the issue's targets
+(concurrency 16 and 32: 1.5x vLLM bf16's output throughput with a lower mean TTFT; concurrency 1: 1.2x
+llama-server). A file from before runs were kept apart reads as one run marked `converted`.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
 from benchmarks.common import portable, write_json  # noqa: E402
+from inferd.bench import peers as peer_runs  # noqa: E402
 from inferd.models.dtypes import cpu_flags  # noqa: E402
 from inferd.procs import free_port  # noqa: E402
 
@@ -524,11 +528,11 @@ def best_inferd(servers: dict, workload: str, level: str) -> tuple[str | None, d
     return best, figures
 
 
-def ratios(summary: dict) -> dict:
+def ratios(run: dict) -> dict:
     """inferd's best mode / each peer, per workload and level; throughput above 1 and latency below 1
     favour inferd."""
     out: dict = {}
-    servers = summary["servers"]
+    servers = run["servers"]
     for workload in WORKLOADS:
         for name, entry in servers.items():
             if name.startswith("inferd"):
@@ -567,36 +571,45 @@ def target(ratio: dict) -> dict:
     return out
 
 
-def write_summary(entries: dict[str, dict], args: argparse.Namespace) -> dict:
-    path = SUMMARY.with_name(f"{args.out}.json")
-    summary = json.loads(path.read_text()) if path.exists() else {}
-    if "workloads" not in summary:  # a summary from before the modes and workloads: start afresh
-        summary = {}
+def summary_path(out: str) -> Path:
+    """`--out`: a name in benchmarks/results/, or a path ending in .json."""
+    return Path(out) if out.endswith(".json") else SUMMARY.with_name(f"{out}.json")
+
+
+def new_run(entries: dict[str, dict], args: argparse.Namespace, started: float, argv: list[str]) -> dict:
+    """This invocation as one run: when, on what code and CPU, how it was invoked, its servers' figures."""
     from inferd.bench.results import machine_info
 
-    summary["workloads"] = {
-        "fixed": "random dataset, 128 prompt tokens, 128 output tokens",
-        "mixed": "random dataset, prompts 115-461 tokens, outputs 64-256 (means 288/160, range ratio 0.6)",
-        "requests_per_level": "max(8, 3 x concurrency), distinct prompts per run and level, same across servers",
-        "fixed_length": "ignore_eos (llama-cpp-python: logit_bias -100 on 1,106)",
-        "runs": args.runs,
-        "interleaved": bool(args.interleave),  # every server up at once, each run to every server in turn
+    sha, dirty = peer_runs.commit(ROOT.parent)
+    run = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": sha,
+        "uncommitted_changes": dirty,
+        "cpu": peer_runs.cpu_record(),
+        "machine": machine_info(),
+        "command": peer_runs.command_line(argv),
+        "workloads": {
+            "fixed": "random dataset, 128 prompt tokens, 128 output tokens",
+            "mixed": "random dataset, prompts 115-461 tokens, outputs 64-256 (means 288/160, range ratio 0.6)",
+            "requests_per_level": "max(8, 3 x concurrency), distinct prompts per run and level, same across servers",
+            "fixed_length": "ignore_eos (llama-cpp-python: logit_bias -100 on 1,106)",
+            "runs": args.runs,
+            "interleaved": bool(args.interleave),  # every server up at once, each run to every server in turn
+        },
+        "servers": entries,
     }  # fmt: skip
-    summary["machine"] = machine_info()
-    summary["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if args.fresh:  # only this invocation's servers: ratios from one run, none from an older one
-        summary["servers"] = {}
-        summary.pop("note", None)  # a hand-written note belongs to the run it describes
-    servers = summary.setdefault("servers", {})
-    for name, entry in entries.items():  # levels this invocation did not run keep their earlier figures
-        for workload, levels in servers.get(name, {}).get("workloads", {}).items():
-            for level, figures in levels.items():
-                entry["workloads"].setdefault(workload, {}).setdefault(level, figures)
-        servers[name] = entry
-    summary["ratios_best_inferd_over_peer"] = ratios(summary)
-    summary["targets"] = target(summary["ratios_best_inferd_over_peer"])
-    write_json(path, summary)
-    return portable(summary)
+    run["ratios_best_inferd_over_peer"] = ratios(run)
+    run["targets"] = target(run["ratios_best_inferd_over_peer"])
+    return run
+
+
+def write_summary(entries: dict[str, dict], args: argparse.Namespace, started: float, argv: list[str]) -> dict:
+    """Append this invocation's run to the summary file (an older file's record stays, as a converted run)."""
+    path = summary_path(args.out)
+    run = new_run(entries, args, started, argv)
+    write_json(path, peer_runs.append_run(path, run, fresh=args.fresh))
+    return portable(run)
 
 
 def main() -> int:
@@ -607,14 +620,17 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs per level (new prompts each); medians reported")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32])
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
-    ap.add_argument("--fresh", action="store_true", help="drop servers measured by earlier invocations")
+    ap.add_argument("--fresh", action="store_true", help="drop the file's earlier runs: it holds this one alone")
     ap.add_argument(
-        "--out", default=SUMMARY.stem, help="summary file in benchmarks/results/ (another CPU's runs: their own file)"
+        "--out",
+        default=SUMMARY.stem,
+        help="summary file in benchmarks/results/ (another CPU's runs: their own file), or a path ending in .json",
     )
     ap.add_argument(
         "--interleave", action="store_true", help="start every server at once; each run goes to every server in turn"
     )
     args = ap.parse_args()
+    started = time.time()
     if args.setup:
         for peer in args.setup:
             run_setup(peer, args.dry_run)
@@ -640,8 +656,8 @@ def main() -> int:
         entries = {server.name: run_server(server, port, model, args) for server, port in chosen}
     if args.dry_run:
         return 0
-    summary = write_summary(entries, args)
-    print(json.dumps(summary["targets"], indent=2))
+    run = write_summary(entries, args, started, sys.argv)
+    print(json.dumps(run["targets"], indent=2))
     return 0
 
 

@@ -115,6 +115,7 @@ class Measurement:
     numbers: dict[str, float] = field(default_factory=dict)
     series: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    measured_here: bool | None = None  # None: as the lab says; False: these numbers are a stored result's
 
 
 @dataclass
@@ -168,6 +169,7 @@ class LabResult:
     claims: list[Claim]
     text: str
     plot: str  # the PNG's file name, beside the JSON
+    measured_here: bool = True  # False: the numbers are a stored result's, with its own date and machine
 
     def to_dict(self) -> dict:
         return asdict(self)

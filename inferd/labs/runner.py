@@ -26,9 +26,10 @@ def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
         ctx.measurements[lab.name] = m
     explanation = lab.explain(m)
     machine = describe_machine(str(ctx.torch_device))
-    if lab.measured_here and lab.timed and (caveat := busy_caveat(machine)):
+    here = lab.measured_here if m.measured_here is None else m.measured_here
+    if here and lab.timed and (caveat := busy_caveat(machine)):
         explanation.why.append(caveat)
-    title = f"{lab.term}: measured on {ctx.model_label}" if lab.measured_here else f"{lab.term}: a stored result"
+    title = f"{lab.term}: measured on {ctx.model_label}" if here else f"{lab.term}: a stored result"
     result = LabResult(
         lab=lab.name,
         term=lab.term,
@@ -43,6 +44,7 @@ def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
         claims=explanation.claims,
         text=explanation.text(title),
         plot=f"{lab.name}.png",
+        measured_here=here,
     )
     ctx.out.mkdir(parents=True, exist_ok=True)
     _save_plot(lab, m, ctx.out / result.plot)
@@ -113,8 +115,7 @@ def write_report(results: list[LabResult], ctx: LabContext, report_dir: Path) ->
         "# Inference serving, measured on this machine",
         "",
         f"Machine: {machine_line(results[0].machine)}. Model: {ctx.model_label}. Date: {ctx.date}.",
-        "Every number below was measured in this run; every sentence under *What this machine showed* is "
-        "checked against the numbers in the lab's JSON.",
+        _provenance(results),
         "",
     ]
     lines += _contradictions(results)
@@ -124,6 +125,18 @@ def write_report(results: list[LabResult], ctx: LabContext, report_dir: Path) ->
     path = report_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _provenance(results: list[LabResult]) -> str:
+    stored = [r.term for r in results if not r.measured_here]
+    checked = "every claim is checked against the numbers in the lab's JSON."
+    if not stored:
+        return f"Every number below was measured in this run; {checked}"
+    return (
+        f"Every number below was measured in this run except under {', '.join(stored)}, which "
+        f"{'shows' if len(stored) == 1 else 'show'} a stored run's figures with that run's own date and "
+        f"machine; {checked}"
+    )
 
 
 def _contradictions(results: list[LabResult]) -> list[str]:
@@ -163,11 +176,21 @@ def _markdown(text: str, drop_title: bool) -> str:
 def write_glossary_page(result: LabResult, docs_dir: Path) -> Path:
     """docs/glossary/<lab>.md: the term, the run's explanation with this machine's numbers, the plot."""
     docs_dir.mkdir(parents=True, exist_ok=True)
+    if result.measured_here:
+        origin = (
+            f"Measured by `inferd lab {result.lab}` on {machine_line(result.machine)}, {result.date}, with "
+            f"{result.model}. Run it on your machine to get your numbers."
+        )
+    else:
+        origin = (
+            f"Written by `inferd lab {result.lab}` on {machine_line(result.machine)}, {result.date}, from a "
+            "stored result: its figures were not measured then, and the run they come from is named below, "
+            "with its own date and machine."
+        )
     lines = [
         f"# {result.term}",
         "",
-        f"Measured by `inferd lab {result.lab}` on {machine_line(result.machine)}, {result.date}, with "
-        f"{result.model}. Run it on your machine to get your numbers.",
+        origin,
         "",
         _markdown(result.text, drop_title=True),
         "",

@@ -1,14 +1,26 @@
-"""vLLM: inferd against vLLM's CPU build on the same workload. vLLM installs into its own environment and
-takes minutes to start, so this lab reads the stored side-by-side result (benchmarks/results/vs_peers.json:
-same prompts, same machine, one run) and says how to measure it on this machine."""
+"""vLLM: inferd against vLLM's CPU build on the same workload, with figures from one run only.
+
+Where vLLM is installed as `benchmarks/vs_peers.py --setup vllm` installs it (its own virtual environment
+under ~/.cache/inferd-peers, or INFERD_PEERS_DIR, started as `python -m vllm.entrypoints.openai.api_server`)
+and its server imports, the lab runs that script: inferd and vLLM up side by side, each level's requests sent
+to both in turn, measured now on this machine. Elsewhere (and with --quick, which has no minutes for vLLM's
+start-up, or with another model than the default one the script serves) it shows the newest stored run in
+which both servers ran a common level (benchmarks/results/vs_peers.json) as a stored result, with that run's
+own date, commit and CPU: never as this machine's figures, and never pairing figures from two runs, since
+the CPU, the code and a shared machine's speed change from one run to the next.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import re
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+from inferd.bench import peers
+from inferd.config import DEFAULT_MODEL
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
@@ -19,70 +31,183 @@ DEFINITION = (
 )
 REPO = Path(__file__).resolve().parents[2]
 STORED = REPO / "benchmarks" / "results" / "vs_peers.json"
-PEER_PYTHON = Path.home() / ".cache" / "inferd-peers" / "vllm" / "bin" / "python"
+VS_PEERS = REPO / "benchmarks" / "vs_peers.py"
 HOW_TO_RUN = (
-    "python benchmarks/vs_peers.py --setup model && python benchmarks/vs_peers.py --setup vllm && "
-    "python benchmarks/vs_peers.py --servers inferd,vllm"
+    "python benchmarks/vs_peers.py --setup model && python benchmarks/vs_peers.py --setup vllm, then "
+    "`inferd lab vllm` (or python benchmarks/vs_peers.py --servers inferd,vllm --interleave)"
 )
+# benchmarks/vs_peers.py's names for vLLM in bf16 and in fp32, the faster first where both ran
+VLLM_SERVERS = ("vllm", "vllm-fp32")
+# the live run: the two servers side by side, one run per level, the levels the claims compare
+LIVE_ARGS = ["--workloads", "mixed", "--concurrency", "1,16", "--runs", "1"]
+LIVE_TIMEOUT_S = 1800.0  # vLLM's start-up alone may take up to 15 minutes (torch.compile warm-up)
+IMPORT_TIMEOUT_S = 300.0
+STOP_GRACE_S = 150.0  # the script stops each server it started (up to 60 s each) once interrupted
 
 
-def _level(key: str) -> int:
-    return int(re.sub(r"\D", "", key))
+class LiveRunFailed(Exception):
+    pass
 
 
-def _workload_name(entry: dict) -> str | None:
-    """The workload a summary holds for a server ("mixed" first), or None for the older one-workload format."""
-    names = list(entry.get("workloads", {}))
-    return "mixed" if "mixed" in names else (names[0] if names else None)
+def peer_python() -> Path:
+    """The interpreter of vLLM's own environment, where benchmarks/vs_peers.py installs and starts it."""
+    root = Path(os.environ.get("INFERD_PEERS_DIR", Path.home() / ".cache" / "inferd-peers"))
+    return root / "vllm" / "bin" / "python"
 
 
-def _figures(entry: dict) -> dict[str, dict]:
-    """level -> figures for one server, in either summary format (medians of runs in the newer one)."""
-    name = _workload_name(entry)
-    if name is None:
-        return entry["levels"]
-    return {level: v["median"] for level, v in entry["workloads"][name].items()}
-
-
-def _workload_text(data: dict, entry: dict) -> str:
-    name = _workload_name(entry)
-    if name is None:
-        w = data["workload"]
-        return f"{w['input_len']}-token prompts and {w['output_len']} tokens out"
-    return f"the same prompts (the {name} workload: {data['workloads'][name]})"
-
-
-def _stored_date(path: Path) -> str:
-    """The run's date, from the vLLM result file beside the summary (20261129-143303 -> 2026-11-29 14:33)."""
-    detail = path.parent / "vs_peers" / "vllm.json"
+def importable(python: Path, timeout_s: float = IMPORT_TIMEOUT_S) -> str | None:
+    """None when `python` imports vLLM's OpenAI server module (what the script starts); else why not."""
     try:
-        d = json.loads(detail.read_text())["date"]
-        return f"{d[0:4]}-{d[4:6]}-{d[6:8]} {d[9:11]}:{d[11:13]}"
-    except (OSError, KeyError, ValueError, IndexError):
-        return "unknown date"
+        done = subprocess.run(
+            [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return f"importing vLLM's server with {_home(python)} took over {timeout_s:.0f} s"
+    except OSError as e:
+        return f"{_home(python)} does not run ({e})"
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    return f"{_home(python)} cannot import vLLM's server ({last})"
 
 
-def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
-    m = Measurement(settings={"stored": str(stored.relative_to(REPO)) if stored.is_relative_to(REPO) else str(stored)})
-    m.settings["vllm_installed"] = PEER_PYTHON.exists() or importlib.util.find_spec("vllm") is not None
-    m.settings["how_to_run"] = HOW_TO_RUN
-    if not stored.exists():
-        raise InferdError(f"no stored vLLM result at {stored}; measure one with: {HOW_TO_RUN}")
-    data = json.loads(stored.read_text())
-    servers = data["servers"]
-    by_level = {name: _figures(servers[name]) for name in ("inferd", "vllm")}
-    levels = sorted(set(by_level["vllm"]) & set(by_level["inferd"]), key=_level)  # a level one of them lacks: skip
-    if not levels:
-        raise InferdError(f"{stored} has no concurrency level measured for both inferd and vLLM; run: {HOW_TO_RUN}")
-    m.settings.update(machine=data["machine"], workload=_workload_text(data, servers["vllm"]))
-    m.settings["date"] = data.get("date") or _stored_date(stored)
-    m.series = {"concurrency": [_level(k) for k in levels]}
+def live_vllm() -> str:
+    """vLLM in bf16 where the CPU computes bf16 natively (1.5-1.8x its fp32 there), else in fp32 (bf16 without
+    native support crawls): the faster of its two modes, as inferd's auto dtype picks between the same two."""
+    from inferd.models.dtypes import cpu_flags
+
+    return "vllm" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "vllm-fp32"
+
+
+def _home(path: Path) -> str:
+    """A path as the text shows it: the home folder as ~, so a page written from the text names no user."""
+    home = Path.home()
+    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
+
+
+def why_not_live(ctx: LabContext, python: Path) -> str | None:
+    """None when the lab can run vLLM here now; else the reason it shows a stored run instead."""
+    if not python.exists():
+        return f"vLLM is not installed here ({_home(python)} does not exist)"
+    if not VS_PEERS.exists():
+        return f"{VS_PEERS} is not in this installation"
+    if ctx.quick:
+        return "vLLM is installed here, but --quick leaves no time for its start-up (minutes)"
+    if ctx.model != DEFAULT_MODEL:
+        return f"the side-by-side run serves the default model ({DEFAULT_MODEL}), not {ctx.model}"
+    return importable(python)
+
+
+def _interrupt(proc: subprocess.Popen, grace_s: float) -> None:
+    """Ctrl-C to the script's process group, so its own clean-up stops the servers it started; then a kill."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:  # ended meanwhile
+        proc.wait()
+
+
+def run_bounded(cmd: list[str], log: Path, timeout_s: float, grace_s: float = STOP_GRACE_S) -> int:
+    """Run `cmd` in its own process group, output to `log`; interrupted past `timeout_s` (or when this process
+    is), and never left running."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _interrupt(proc, grace_s)
+        raise LiveRunFailed(f"no result after {timeout_s:.0f} s (log: {log})") from None
+    except BaseException:
+        _interrupt(proc, grace_s)
+        raise
+
+
+def run_live(ctx: LabContext, timeout_s: float = LIVE_TIMEOUT_S) -> tuple[Path, dict]:
+    """benchmarks/vs_peers.py with inferd and vLLM up at once, its run file in ctx.out; that run."""
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    out = (ctx.out / "vllm-vs_peers.json").resolve()
+    log = ctx.workdir / "vllm-vs_peers.log"
+    servers = f"inferd,{live_vllm()}"
+    cmd = [
+        sys.executable,
+        str(VS_PEERS),
+        "--servers",
+        servers,
+        *LIVE_ARGS,
+        "--interleave",
+        "--fresh",
+        "--out",
+        str(out),
+    ]
+    rc = run_bounded(cmd, log, timeout_s)
+    if rc != 0:
+        written = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        last = (written or ["no output"])[-1]
+        raise LiveRunFailed(f"benchmarks/vs_peers.py exited with {rc}: {last} (log: {log})")
+    runs = peers.load(out)["runs"]
+    if not runs:
+        raise LiveRunFailed(f"benchmarks/vs_peers.py wrote no run to {out} (log: {log})")
+    run = runs[-1]
+    errors = [f"{name}: {e['error']}" for name, e in run["servers"].items() if e.get("error")]
+    if errors:
+        raise LiveRunFailed("; ".join(errors))
+    return out, run
+
+
+def _shown_path(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _workload_text(run: dict, workload: str | None) -> str:
+    if workload is None:
+        w = run["workload"]
+        return f"{w['input_len']}-token prompts and {w['output_len']} tokens out"
+    return f"the same prompts (the {workload} workload: {run['workloads'][workload]})"
+
+
+def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str], source: str) -> Measurement:
+    """The lab's numbers from one run's inferd and vLLM figures at the levels both ran, and what that run was."""
+    by_level = {
+        "inferd": peers.figures(run["servers"]["inferd"], workload),
+        "vllm": peers.figures(run["servers"][vllm_server], workload),
+    }
+    machine = run.get("machine", {})
+    cpu = run.get("cpu") or {"model": machine.get("cpu_model") or machine.get("processor"), "flags": None}
+    m = Measurement(
+        settings={
+            "source": source,
+            "date": run.get("date") or "an unknown date",
+            "commit": run.get("commit"),
+            "uncommitted_changes": run.get("uncommitted_changes"),
+            "cpu_model": cpu.get("model") or "an unknown CPU",
+            "vector_flags": peers.vector_flags(cpu),
+            "cores": machine.get("cpu_count"),
+            "command": run.get("command"),
+            "converted": run.get("converted"),
+            "note": run.get("note"),
+            "workload": _workload_text(run, workload),
+            "how_to_run": HOW_TO_RUN,
+            "vllm_server": vllm_server,
+            "vllm_dtype": run["servers"][vllm_server].get("dtype") or ("float32" if "fp32" in vllm_server else "bf16"),
+        }
+    )
+    m.series = {"concurrency": [peers.concurrency(k) for k in levels]}
     for name in ("inferd", "vllm"):
         m.series[name] = [by_level[name][k]["output_throughput"] for k in levels]
         m.series[name + "_ttft_ms"] = [by_level[name][k]["mean_ttft_ms"] for k in levels]
     lo, hi = levels[0], levels[-1]
     for side, key in (("lo", lo), ("hi", hi)):
-        m.numbers[f"c_{side}"] = _level(key)
+        m.numbers[f"c_{side}"] = peers.concurrency(key)
         for name in ("inferd", "vllm"):
             m.numbers[f"{name}_tok_s_{side}"] = by_level[name][key]["output_throughput"]
     m.numbers["ratio_hi"] = m.numbers["inferd_tok_s_hi"] / m.numbers["vllm_tok_s_hi"]
@@ -90,19 +215,96 @@ def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
     return m
 
 
+def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
+    python = peer_python()
+    reason = why_not_live(ctx, python)
+    if reason is None:
+        try:
+            out, run = run_live(ctx)
+        except LiveRunFailed as e:
+            reason = f"vLLM is installed here, but the side-by-side run failed: {e}"
+        else:
+            found = peers.latest_pair({"runs": [run]}, "inferd", VLLM_SERVERS)
+            if found:
+                _, vllm_server, workload, levels = found
+                m = from_run(run, vllm_server, workload, levels, _shown_path(out))
+                m.measured_here = True
+                m.settings.update(live=True, vllm_python=_home(python))
+                return m
+            reason = f"the side-by-side run left no level with figures from both servers ({out})"
+    m = stored_measurement(stored)
+    m.settings["why_not_live"] = reason
+    return m
+
+
+def stored_measurement(stored: Path) -> Measurement:
+    """The newest stored run in which inferd and vLLM both ran a level: that run's figures only."""
+    if not stored.exists():
+        raise InferdError(f"no stored vLLM result at {stored}; measure one with: {HOW_TO_RUN}")
+    data = peers.load(stored)
+    found = peers.latest_pair(data, "inferd", VLLM_SERVERS)
+    if found is None:
+        raise InferdError(
+            f"no concurrency level measured for both inferd and vLLM in one run of {stored}; run: {HOW_TO_RUN}"
+        )
+    index, vllm_server, workload, levels = found
+    m = from_run(data["runs"][index], vllm_server, workload, levels, _shown_path(stored))
+    m.measured_here = False
+    from inferd.bench.results import machine_info
+
+    m.settings.update(
+        live=False,
+        run_index=index,
+        runs_in_file=len(data["runs"]),
+        this_cpu=machine_info().get("cpu_model") or "an unknown CPU",
+    )
+    return m
+
+
+def _stored_intro(s: dict) -> str:
+    where = f"{s['cpu_model']} with {s['cores']} cores"
+    if s["vector_flags"] is not None:
+        where += f" ({s['vector_flags']})"
+    if s["converted"]:
+        text = (
+            f"These figures are stored, not measured now: {s['source']} holds one record, last written on "
+            f"{s['date']} on {where}, from before each invocation of benchmarks/vs_peers.py was kept as its own "
+            "run, so its inferd and vLLM figures may come from different invocations"
+            + (" (its note, in the file, says which invocations it holds)." if s["note"] else ".")
+        )
+        compared = "newer records keep each invocation as its own run, and the lab compares figures within one"
+    else:
+        commit = (s["commit"] or "unknown")[:12] + (" with uncommitted changes" if s["uncommitted_changes"] else "")
+        text = (
+            f"These figures are stored, not measured now: run {s['run_index'] + 1} of {s['runs_in_file']} in "
+            f"{s['source']}, the newest with both servers, made on {s['date']} at commit {commit} on {where} by "
+            f"`{s['command']}`."
+        )
+        compared = "only figures from that one run are compared"
+    same = s["this_cpu"] == s["cpu_model"]
+    text += (
+        f" This machine's CPU is {s['this_cpu']}{' too' if same else ', another one'}. Both servers (inferd "
+        f"and vLLM CPU in {s['vllm_dtype']}) served Gemma 3 270M with {s['workload']}; {compared}: the CPU "
+        "generation, the code and the machine's speed change from one run to the next."
+    )
+    return text
+
+
 def explain(m: Measurement) -> Explanation:
     n, s = m.numbers, m.settings
-    machine = s["machine"]
-    cpu = machine.get("cpu_model") or machine.get("processor")
-    claims = [
-        decide(
-            n,
-            "vllm_tok_s_hi > vllm_tok_s_lo",
-            yes="vLLM's output throughput rose from {vllm_tok_s_lo} tokens/s at concurrency {c_lo} to {vllm_tok_s_hi} "
-            "at {c_hi}: continuous batching over PagedAttention, as in inferd.",
-            no="vLLM's output throughput did not rise with concurrency: {vllm_tok_s_lo} at {c_lo}, {vllm_tok_s_hi} "
-            "at {c_hi}.",
-        ),
+    claims = []
+    if n["c_hi"] > n["c_lo"]:
+        claims.append(
+            decide(
+                n,
+                "vllm_tok_s_hi > vllm_tok_s_lo",
+                yes="vLLM's output throughput rose from {vllm_tok_s_lo} tokens/s at concurrency {c_lo} to "
+                "{vllm_tok_s_hi} at {c_hi}: continuous batching over PagedAttention, as in inferd.",
+                no="vLLM's output throughput did not rise with concurrency: {vllm_tok_s_lo} at {c_lo}, "
+                "{vllm_tok_s_hi} at {c_hi}.",
+            )
+        )
+    claims.append(
         decide(
             n,
             "inferd_tok_s_hi >= vllm_tok_s_hi",
@@ -110,26 +312,26 @@ def explain(m: Measurement) -> Explanation:
             yes="At concurrency {c_hi} inferd reached {inferd_tok_s_hi} tokens/s against vLLM's {vllm_tok_s_hi}.",
             no="At concurrency {c_hi} inferd reached {inferd_tok_s_hi} tokens/s against vLLM's {vllm_tok_s_hi} "
             "({ratio_hi} of it): vLLM is ahead there.",
-        ),
-    ]
-    installed = (
-        "vLLM is installed here, so you can measure it on this machine"
-        if s["vllm_installed"]
-        else "vLLM is not installed here; to measure it on this machine (a download and 3-5 minutes of start-up)"
+        )
     )
-    intro = [
-        f"vLLM, in the glossary's words: {DEFINITION}",
-        f"These numbers are stored, not measured now: {s['stored']}, run on {cpu} with "
-        f"{machine.get('cpu_count')} cores on {s['date']}, serving Gemma 3 270M to both servers with "
-        f"{s['workload']}. Compare only "
-        "figures from one run: the CPU generation changes from machine to machine.",
-        f"{installed}: {s['how_to_run']}",
-    ]
+    intro = [f"vLLM, in the glossary's words: {DEFINITION}"]
+    if s.get("live"):
+        intro.append(
+            f"Measured now on this machine ({s['cpu_model']}, {s['cores']} cores): `{s['command']}` started "
+            f"inferd and vLLM CPU in {s['vllm_dtype']} side by side and sent each level's requests to both in "
+            f"turn, serving Gemma 3 270M with {s['workload']}. The whole run, with every figure, is in "
+            f"{s['source']}."
+        )
+        heading = "What this machine showed:"
+    else:
+        intro += [_stored_intro(s), f"Not measured here: {s['why_not_live']}. To measure it: {s['how_to_run']}."]
+        record = "that record (last written" if s["converted"] else "that run (of"
+        heading = f"What {record} {s['date']}, {s['cpu_model']}) showed:"
     why = [
         "Why it matters: vLLM is the reference point a platform is measured against: the OpenAI API, "
         "PagedAttention, continuous batching and prefix caching are what users expect of any engine behind it."
     ]
-    return Explanation(intro, claims, why)
+    return Explanation(intro, claims, why, claims_heading=heading)
 
 
 def plot(m: Measurement, fig) -> None:
@@ -137,9 +339,15 @@ def plot(m: Measurement, fig) -> None:
     s = m.series
     xs = range(len(s["concurrency"]))
     ax.bar([x - 0.2 for x in xs], s["inferd"], width=0.4, label="inferd")
-    ax.bar([x + 0.2 for x in xs], s["vllm"], width=0.4, label="vLLM CPU")
+    ax.bar([x + 0.2 for x in xs], s["vllm"], width=0.4, label=f"vLLM CPU ({m.settings['vllm_dtype']})")
     ax.set_xticks(list(xs), [str(c) for c in s["concurrency"]])
-    ax.set(xlabel="concurrency", ylabel="output tokens/s", title=f"Stored result ({m.settings['date']})")
+    st = m.settings
+    if st.get("live"):
+        title = f"Measured now ({st['date']})"
+    else:
+        record = "Stored record, last written" if st.get("converted") else "Stored run of"
+        title = f"{record} {st['date']}, {st['cpu_model']}"
+    ax.set(xlabel="concurrency", ylabel="output tokens/s", title=title)
     ax.legend()
 
 
