@@ -4,7 +4,8 @@ Waiting requests are woken whenever capacity may have freed (a request ended, a 
 all at once but in admission order: highest tenant priority first, then the tenant with the fewest
 requests in flight at the gateway (a fair share: one busy tenant cannot starve the others of the same
 priority), then arrival order. Picking runs without an await, so the first woken takes the first free
-slot; the others find none and wait again, keeping their place.
+slot; the others find none and wait again, keeping their place. A request waits at most
+`routing.queue.max_wait_s` in all (then 503 `queue_timeout` with Retry-After), however often it was woken.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from inferd.gateway.errors import GatewayError
+from inferd.gateway.errors import GatewayError, timed_out
 
 
 @dataclass(order=True)
@@ -38,8 +39,10 @@ class AdmissionQueue:
     def full(self) -> bool:
         return len(self._waiters) >= self.max_size
 
-    async def wait(self, tenant: str, priority: int, seq: int | None, deadline: float) -> int:
-        """Wait to be woken (or raise 503 at the deadline); returns the waiter's place to keep on re-waiting."""
+    async def wait(self, tenant: str, priority: int, seq: int | None, queued_at: float, deadline: float) -> int:
+        """Wait to be woken; returns the waiter's place to keep on re-waiting. Past `max_wait_s` since
+        `queued_at` (the request's first wait, monotonic seconds) it raises 503 `queue_timeout`, past the
+        request's deadline 504 `timeout`, whichever comes first."""
         if seq is None:
             if self.full():
                 raise _overloaded("the gateway's queue is full")
@@ -47,11 +50,21 @@ class AdmissionQueue:
         loop = asyncio.get_running_loop()
         w = _Waiter((-priority, seq), loop.create_future(), tenant)
         self._waiters.append(w)
+        give_up = queued_at + self.max_wait_s
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(min(give_up, deadline)):
                 await w.future
         except TimeoutError:
-            raise _overloaded(f"every replica stayed saturated for {self.max_wait_s:g}s") from None
+            if give_up > deadline:
+                raise timed_out() from None
+            raise GatewayError(
+                503,
+                f"every replica stayed saturated while the request waited {self.max_wait_s:g}s at the gateway"
+                " (routing.queue.max_wait_s)",
+                "server_error",
+                code="queue_timeout",
+                headers={"Retry-After": "1"},
+            ) from None
         finally:
             if w in self._waiters:
                 self._waiters.remove(w)

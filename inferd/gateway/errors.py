@@ -68,6 +68,11 @@ def no_replica(model: str, why: str) -> GatewayError:
     )
 
 
+def timed_out() -> GatewayError:
+    """The request outlived `request_timeout_s` before its answer began."""
+    return GatewayError(504, "the request timed out at the gateway", "server_error", code="timeout")
+
+
 def parse_json_body(raw: bytes) -> dict:
     """The request body as a JSON object, read strictly (`inferd.strict_json`: UTF-8, finite numbers, no lone
     surrogates), as the server reads it."""

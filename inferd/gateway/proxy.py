@@ -32,7 +32,7 @@ import aiohttp
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from inferd.gateway.errors import GatewayError
+from inferd.gateway.errors import GatewayError, timed_out
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ async def open_upstream(
         raise Retry(f"connect: {type(e).__name__}", replica_failed=True) from None
     except TimeoutError:  # the deadline (aiohttp's own read timeouts are off)
         _close(resp)
-        raise GatewayError(504, "the request timed out at the gateway", "server_error", code="timeout") from None
+        raise timed_out() from None
     except aiohttp.ClientError as e:  # disconnected, reset, a broken body or a malformed answer
         _close(resp)
         raise Retry(f"dropped: {type(e).__name__}", replica_failed=True) from None

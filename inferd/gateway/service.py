@@ -168,6 +168,7 @@ class Flight:
     pick: Pick | None = None
     expected_tokens: int = 0  # prompt + max_tokens (times n and prompts): its weight on a replica
     first_at: float | None = None
+    queued_at: float | None = None  # when it first waited in the gateway's queue
     done: bool = False
     extra_headers: dict[str, str] = field(default_factory=dict)
 
@@ -428,7 +429,9 @@ class Gateway:
                     raise AllSaturated()
                 return st.picker.pick(cands, flight.expected_tokens)
             except AllSaturated:
-                seq = await self.queue.wait(flight.tenant_id, priority, seq, deadline)
+                if flight.queued_at is None:
+                    flight.queued_at = time.monotonic()
+                seq = await self.queue.wait(flight.tenant_id, priority, seq, flight.queued_at, deadline)
                 pool = self.state.pools.get(pool.name, pool)  # a reload may have rebuilt it
 
     async def _answer(self, flight: Flight, up: Upstream, deadline: float) -> Response:

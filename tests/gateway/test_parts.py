@@ -113,7 +113,7 @@ def test_queue_admits_by_priority_then_fair_share():
         deadline = asyncio.get_running_loop().time() + 5
 
         async def waiter(name: str, tenant: str, prio: int):
-            await q.wait(tenant, prio, None, deadline)
+            await q.wait(tenant, prio, None, time.monotonic(), deadline)
             order.append(name)
 
         tasks = [
@@ -129,16 +129,28 @@ def test_queue_admits_by_priority_then_fair_share():
     assert asyncio.run(run()) == ["busy-high", "quiet-low", "busy-low"]
 
 
-def test_queue_full_and_timeout_are_503():
+def test_queue_full_and_timeout_are_503_and_the_deadline_504():
     async def run():
         q = AdmissionQueue(max_size=0, max_wait_s=0.05)
-        loop = asyncio.get_running_loop()
+        now = time.monotonic
         with pytest.raises(GatewayError) as e:
-            await q.wait("t", 0, None, loop.time() + 1)
-        assert e.value.status == 503
+            await q.wait("t", 0, None, now(), now() + 1)
+        assert e.value.status == 503 and e.value.code == "overloaded"
         q.max_size = 1
+        t = now()
+        with pytest.raises(GatewayError, match="saturated") as e:
+            await q.wait("t", 0, None, t, t + 1)
+        assert e.value.status == 503 and e.value.code == "queue_timeout" and e.value.headers["Retry-After"] == "1"
+        assert 0.04 < now() - t < 0.5
+        # woken and waiting again: max_wait_s counts from the first wait, not from the last wake
+        queued_at = now() - 0.04
+        t = now()
         with pytest.raises(GatewayError, match="saturated"):
-            await q.wait("t", 0, None, loop.time() + 0.05)
+            await q.wait("t", 0, 7, queued_at, t + 1)
+        assert now() - t < 0.04
+        with pytest.raises(GatewayError) as e:  # the request's deadline comes first
+            await q.wait("t", 0, None, now(), now() + 0.01)
+        assert e.value.status == 504 and e.value.code == "timeout"
 
     asyncio.run(run())
 
