@@ -4,10 +4,12 @@ log file that an error quotes.
 
 The tests, the benchmarks and the labs all start real servers; this is the one launcher they share. A child
 imports the same inferd as its parent: the checkout this module lives in goes first on its PYTHONPATH.
+`die_with_parent` is for a supervisor whose children must not outlive it (`inferd up`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,35 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _HANDED_OUT.add(port)
                 return port
     raise RuntimeError(f"no free port on {host} that this process has not handed out already")
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel send the child `sig` when its parent ends, however it ends: SIGKILL,
+    a crash or the OOM killer included, none of which runs the parent's own clean-up (Linux's
+    PR_SET_PDEATHSIG; None elsewhere, where children outlive a killed parent).
+
+    The kernel sends it when the *thread* that forked the child ends, not the process: spawn from a thread
+    that lives as long as the children should (the main thread, or the supervisor's loop). libc's prctl is
+    looked up here, in the parent, so the child between fork and exec makes that one call and a getppid:
+    if the parent was already gone by then, nobody would send the signal, so the child exits at once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    args = (ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(int(sig)), *(ctypes.c_ulong(0) for _ in range(3)))
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(*args)
+        if os.getppid() != parent:
+            os._exit(128 + int(sig))
+
+    return preexec
 
 
 @dataclass

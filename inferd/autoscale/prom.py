@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from inferd.procs import die_with_parent
+
 DEFAULT_BINARY = "prometheus"
 
 
@@ -67,7 +69,8 @@ class PrometheusProcess:
 def start_prometheus(
     workdir: Path, port: int, scrape_interval_s: float, extra_targets: list[str] = (), timeout_s: float = 30.0
 ) -> PrometheusProcess:
-    """Start `prometheus` on 127.0.0.1:`port`, storing in `workdir`, and wait until it is ready."""
+    """Start `prometheus` on 127.0.0.1:`port`, storing in `workdir`, and wait until it is ready. It ends when
+    the thread that started it does (`die_with_parent`), however the process ends."""
     binary = shutil.which(DEFAULT_BINARY)
     if binary is None:
         raise FileNotFoundError("no `prometheus` on PATH (Debian: apt-get install prometheus)")
@@ -83,7 +86,9 @@ def start_prometheus(
         "--storage.tsdb.retention.time=1d",
     ]
     log = (workdir / "prometheus.log").open("wb")
-    popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    popen = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent()
+    )
     log.close()
     proc = PrometheusProcess(popen, f"http://127.0.0.1:{port}", workdir)
     deadline = time.monotonic() + timeout_s

@@ -17,7 +17,11 @@ its pools, which the gateway sends its requests to; the two pools scale separate
 policy, and the proxy and the decode replicas follow them through list files (`inferd/fleet/disagg.py`).
 
 Ctrl-C or SIGTERM: the gateway stops first (finishing the requests it holds), then the disaggregation
-proxies, then the replicas drain, then Prometheus if this started it.
+proxies, then the replicas drain, then Prometheus if this started it. Killed any other way (SIGKILL, a
+crash, the OOM killer), `inferd up` runs none of that, so every child is started with a parent-death
+signal (`inferd.procs.die_with_parent`): the kernel sends each SIGTERM the moment `inferd up` is gone,
+and each stops as on an ordinary stop, the replicas draining for at most their `--drain-timeout`. Children
+are started only from the thread that runs the loop, which ends after the shutdown.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from inferd.fleet.disagg import (
     write_list,
 )
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec
-from inferd.procs import free_port
+from inferd.procs import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -248,9 +252,18 @@ class LocalFleet:
         self.say(f"gateway on {self.gateway_url} (models: {', '.join(m.name for m in self.spec.models)})")
 
     def _spawn(self, argv: list[str], log: Path) -> subprocess.Popen:
+        """A child in its own session (a Ctrl-C at the terminal reaches `inferd up` alone, which stops the
+        fleet in order) that ends when `inferd up` ends, whatever ends it."""
         f = log.open("ab")
         try:
-            return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+            return subprocess.Popen(
+                argv,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
+                preexec_fn=die_with_parent(),
+            )
         finally:
             f.close()
 
