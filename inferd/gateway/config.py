@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -109,10 +110,28 @@ class PoolConfig(_Model):
     @field_validator("replicas")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        for u in urls:
-            if not u.startswith(("http://", "https://")):
-                raise ValueError(f"replica URL must start with http:// or https://, got {u!r}")
+        for i, u in enumerate(urls):
+            problem = replica_url_problem(u)
+            if problem is not None:
+                raise RefError((i,), problem)
         return [u.rstrip("/") for u in urls]
+
+
+def replica_url_problem(url: str) -> str | None:
+    """What is wrong with a replica's base URL (http or https, a host, a port in 1..65535 if one is given);
+    None when nothing is. The config's `replicas` and the lines of a `replicas_file` are both checked here."""
+    if not url.startswith(("http://", "https://")):
+        return f"replica URL must start with http:// or https://, got {url!r}"
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return f"replica URL {url!r} has no host"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = 0
+    if port == 0:
+        return f"replica URL {url!r}: the port must be an integer in 1..65535"
+    return None
 
 
 class Backend(_Model):

@@ -8,13 +8,16 @@ before the pick is returned, so a burst of requests sees each other.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferd.gateway.config import HealthConfig, PoolConfig
+from inferd.gateway.config import HealthConfig, PoolConfig, replica_url_problem
+
+logger = logging.getLogger(__name__)
 
 # sample name without prefix and `_total` -> Load field
 _LOAD_NAMES = {
@@ -126,8 +129,15 @@ class Pool:
             text = Path(path).read_text()
         except OSError:
             return []  # a missing list file is an empty list until it appears
-        lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
-        return [u for u in lines if u.startswith(("http://", "https://"))]
+        urls = []
+        for n, line in enumerate(text.splitlines(), 1):
+            url = line.split("#", 1)[0].strip()
+            problem = replica_url_problem(url) if url else None
+            if problem is not None:
+                logger.warning("%s:%d: %s; line skipped", path, n, problem)
+            elif url:
+                urls.append(url)
+        return urls
 
     def refresh_discovery(self) -> bool:
         """Re-read the list file if it changed; True if the replica set changed."""

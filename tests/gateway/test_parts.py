@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import re
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,7 +25,7 @@ from inferd.gateway.proxy import SSEFilter
 from inferd.gateway.replicas import Load, Pool, parse_load
 from inferd.prefix_hash import block_hashes
 from inferd.prompts import check_prompt
-from tests.gateway.procs import redis_binary, start_redis
+from tests.gateway.procs import REPO, _env, redis_binary, start_redis
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +44,7 @@ def test_config_errors_name_the_line():
     assert parse_config(GOOD).pools[0].replicas == ["http://127.0.0.1:8001"]
     with pytest.raises(ConfigError, match=r"gw.yaml:8: models.0.backends.0.weight: Input should be"):
         parse_config(GOOD.replace("      - pool: a", "      - pool: a\n        weight: -1"), "gw.yaml")
-    with pytest.raises(ConfigError, match=r"gw.yaml:3: pools.0.replicas: .*http://"):
+    with pytest.raises(ConfigError, match=r"gw.yaml:3: pools.0.replicas.0: .*http://"):
         parse_config(GOOD.replace("http://127.0.0.1:8001", "127.0.0.1:8001"), "gw.yaml")
     with pytest.raises(ConfigError, match=r"gw.yaml:3: pools.0.blok_size: Extra inputs are not permitted"):
         parse_config(GOOD.replace("  - name: a", "  - name: a\n    blok_size: 16"), "gw.yaml")
@@ -49,6 +52,48 @@ def test_config_errors_name_the_line():
         parse_config(GOOD.replace("- pool: a", "- pool: b"), "gw.yaml")
     with pytest.raises(ConfigError, match=r"gw.yaml:\d+: not valid YAML"):
         parse_config("pools: [\n", "gw.yaml")
+
+
+BAD_URLS = """\
+pools:
+  - name: a
+    replicas:
+      - http://127.0.0.1:8001
+      - {url}
+models:
+  - name: tiny
+    backends:
+      - pool: a
+"""
+
+
+@pytest.mark.parametrize(
+    "url,why",
+    [
+        ("http://127.0.0.1:99999", "the port must be an integer in 1..65535"),
+        ("http://127.0.0.1:0", "the port must be an integer in 1..65535"),
+        ("http://h:80x", "the port must be an integer in 1..65535"),
+        ("http://:8000", "has no host"),
+        ("ftp://127.0.0.1:8000", "must start with http:// or https://"),
+    ],
+)
+def test_a_bad_replica_url_names_its_line_and_field(url, why):
+    with pytest.raises(ConfigError, match=rf"gw.yaml:5: pools.0.replicas.1: Value error, .*{re.escape(why)}"):
+        parse_config(BAD_URLS.format(url=url), "gw.yaml")
+
+
+def test_check_refuses_a_bad_replica_url_and_a_list_file_skips_one(tmp_path, caplog):
+    path = tmp_path / "gw.yaml"
+    path.write_text(BAD_URLS.format(url="http://127.0.0.1:99999"))
+    argv = [sys.executable, "-m", "inferd.cli", "gateway", "--config", str(path), "--check"]
+    out = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=60)
+    assert out.returncode != 0 and f"{path}:5: pools.0.replicas.1:" in out.stderr + out.stdout, out
+    listed = tmp_path / "replicas.txt"
+    listed.write_text("http://127.0.0.1:8002\nhttp://127.0.0.1:99999  # a typo\n\n")
+    with caplog.at_level("WARNING"):
+        pool = Pool(PoolConfig(name="p", replicas_file=listed))
+    assert list(pool.replicas) == ["http://127.0.0.1:8002"]
+    assert f"{listed}:2: replica URL 'http://127.0.0.1:99999'" in caplog.text
 
 
 def _pool(n: int) -> Pool:
