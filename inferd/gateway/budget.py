@@ -10,6 +10,8 @@ A concurrency counter is taken and given back the same way.
 
 Two stores with one behaviour: in process memory for a single gateway, and Redis, where each
 reservation and each settlement is one Lua script, so any number of gateway processes share a budget.
+When Redis does not answer within its timeout, a request is refused with 503 `budget_store_unavailable`:
+no request is admitted unchecked.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from inferd.gateway.config import Limits
+from inferd.gateway.errors import budget_store_unavailable
+from inferd.gateway.store import StoreGuard, StoreUnavailable
 
 DIMENSIONS = ("requests", "input-tokens", "output-tokens", "tokens", "cost")
 CONCURRENCY = len(DIMENSIONS)  # index of the concurrency "dimension" in a refusal
@@ -139,11 +143,21 @@ return 1
 
 
 class RedisBudgetStore:
+    """Every call is bounded by the client's timeout; one that fails is 503 `budget_store_unavailable`
+    naming Redis and its address (store.py logs the outage once, not per request)."""
+
     def __init__(self, redis, prefix: str):
         self.redis = redis
         self.prefix = prefix
+        self.guard = StoreGuard("budget store", redis)
         self._reserve = redis.register_script(_RESERVE)
         self._settle = redis.register_script(_SETTLE)
+
+    async def _run(self, call):
+        try:
+            return await self.guard.run(call)
+        except StoreUnavailable as e:
+            raise budget_store_unavailable(str(e)) from None
 
     def _keys(self, tenant: str) -> list[str]:
         # one hash tag per tenant, so a Redis Cluster keeps both keys on one shard
@@ -153,7 +167,7 @@ class RedisBudgetStore:
         self, tenant: str, limits: list[float], amounts: list[float], window_s: float, max_concurrent: int | None
     ) -> Decision:
         args = [int(window_s * 1000), -1 if max_concurrent is None else max_concurrent, len(limits), *limits, *amounts]
-        failed, start, reset_ms, *used = await self._reserve(keys=self._keys(tenant), args=args)
+        failed, start, reset_ms, *used = await self._run(lambda: self._reserve(keys=self._keys(tenant), args=args))
         failed = int(failed)
         return Decision(
             allowed=failed == 0,
@@ -166,7 +180,12 @@ class RedisBudgetStore:
 
     async def settle(self, tenant: str, window_start: float, deltas: list[float]) -> None:
         start = str(int(window_start))
-        await self._settle(keys=self._keys(tenant), args=[start, len(deltas), *deltas])
+        await self._run(lambda: self._settle(keys=self._keys(tenant), args=[start, len(deltas), *deltas]))
+
+    async def window(self, tenant: str) -> dict[str, float]:
+        """The tenant's window as stored: `start` (Redis's clock, ms) and `d1`.. per dimension; {} if none."""
+        raw = await self._run(lambda: self.redis.hgetall(self._keys(tenant)[0]))
+        return {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}
 
 
 def _duration(seconds: float) -> str:

@@ -221,6 +221,9 @@ class GatewayConfig(_Model):
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     budget_store: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None
+    redis_timeout_s: float = Field(
+        1.0, gt=0, description="connect and answer timeout for Redis; past it a budget check is a 503"
+    )
     redis_prefix: str = "inferd-gw"
     pools: list[PoolConfig] = Field(min_length=1)
     models: list[RouteConfig] = Field(min_length=1)

@@ -89,8 +89,7 @@ async def tenant_budget(gateway: Gateway, tenant: TenantConfig) -> dict[str, Any
         if w is not None:
             used, start = list(w.used), w.start
     elif isinstance(store, RedisBudgetStore):
-        raw = await store.redis.hgetall(store._keys(tenant.id)[0])
-        fields = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}
+        fields = await store.window(tenant.id)
         if "start" in fields:
             start = fields["start"] / 1000  # the window's start in Redis's clock, ms
             used = [fields.get(f"d{i + 1}", 0.0) for i in range(len(DIMENSIONS))]

@@ -68,6 +68,17 @@ def no_replica(model: str, why: str) -> GatewayError:
     )
 
 
+def budget_store_unavailable(why: str) -> GatewayError:
+    """The budget store (Redis) did not answer: no request is admitted without its budget check."""
+    return GatewayError(
+        503,
+        f"the budget store is unreachable, so no budget can be checked: {why}",
+        "server_error",
+        code="budget_store_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
 def timed_out() -> GatewayError:
     """The request outlived `request_timeout_s` before its answer began."""
     return GatewayError(504, "the request timed out at the gateway", "server_error", code="timeout")

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from inferd.gateway.store import StoreGuard, StoreUnavailable
 from inferd.prefix_hash import BlockHash
 
 
@@ -48,12 +49,25 @@ class MemoryPrefixIndex:
 
 
 class RedisPrefixIndex:
-    """The same index in Redis: ZSET `{prefix}:pfx:{replica}` of block keys scored by last use."""
+    """The same index in Redis: ZSET `{prefix}:pfx:{replica}` of block keys scored by last use.
+
+    The index is a hint: while Redis does not answer, requests are routed without it (no match, nothing
+    remembered), and for one timeout after each failure it is not asked at all, so a frozen Redis costs a
+    request at most one timeout."""
 
     def __init__(self, redis, prefix: str, capacity_blocks: int):
         self.redis = redis
         self.prefix = prefix
         self.capacity = capacity_blocks
+        self.guard = StoreGuard("prefix index", redis)
+
+    async def _run(self, call, default):
+        if self.guard.resting():
+            return default
+        try:
+            return await self.guard.run(call)
+        except StoreUnavailable:
+            return default
 
     def _key(self, replica: str) -> str:
         return f"{self.prefix}:pfx:{replica}"
@@ -64,8 +78,11 @@ class RedisPrefixIndex:
         pipe = self.redis.pipeline(transaction=False)
         for url in replicas:
             pipe.zmscore(self._key(url), list(hashes))
+        found = await self._run(pipe.execute, None)
+        if found is None:
+            return {u: 0 for u in replicas}
         out = {}
-        for url, scores in zip(replicas, await pipe.execute(), strict=True):
+        for url, scores in zip(replicas, found, strict=True):
             n = 0
             while n < len(hashes) and scores[n] is not None:
                 n += 1
@@ -80,7 +97,7 @@ class RedisPrefixIndex:
         pipe = self.redis.pipeline(transaction=True)
         pipe.zadd(key, {h: now + i * 1e-6 for i, h in enumerate(hashes)})
         pipe.zremrangebyrank(key, 0, -self.capacity - 1)
-        await pipe.execute()
+        await self._run(pipe.execute, None)
 
     async def forget(self, replica: str) -> None:
-        await self.redis.delete(self._key(replica))
+        await self._run(lambda: self.redis.delete(self._key(replica)), None)

@@ -49,6 +49,7 @@ from inferd.gateway.proxy import (
 )
 from inferd.gateway.replicas import Pool
 from inferd.gateway.routes import ModelRouter, Target
+from inferd.gateway.store import redis_client
 from inferd.gateway.tokens import PoolTokenizer, PromptTokens
 from inferd.prefix_hash import block_hashes
 from inferd.prompts import check_prompt
@@ -223,9 +224,7 @@ class Gateway:
             and config.redis_url
             and (config.budget_store == "redis" or config.prefix_index.store == "redis")
         ):
-            import redis.asyncio as aioredis
-
-            self.redis = aioredis.from_url(config.redis_url)
+            self.redis = redis_client(config.redis_url, config.redis_timeout_s)
         self.state = GatewayState.build(config, self.client, None)
         self.budgets = (
             RedisBudgetStore(self.redis, config.redis_prefix) if config.budget_store == "redis" else MemoryBudgetStore()
@@ -331,9 +330,13 @@ class Gateway:
         limits = tenant.limits
         output = info.max_tokens * info.n * info.num_prompts  # handle() set max_tokens where the client did not
         amounts = amount_vector(limits, prompt.count if prompt else 0, output)
-        decision = await self.budgets.reserve(
-            tenant.id, limit_vector(limits), amounts, limits.window_s, limits.max_concurrent
-        )
+        try:
+            decision = await self.budgets.reserve(
+                tenant.id, limit_vector(limits), amounts, limits.window_s, limits.max_concurrent
+            )
+        except GatewayError:  # the budget store is down
+            self._reject(tenant, info.model, "budget_store")
+            raise
         headers = rate_limit_headers(decision)
         if not decision.allowed:
             self._reject(tenant, info.model, "budget")
@@ -352,6 +355,8 @@ class Gateway:
         deltas = [a - r for a, r in zip(actual, flight.reserved, strict=True)]
         try:
             await self.budgets.settle(flight.tenant.id, flight.decision.window_start, deltas)
+        except GatewayError:
+            pass  # the budget store is down: its guard logged that once
         except Exception:
             logger.exception("settling tenant %s failed", flight.tenant.id)
 

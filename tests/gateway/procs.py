@@ -47,8 +47,9 @@ def redis_binary() -> str | None:
     return shutil.which("redis-server")
 
 
-def start_redis(log_dir: Path) -> Proc:
-    port = free_port()
+def start_redis(log_dir: Path, port: int | None = None) -> Proc:
+    """redis-server on `port` (a free one by default), answering PING on return."""
+    port = port or free_port()
     argv = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     proc = spawn("redis", argv, port, log_dir)
     deadline = time.monotonic() + 10

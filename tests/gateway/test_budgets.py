@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.gateway.conftest import base_config
+from tests.gateway.conftest import base_config, wait_until
+from tests.gateway.procs import start_redis
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,3 +180,61 @@ def test_a_request_without_max_tokens_is_capped_upstream_at_its_reservation(repl
         headers={"Authorization": f"Bearer {_key('mct')}"},
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_a_budget_store_that_is_down_or_frozen_is_a_503_that_names_it(replicas, gateway, redis_proc, logs):
+    timeout = 0.5
+    port = redis_proc.port
+    redis = {"redis_url": f"redis://127.0.0.1:{port}/0", "redis_timeout_s": timeout}
+    cfg = _config(replicas, [_tenant("down", tokens={"total": 10**6})], budget_store="redis", **redis)
+    gw = gateway(cfg)
+    assert _post(gw.url, "down").status_code == 200
+    # a prefix index in Redis is only a hint: without it requests are still routed
+    hint = gateway({**_config(replicas, []), "prefix_index": {"store": "redis"}, **redis})
+    long_prompt = {"model": "tiny", "prompt": list(range(5, 37)), "max_tokens": 1}  # two full blocks
+
+    def routed() -> float:
+        t = time.monotonic()
+        r = httpx.post(f"{hint.url}/v1/completions", json=long_prompt, timeout=30)
+        assert r.status_code == 200, r.text
+        return time.monotonic() - t
+
+    routed()
+
+    def refused() -> float:
+        t = time.monotonic()
+        r = _post(gw.url, "down")
+        took = time.monotonic() - t
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "budget_store_unavailable" and err["type"] == "server_error"
+        assert f"Redis at redis://127.0.0.1:{port}/0" in err["message"] and r.headers["Retry-After"] == "1"
+        return took
+
+    os.kill(redis_proc.popen.pid, signal.SIGSTOP)  # frozen: connections open, no answer
+    try:
+        took = [refused() for _ in range(3)]
+        hinted = [routed() for _ in range(3)]
+    finally:
+        os.kill(redis_proc.popen.pid, signal.SIGCONT)
+    assert max(took) < timeout + 1.0, took
+    assert max(hinted) < timeout + 1.0, hinted
+    wait_until(lambda: _post(gw.url, "down").status_code == 200, what="served again after SIGCONT")
+
+    redis_proc.kill()  # gone: connections refused
+    took = [refused() for _ in range(3)]
+    assert max(took) < timeout + 1.0, took
+    routed()
+    again = start_redis(logs, port)
+    try:
+        wait_until(lambda: _post(gw.url, "down").status_code == 200, what="served again after a restart")
+    finally:
+        again.stop()
+
+    log = gw.log.read_text()
+    assert log.count(f"budget store redis://127.0.0.1:{port}/0 unreachable") == 2, log  # once per outage
+    assert log.count(f"budget store redis://127.0.0.1:{port}/0 reachable again") == 2, log
+    assert "Traceback" not in log, log
+    hint_log = hint.log.read_text()
+    assert hint_log.count(f"prefix index redis://127.0.0.1:{port}/0 unreachable") >= 1, hint_log
+    assert "Traceback" not in hint_log, hint_log
