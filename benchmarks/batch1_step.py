@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
-from benchmarks.common import machine, memory_bandwidth_gbs, write_result
+from benchmarks.common import OUT_HELP, machine, memory_bandwidth_gbs, record_run
 from inferd.config import DEFAULT_MODEL
 from inferd.engine.engine import LLM
 from inferd.sampling import SamplingParams
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--modes", default="auto,int8,int4,fp32", help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default="batch1_step")
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -103,9 +104,9 @@ def main() -> None:
         "memory_read_gbs": bandwidth,
         "steps_timed": args.steps,
         "modes": {m: mode_summary(m, runs, bandwidth) for m, runs in rounds.items()},
-        "command": f"python -m benchmarks.batch1_step --modes {args.modes} --steps {args.steps} --rounds {args.rounds}",
     }
-    print(f"memory read bandwidth {bandwidth:.1f} GB/s; wrote {write_result(args.out, result)}")
+    path = record_run("batch1_step", result, sys.argv, args.out)
+    print(f"memory read bandwidth {bandwidth:.1f} GB/s; wrote {path}")
 
 
 if __name__ == "__main__":

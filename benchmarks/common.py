@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 
+from inferd import cpu
+from inferd.bench import runs
+
 RESULTS = Path(__file__).parent / "results"
+OUT_HELP = "results file (default: benchmarks/results/<benchmark>-<this CPU's kind>.json): a name there, or a path"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,15 +47,15 @@ def alternated(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def kernel_args(doc: str, lengths: list[int], out: str):
-    """The flags the kernel benchmarks share: --lengths, --repeats, --quantization, --out."""
+def kernel_args(doc: str, lengths: list[int]):
+    """The flags the kernel benchmarks share: --lengths, --repeats, --quantization, --out (`results_path`)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=lengths)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--quantization", default="int8", choices=["int8", "int4", "none"])
-    ap.add_argument("--out", default=out)
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
     args.quantization = None if args.quantization == "none" else args.quantization
     return args
@@ -79,19 +83,9 @@ def memory_bandwidth_gbs(mib: int = 1024) -> float:
 
 
 def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
-    except (OSError, StopIteration):
-        isa = []
     return {
-        "cpu": cpu or platform.processor(),
-        "isa": isa,
+        "cpu": cpu.cpu_identity()["model"] or platform.processor(),
+        "isa": [f for f in cpu.VECTOR_FLAGS if f in cpu.cpu_flags()],
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -153,4 +147,25 @@ def write_json(path: Path, result: dict) -> Path:
 
 
 def write_result(name: str, result: dict) -> Path:
+    """A one-result file, `benchmarks/results/<name>.json` (the platform benchmarks, whose figures do not
+    follow the CPU kind); the CPU-bound ones keep runs per kind (`record_run`)."""
     return write_json(RESULTS / f"{name}.json", result)
+
+
+def results_path(benchmark: str, out: str | None = None) -> Path:
+    """Where a benchmark's runs go: `benchmarks/results/<benchmark>-<this CPU's kind>.json` by default;
+    `out`, a name in benchmarks/results/ or a path ending in .json (a lab's or a scratch run)."""
+    if out is None:
+        return RESULTS / runs.file_name(benchmark)
+    return Path(out) if out.endswith(".json") else RESULTS / f"{out}.json"
+
+
+def record_run(
+    benchmark: str, result: dict, argv: list[str], out: str | None = None, fresh: bool = False, started=None
+) -> Path:
+    """Append this invocation, as one run (date, commit, CPU, command, then `result`), to the benchmark's
+    results file for this CPU kind (`results_path`); `fresh`: the file holds this run alone."""
+    path = results_path(benchmark, out)
+    run = runs.header(runs.command_line(argv, f"-m benchmarks.{benchmark}"), REPO_ROOT, started) | result
+    run["finished"] = time.strftime(runs.DATE_FORMAT, time.gmtime())
+    return write_json(path, runs.append_run(path, run, fresh))

@@ -7,7 +7,7 @@
 3. A whole decode step at batch 32: engines with a bf16 and an fp8 cache in one process, each filled with the
    same 32 requests (prompts 32-512 tokens), their steps alternated, medians of `--repeats`.
 
-    .venv/bin/python benchmarks/kv_cache_dtype.py                   # writes results/kv_cache_dtype.json
+    .venv/bin/python benchmarks/kv_cache_dtype.py   # a run in results/kv_cache_dtype-<kind>.json
     .venv/bin/python benchmarks/kv_cache_dtype.py --lengths 268 --repeats 5 --quantization none
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
-from benchmarks.common import alternated, kernel_args, machine, write_result  # noqa: E402
+from benchmarks.common import alternated, kernel_args, machine, record_run  # noqa: E402
 from benchmarks.offline_throughput import fill_decode_batch, make_workload  # noqa: E402
 from inferd import LLM  # noqa: E402
 from inferd.engine.runner import ModelRunner  # noqa: E402
@@ -87,7 +87,7 @@ def decode_step(repeats: int, quantization: str | None, kv_dtypes: list[str], ba
 
 
 def main() -> int:
-    args = kernel_args(__doc__, [64, 268, 1000], "kv_cache_dtype")
+    args = kernel_args(__doc__, [64, 268, 1000])
     if cpu_kernels.paged_decode_kernel() is None:
         print("the native decode kernel did not build: nothing to compare", file=sys.stderr)
         return 1
@@ -105,10 +105,9 @@ def main() -> int:
               + ", ".join(f"{k} {v:.2f} ms ({r['read_gbs'][k]:.1f} GB/s)" for k, v in r["ms"].items()))  # fmt: skip
     step = decode_step(args.repeats, quantization, ["auto", "fp8", "fp8_e5m2"])
     print("decode step, batch 32: " + ", ".join(f"{k} {v:.1f} ms" for k, v in step["ms"].items()))
-    write_result(
-        args.out,
+    record_run(
+        "kv_cache_dtype",
         {
-            "benchmark": "kv_cache_dtype",
             "machine": machine(),
             "quantization": quantization,
             "repeats": args.repeats,
@@ -116,6 +115,8 @@ def main() -> int:
             "decode_kernel": kernel,
             "decode_step": step,
         },
+        sys.argv,
+        args.out,
     )
     return 0
 

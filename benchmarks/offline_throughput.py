@@ -16,17 +16,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 
 import torch
 
 from benchmarks.common import (
+    OUT_HELP,
     FlopCounter,
     machine,
     matmul_peak_gflops,
     median_time,
     memory_bandwidth_gbs,
-    write_result,
+    record_run,
 )
 from inferd import LLM, SamplingParams
 from inferd.config import DEFAULT_MODEL
@@ -176,7 +178,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--quick", action="store_true", help="16 requests, one run each")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="offline_throughput")
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.runs, args.hf_runs = 16, 1, 1
@@ -228,7 +230,7 @@ def main() -> None:
         hf_tps = statistics.median(r["output_tokens_per_s"] for r in hf_runs)
         result["transformers"] = {"runs": hf_runs, "median_output_tokens_per_s": hf_tps}
         result["ratio_inferd_over_transformers"] = inferd_tps / hf_tps
-    path = write_result(args.out, result)
+    path = record_run("offline_throughput", result, sys.argv, args.out)
     line = f"inferd {inferd_tps:.1f} out tok/s"
     if "transformers" in result:
         hf_tps = result["transformers"]["median_output_tokens_per_s"]

@@ -8,7 +8,7 @@
 
 Only where the CPU has AMX-BF16 (elsewhere the kernel is absent and the script says so).
 
-    .venv/bin/python benchmarks/prefill_attention.py                 # writes results/prefill_attention.json
+    .venv/bin/python benchmarks/prefill_attention.py   # a run in results/prefill_attention-<kind>.json
     .venv/bin/python benchmarks/prefill_attention.py --lengths 128,290 --repeats 5 --quantization int8
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
-from benchmarks.common import alternated, kernel_args, machine, write_result  # noqa: E402
+from benchmarks.common import alternated, kernel_args, machine, record_run  # noqa: E402
 from inferd import LLM, SamplingParams  # noqa: E402
 from inferd.models import cpu_kernels  # noqa: E402
 
@@ -78,7 +78,7 @@ def whole_prefill(lengths: list[int], repeats: int, quantization: str | None) ->
 
 
 def main() -> int:
-    args = kernel_args(__doc__, [128, 290, 460, 1024], "prefill_attention")
+    args = kernel_args(__doc__, [128, 290, 460, 1024])
     if cpu_kernels.prefill_attention_kernel() is None:
         print("this CPU (or its OS) has no AMX-BF16, or the kernel did not build: nothing to compare", file=sys.stderr)
         return 1
@@ -91,16 +91,17 @@ def main() -> int:
     for r in prefills:
         times = f"native {r['native_ms']:.1f} ms, SDPA {r['sdpa_ms']:.1f} ms ({r['speedup']:.2f}x)"
         print(f"prefill, {r['tokens']} tokens: {times}")
-    write_result(
-        args.out,
+    record_run(
+        "prefill_attention",
         {
-            "benchmark": "prefill_attention",
             "machine": machine(),
             "quantization": quantization,
             "repeats": args.repeats,
             "one_layer": layers,
             "whole_prefill": prefills,
         },
+        sys.argv,
+        args.out,
     )
     return 0
 

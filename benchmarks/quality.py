@@ -11,7 +11,7 @@ the fraction of sequences identical to the end.
 
     .venv/bin/python benchmarks/quality.py                                # all modes, 64 x 64, 4096 ppl tokens
     .venv/bin/python benchmarks/quality.py --modes fp32,bf16 --prompts 16 --new-tokens 32 --ppl-tokens 1024
-    .venv/bin/python benchmarks/quality.py --modes fp32,int8,int4 --rows 8 --out quality_rows8
+    .venv/bin/python benchmarks/quality.py --modes fp32,int8,int4 --rows 8
 
 By default the prompts decode in one batch and each perplexity window is one prefill: every layer sees many
 rows. `--rows 8` decodes 8 sequences at a time and scores in prefill chunks of 8 tokens, so the kernels that
@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import sys
 import time
 
 import torch
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import OUT_HELP, machine, record_run
 from inferd import LLM, SamplingParams
 from inferd.config import DEFAULT_MODEL
 from inferd.engine.step import NewRequest, ScheduledChunk, SchedulerOutput
@@ -172,7 +173,7 @@ def main() -> None:
         "chunks of this many tokens (<= 12 runs the int8/int4 kernels decoding a few streams uses); default: "
         "every prompt in one batch, each window in one prefill",
     )
-    ap.add_argument("--out", default="quality")
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
@@ -206,7 +207,7 @@ def main() -> None:
         "machine": machine(),
         "modes": results,
     }
-    print(f"wrote {write_result(args.out, out)}")
+    print(f"wrote {record_run('quality', out, sys.argv, args.out)}")
 
 
 if __name__ == "__main__":

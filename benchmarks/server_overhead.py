@@ -2,7 +2,8 @@
 
 Both sides use the same engine settings, with max_num_seqs = the client concurrency, so the batch sizes
 match and the difference is what HTTP, SSE and the step thread cost. Output tokens/s of both and their
-ratio go to benchmarks/results/server_overhead.json. Target: the server keeps >= 90% of offline throughput.
+ratio go to benchmarks/results/server_overhead-<kind>.json, one run per invocation. Target: the server keeps
+>= 90% of offline throughput.
 The two run alternately (`--repeats`, medians), and each server run says where the cores' time went.
 
     .venv/bin/python benchmarks/server_overhead.py --num-requests 64 --output-len 64
@@ -14,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,13 +24,12 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import OUT_HELP, record_run  # noqa: E402
 from inferd.config import DEFAULT_MODEL  # noqa: E402
 from inferd.engine.engine import LLM
 from inferd.procs import free_port  # noqa: E402
 from inferd.sampling import SamplingParams
 
-RESULTS = Path(__file__).parent / "results" / "server_overhead.json"
 WORDS = [
     "the",
     "quick",
@@ -201,7 +200,7 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--repeats", type=int, default=3, help="offline and server runs, alternated; medians")
     p.add_argument("--server-env", nargs="*", default=[], help="KEY=VALUE for the server's environment only")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", help=OUT_HELP)
     args = p.parse_args()
 
     prompts = make_prompts(args.num_requests, args.input_words)
@@ -241,12 +240,8 @@ def main() -> None:
         "offline_output_tokens_per_s": offline_tps,
         "server_output_tokens_per_s": server_tps,
         "ratio": ratio,  # of the medians
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "note": "CPU machine shared with other jobs; numbers are noisy",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
-    write_json(args.out, result)
-    print(f"wrote {args.out}")
+    print(f"wrote {record_run('server_overhead', result, sys.argv, args.out)}")
 
 
 if __name__ == "__main__":

@@ -35,14 +35,16 @@ Peers, each in its own virtual environment under ~/.cache/inferd-peers (override
 level to every server in turn, so a drift of the machine's speed over minutes is shared by all of them rather
 than read as a difference between servers.
 
-Results: benchmarks/results/vs_peers.json, or `--out NAME` for NAME.json (another CPU's runs keep their own
-file; a path ending in .json is taken as it is). Each invocation appends one run to the file's `runs`
-(`--fresh`: the file holds this run alone), and never merges its servers into an earlier run's, so every
-ratio compares servers measured together (`inferd.bench.peers`): per run its date, commit, CPU model and
-flags, command line and machine; per server its command, dtype and quantization, per workload and level the
-runs and their medians; the ratios of inferd's best mode over each peer in that run, and the issue's targets
-(concurrency 16 and 32: 1.5x vLLM bf16's output throughput with a lower mean TTFT; concurrency 1: 1.2x
-llama-server). A file from before runs were kept apart reads as one run marked `converted`.
+Results: benchmarks/results/vs_peers-<kind>.json, the kind of this CPU (`inferd.cpu.cpu_kind`: xeon-amx,
+zen5, zen3, ...), or `--out NAME` for NAME.json (a path ending in .json is taken as it is). Each invocation
+appends one run to the file's `runs` (`--fresh`: the file holds this run alone), and never merges its
+servers into an earlier run's, so every ratio compares servers measured together (`inferd.bench.peers`):
+per run its date, commit, CPU model and flags, command line and machine; per server its command, dtype and
+quantization, per workload and level the runs and their medians; the ratios of inferd's best mode over each
+peer in that run, and whether it meets inferd's targets (concurrency 16 and 32: 1.5x vLLM bf16's output
+throughput with a lower mean TTFT; concurrency 1: 1.2x llama-server). `python -m benchmarks.report` renders
+the documents' figures from these files. A file from before runs were kept apart reads as one run marked
+`converted`.
 """
 
 from __future__ import annotations
@@ -64,15 +66,15 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
-from benchmarks.common import portable, write_json  # noqa: E402
+from benchmarks.common import portable, results_path, write_json  # noqa: E402
 from inferd.bench import peers as peer_runs  # noqa: E402
-from inferd.models.dtypes import cpu_flags  # noqa: E402
+from inferd.bench import runs as run_files  # noqa: E402
+from inferd.cpu import cpu_flags  # noqa: E402
 from inferd.procs import free_port  # noqa: E402
 
 RESULTS_DIR = ROOT / "results" / "vs_peers"  # raw bench JSON, paths made portable (not committed)
 # the servers' own logs name this machine's paths, so they stay out of benchmarks/results
 LOG_DIR = Path(tempfile.gettempdir()) / "inferd-vs-peers"
-SUMMARY = ROOT / "results" / "vs_peers.json"
 PEERS_DIR = Path(os.environ.get("INFERD_PEERS_DIR", Path.home() / ".cache" / "inferd-peers"))
 SERVED_NAME = "m"  # one request model name for the peers; inferd serves under its own alias
 GEMMA_EOS_IDS = "1,106"  # <eos> and <end_of_turn>
@@ -548,7 +550,7 @@ def ratios(run: dict) -> dict:
 
 
 def target(ratio: dict) -> dict:
-    """The issue's targets, per workload: concurrency 16 and 32 at 1.5x vLLM bf16's output throughput
+    """inferd's targets, per workload: concurrency 16 and 32 at 1.5x vLLM bf16's output throughput
     with a lower mean TTFT; concurrency 1 at 1.2x llama-server's."""
     out = {}
     for workload, peers in ratio.items():
@@ -571,24 +573,16 @@ def target(ratio: dict) -> dict:
     return out
 
 
-def summary_path(out: str) -> Path:
-    """`--out`: a name in benchmarks/results/, or a path ending in .json."""
-    return Path(out) if out.endswith(".json") else SUMMARY.with_name(f"{out}.json")
+def summary_path(out: str | None) -> Path:
+    """`--out`: this CPU kind's file by default, a name in benchmarks/results/, or a path ending in .json."""
+    return results_path("vs_peers", out)
 
 
 def new_run(entries: dict[str, dict], args: argparse.Namespace, started: float, argv: list[str]) -> dict:
     """This invocation as one run: when, on what code and CPU, how it was invoked, its servers' figures."""
-    from inferd.bench.results import machine_info
-
-    sha, dirty = peer_runs.commit(ROOT.parent)
-    run = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": sha,
-        "uncommitted_changes": dirty,
-        "cpu": peer_runs.cpu_record(),
-        "machine": machine_info(),
-        "command": peer_runs.command_line(argv),
+    run = run_files.header(run_files.command_line(argv, "benchmarks/vs_peers.py"), ROOT.parent, started)
+    run |= {
+        "finished": time.strftime(run_files.DATE_FORMAT, time.gmtime()),
         "workloads": {
             "fixed": "random dataset, 128 prompt tokens, 128 output tokens",
             "mixed": "random dataset, prompts 115-461 tokens, outputs 64-256 (means 288/160, range ratio 0.6)",
@@ -623,8 +617,7 @@ def main() -> int:
     ap.add_argument("--fresh", action="store_true", help="drop the file's earlier runs: it holds this one alone")
     ap.add_argument(
         "--out",
-        default=SUMMARY.stem,
-        help="summary file in benchmarks/results/ (another CPU's runs: their own file), or a path ending in .json",
+        help="summary file in benchmarks/results/ (default: vs_peers-<this CPU's kind>), or a path ending in .json",
     )
     ap.add_argument(
         "--interleave", action="store_true", help="start every server at once; each run goes to every server in turn"

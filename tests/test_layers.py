@@ -16,6 +16,7 @@ FORBIDDEN = {
     "inferd.outputs": {"inferd."},
     "inferd.prefix_hash": {"inferd."},
     "inferd.procs": {"inferd."},
+    "inferd.cpu": {"inferd."},
     "inferd.strict_json": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.yaml_config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.fleet.spec": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},

@@ -1,9 +1,9 @@
-"""The side-by-side results of `benchmarks/vs_peers.py` (benchmarks/results/vs_peers*.json), kept as runs.
+"""The side-by-side results of `benchmarks/vs_peers.py` (benchmarks/results/vs_peers-<kind>.json), kept as runs.
 
-One invocation of the script is one run: its date, the commit it ran, the CPU's model and flags, its command
-line, the servers it started and their figures. Figures are compared only within a run (`pair`): the CPU,
-the code and a shared machine's speed change from one invocation to the next, so a ratio between two runs
-measures those as much as the servers.
+One invocation of the script is one run (`inferd.bench.runs`): its date, the commit it ran, the CPU's model
+and flags, its command line, the servers it started and their figures. Figures are compared only within a
+run (`pair`): the CPU, the code and a shared machine's speed change from one invocation to the next, so a
+ratio between two runs measures those as much as the servers.
 
 A file written before each invocation was kept apart holds one record into which several invocations may
 have merged their servers, dated by its last write. It reads as a single run marked `converted`, keeping
@@ -13,30 +13,24 @@ CPU flags, command line); the next invocation that writes the file appends its o
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
-import subprocess
 from pathlib import Path
 
-FORMAT = "runs"
+from inferd import cpu
+from inferd.bench import runs
+from inferd.bench.runs import FORMAT, empty
+
 CONVERTED = (
     "written before each invocation was kept as its own run: its servers and levels may come from different "
     "invocations, and its date is its last write's"
 )
-# the vector features that decide a CPU's speed here, as /proc/cpuinfo names them
-VECTOR_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # what a converted record keeps of the file, besides its machine and date
 _LEGACY_KEYS = ("note", "workloads", "workload", "servers", "ratios_best_inferd_over_peer", "targets")
 
 
-def empty() -> dict:
-    return {"format": FORMAT, "runs": []}
-
-
 def as_runs(data: dict) -> dict:
     """A file's content in the runs format: as it is, or an older file's one record as a converted run."""
-    if data.get("format") == FORMAT and isinstance(data.get("runs"), list):
+    if runs.is_runs(data):
         return data
     if not data:
         return empty()
@@ -62,56 +56,17 @@ def converted_run(data: dict) -> dict:
 
 def load(path: Path) -> dict:
     """The runs a summary file holds (none if it does not exist)."""
-    if not path.exists():
-        return empty()
-    return as_runs(json.loads(path.read_text()))
+    return runs.load(path, converted_run)
 
 
 def append_run(path: Path, run: dict, fresh: bool = False) -> dict:
     """The file's runs with `run` after them (`fresh`: `run` alone); the caller writes the result."""
-    data = empty() if fresh else load(path)
-    data["runs"].append(run)
-    return data
+    return runs.append_run(path, run, fresh, converted_run)
 
 
-def commit(repo: Path) -> tuple[str | None, bool | None]:
-    """The commit checked out in `repo` and whether tracked files differ from it (None, None: not known)."""
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    sha = git("rev-parse", "HEAD")
-    if sha is None:
-        return None, None
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return sha, (bool(status) if status is not None else None)
-
-
-def cpu_record() -> dict:
-    """This CPU's model and feature flags, as a run records them."""
-    from inferd.bench.results import machine_info
-    from inferd.models.dtypes import cpu_flags
-
-    info = machine_info()
-    return {"model": info.get("cpu_model") or info.get("processor"), "flags": sorted(cpu_flags())}
-
-
-def command_line(argv: list[str], script: str = "benchmarks/vs_peers.py") -> str:
-    """How the run was invoked, without this machine's interpreter path."""
-    return shlex.join(["python", script, *argv[1:]])
-
-
-def vector_flags(cpu: dict) -> str | None:
+def vector_flags(cpu_rec: dict) -> str | None:
     """'avx2 avx512f avx512_bf16' of a run's CPU record; None where its flags were not recorded."""
-    flags = cpu.get("flags")
-    if flags is None:
-        return None
-    have = set(flags)
-    return " ".join(f for f in VECTOR_FLAGS if f in have) or "none of " + " ".join(VECTOR_FLAGS)
+    return cpu.vector_flags(cpu_rec.get("flags"))
 
 
 def concurrency(key: str) -> int:

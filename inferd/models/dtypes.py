@@ -4,19 +4,18 @@ On a CPU with AVX512_BF16 or AMX-BF16 a bf16 matmul runs several times faster th
 and the KV cache take half the bytes); on an AVX2-only CPU bf16 is emulated and far slower than fp32, so
 `auto` stays in fp32 there. On CUDA `auto` is bf16 where the GPU supports it, else fp16.
 
-The CPU's flags come from `cpu_flags()` (Linux /proc/cpuinfo), read once; tests replace that function
-to check the choice for another CPU.
+The CPU's flags come from `cpu_flags()` (`inferd.cpu`: Linux /proc/cpuinfo, read once); tests replace it
+here to check the choice for another CPU.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from inferd.cpu import cpu_flags
 from inferd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -26,17 +25,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 NATIVE_FP16_FLAGS = ("amx_fp16", "avx512_fp16")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (e.g. 'avx2', 'avx512_bf16'); empty where /proc/cpuinfo is not there."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
-    return frozenset(line.partition(":")[2].split())
 
 
 @dataclass(frozen=True)
