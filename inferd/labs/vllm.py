@@ -5,8 +5,9 @@ under ~/.cache/inferd-peers, or INFERD_PEERS_DIR, started as `python -m vllm.ent
 and its server imports, the lab runs that script: inferd and vLLM up side by side, each level's requests sent
 to both in turn, measured now on this machine. Elsewhere (and with --quick, which has no minutes for vLLM's
 start-up, or with another model than the default one the script serves) it shows the newest stored run in
-which both servers ran a common level (benchmarks/results/vs_peers.json) as a stored result, with that run's
-own date, commit and CPU: never as this machine's figures, and never pairing figures from two runs, since
+which both servers ran a common level as a stored result, with that run's own date, commit and CPU: from
+this kind of CPU's file (benchmarks/results/vs_peers-<kind>.json) where it holds one, else from the file
+with the newest such run; never as this machine's figures, and never pairing figures from two runs, since
 the CPU, the code and a shared machine's speed change from one run to the next.
 """
 
@@ -19,7 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from inferd.bench import peers
+from inferd import cpu
+from inferd.bench import peers, runs
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide
@@ -30,7 +32,7 @@ DEFINITION = (
     "endpoint and the default starting point."
 )
 REPO = Path(__file__).resolve().parents[2]
-STORED = REPO / "benchmarks" / "results" / "vs_peers.json"
+RESULTS = REPO / "benchmarks" / "results"
 VS_PEERS = REPO / "benchmarks" / "vs_peers.py"
 HOW_TO_RUN = (
     "python benchmarks/vs_peers.py --setup model && python benchmarks/vs_peers.py --setup vllm, then "
@@ -80,6 +82,24 @@ def live_vllm() -> str:
     from inferd.models.dtypes import cpu_flags
 
     return "vllm" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "vllm-fp32"
+
+
+def stored_file(results: Path = RESULTS, kind: str | None = None) -> Path:
+    """The stored file the lab shows a run of: this CPU kind's where it holds a run with both servers, else
+    the file whose newest such run is the newest (this kind's file, missing, where no file has one)."""
+    own = results / runs.file_name("vs_peers", kind or cpu.cpu_kind())
+    newest: tuple[str, Path] | None = None
+    for path in [own, *sorted(p for p in results.glob("vs_peers-*.json") if p != own)]:
+        data = peers.load(path)
+        found = peers.latest_pair(data, "inferd", VLLM_SERVERS)
+        if found is None:
+            continue
+        if path == own:
+            return own
+        date = data["runs"][found[0]].get("date") or ""
+        if newest is None or date > newest[0]:
+            newest = (date, path)
+    return newest[1] if newest else own
 
 
 def _home(path: Path) -> str:
@@ -170,7 +190,9 @@ def _shown_path(path: Path) -> str:
 
 def _workload_text(run: dict, workload: str | None) -> str:
     if workload is None:
-        w = run["workload"]
+        w = run.get("workload")
+        if not isinstance(w, dict):
+            return f"a workload the record does not describe ({w or 'no description'})"
         return f"{w['input_len']}-token prompts and {w['output_len']} tokens out"
     return f"the same prompts (the {workload} workload: {run['workloads'][workload]})"
 
@@ -195,6 +217,8 @@ def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str
             "command": run.get("command"),
             "converted": run.get("converted"),
             "note": run.get("note"),
+            "run_source": run.get("source"),
+            "run_kind": runs.run_kind(run),
             "workload": _workload_text(run, workload),
             "how_to_run": HOW_TO_RUN,
             "vllm_server": vllm_server,
@@ -204,7 +228,7 @@ def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str
     m.series = {"concurrency": [peers.concurrency(k) for k in levels]}
     for name in ("inferd", "vllm"):
         m.series[name] = [by_level[name][k]["output_throughput"] for k in levels]
-        m.series[name + "_ttft_ms"] = [by_level[name][k]["mean_ttft_ms"] for k in levels]
+        m.series[name + "_ttft_ms"] = [by_level[name][k].get("mean_ttft_ms") for k in levels]
     lo, hi = levels[0], levels[-1]
     for side, key in (("lo", lo), ("hi", hi)):
         m.numbers[f"c_{side}"] = peers.concurrency(key)
@@ -215,7 +239,7 @@ def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str
     return m
 
 
-def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
+def measure(ctx: LabContext, stored: Path | None = None) -> Measurement:
     python = peer_python()
     reason = why_not_live(ctx, python)
     if reason is None:
@@ -232,7 +256,7 @@ def measure(ctx: LabContext, stored: Path = STORED) -> Measurement:
                 m.settings.update(live=True, vllm_python=_home(python))
                 return m
             reason = f"the side-by-side run left no level with figures from both servers ({out})"
-    m = stored_measurement(stored)
+    m = stored_measurement(stored or stored_file())
     m.settings["why_not_live"] = reason
     return m
 
@@ -257,12 +281,13 @@ def stored_measurement(stored: Path) -> Measurement:
         run_index=index,
         runs_in_file=len(data["runs"]),
         this_cpu=machine_info().get("cpu_model") or "an unknown CPU",
+        this_kind=cpu.cpu_kind(),
     )
     return m
 
 
 def _stored_intro(s: dict) -> str:
-    where = f"{s['cpu_model']} with {s['cores']} cores"
+    where = s["cpu_model"] + (f" with {s['cores']} cores" if s["cores"] else "")
     if s["vector_flags"] is not None:
         where += f" ({s['vector_flags']})"
     if s["converted"]:
@@ -273,6 +298,12 @@ def _stored_intro(s: dict) -> str:
             + (" (its note, in the file, says which invocations it holds)." if s["note"] else ".")
         )
         compared = "newer records keep each invocation as its own run, and the lab compares figures within one"
+    elif s["run_source"]:
+        text = (
+            f"These figures are stored, not measured now: run {s['run_index'] + 1} of {s['runs_in_file']} in "
+            f"{s['source']}, the newest with both servers, of {s['date']} on {where}: {s['run_source']}."
+        )
+        compared = "only figures from that one run are compared"
     else:
         commit = (s["commit"] or "unknown")[:12] + (" with uncommitted changes" if s["uncommitted_changes"] else "")
         text = (
@@ -281,9 +312,15 @@ def _stored_intro(s: dict) -> str:
             f"`{s['command']}`."
         )
         compared = "only figures from that one run are compared"
-    same = s["this_cpu"] == s["cpu_model"]
+    if s["run_kind"] is None:
+        same = s["this_cpu"] == s["cpu_model"]
+        this = f"{s['this_cpu']}{' too' if same else ', another one'}"
+    elif s["run_kind"] == s["this_kind"]:
+        this = f"{s['this_cpu']}, of the same kind ({s['this_kind']})"
+    else:
+        this = f"{s['this_cpu']}, of another kind ({s['this_kind']}; the run's: {s['run_kind']})"
     text += (
-        f" This machine's CPU is {s['this_cpu']}{' too' if same else ', another one'}. Both servers (inferd "
+        f" This machine's CPU is {this}. Both servers (inferd "
         f"and vLLM CPU in {s['vllm_dtype']}) served Gemma 3 270M with {s['workload']}; {compared}: the CPU "
         "generation, the code and the machine's speed change from one run to the next."
     )

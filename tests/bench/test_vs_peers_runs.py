@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import vs_peers
-from inferd.bench import peers
+from inferd.bench import peers, runs
+from inferd.cpu import KINDS, cpu_kind
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,9 +61,9 @@ def test_each_invocation_is_its_own_run_and_servers_never_merge(tmp_path):
 
 
 def test_the_commit_is_the_checkout_s(tmp_path):
-    sha, dirty = peers.commit(Path(vs_peers.__file__).parent.parent)
+    sha, dirty = runs.commit(Path(vs_peers.__file__).parent.parent)
     assert sha is None or (len(sha) == 40 and isinstance(dirty, bool))
-    assert peers.commit(tmp_path) == (None, None)  # not a repository: unknown, not made up
+    assert runs.commit(tmp_path) == (None, None)  # not a repository: unknown, not made up
 
 
 def test_fresh_keeps_only_this_run(tmp_path):
@@ -115,6 +116,13 @@ def test_pairs_come_from_one_run_only():
     assert peers.latest_pair(both, "inferd", ("vllm", "vllm-fp32")) == (1, "vllm-fp32", "mixed", ["concurrency=1"])
 
 
-def test_out_takes_a_name_or_a_path(tmp_path):
-    assert vs_peers.summary_path("vs_peers_zen3") == RESULTS / "vs_peers_zen3.json"
+def test_out_takes_a_name_or_a_path_and_defaults_to_this_cpu_kinds_file(tmp_path):
+    assert vs_peers.summary_path(None) == RESULTS / f"vs_peers-{cpu_kind()}.json"
+    assert vs_peers.summary_path("vs_peers-zen3") == RESULTS / "vs_peers-zen3.json"
     assert vs_peers.summary_path(str(tmp_path / "x.json")) == tmp_path / "x.json"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("vs_peers*.json")), ids=lambda p: p.name)
+def test_a_stored_file_holds_one_kind_of_cpu_named_in_its_name(path):
+    assert path.name.startswith("vs_peers-") and path.stem.removeprefix("vs_peers-") in KINDS
+    assert {runs.run_kind(r) for r in peers.load(path)["runs"]} == {path.stem.removeprefix("vs_peers-")}

@@ -259,3 +259,37 @@ def test_the_live_run_starts_vllm_in_its_faster_dtype_for_this_cpu(monkeypatch):
     assert vllm.live_vllm() == "vllm"  # bf16
     monkeypatch.setattr("inferd.models.dtypes.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert vllm.live_vllm() == "vllm-fp32"
+
+
+def test_the_stored_run_comes_from_this_cpu_kinds_file_else_the_newest_pair(no_peer, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    old = _run("2026-12-01 10:00 UTC", "Xeon", {"inferd": _entry({16: 100.0}), "vllm": _entry({16: 90.0})})
+    new = _run("2026-12-05 10:00 UTC", "Zen 3", {"inferd": _entry({16: 50.0}), "vllm-fp32": _entry({16: 40.0})})
+    alone = _run("2026-12-09 10:00 UTC", "Zen 5", {"inferd": _entry({16: 70.0})})  # no vLLM: no pair
+    for kind, run in (("xeon-amx", old), ("zen3", new), ("zen5", alone)):
+        (results / f"vs_peers-{kind}.json").write_text(json.dumps({"format": "runs", "runs": [run]}))
+    assert vllm.stored_file(results, "xeon-amx") == results / "vs_peers-xeon-amx.json"  # its own kind's
+    assert vllm.stored_file(results, "zen5") == results / "vs_peers-zen3.json"  # the newest pair elsewhere
+    assert vllm.stored_file(tmp_path / "none", "zen5") == tmp_path / "none" / "vs_peers-zen5.json"
+
+
+def test_a_record_of_unknown_workload_and_commit_says_where_it_comes_from(no_peer, tmp_path):
+    probe = {
+        "date": "2026-11",
+        "cpu": {"model": "Probe CPU", "flags": None},
+        "machine": {},
+        "source": "an independent probe's measurement; no commit recorded",
+        "workload": "not recorded",
+        "servers": {
+            "inferd": {"levels": {"concurrency=1": {"output_throughput": 20.0}}},
+            "vllm": {"dtype": "bfloat16", "levels": {"concurrency=1": {"output_throughput": 30.0}}},
+        },
+    }
+    path = tmp_path / "vs_peers-zen5.json"
+    path.write_text(json.dumps({"format": "runs", "runs": [probe]}))
+    m = vllm.measure(LabContext(quick=True, model="unused", workdir=tmp_path / "w"), path)
+    text = vllm.explain(m).text("vLLM")
+    assert "an independent probe's measurement; no commit recorded" in text and "Probe CPU" in text
+    assert "a workload the record does not describe (not recorded)" in text and "None" not in text
+    assert m.numbers["inferd_tok_s_hi"] == 20.0 and m.numbers["vllm_tok_s_hi"] == 30.0
