@@ -1,0 +1,455 @@
+"""The figures in README.md and docs/performance.md, rendered from the results files in benchmarks/results/.
+
+Each table sits in its document between `<!-- figures:NAME -->` and `<!-- /figures -->`; this script
+rewrites what lies between them from `benchmarks/results/<benchmark>-<kind>.json`, so a page and the files
+cannot disagree. A new measurement is one benchmark run (it appends to its file) and one `report`.
+
+    python -m benchmarks.report            # rewrite the tables
+    python -m benchmarks.report --check    # exit 1, naming each table that differs (tests/test_docs.py runs it)
+
+What is shown is the current figure of each configuration: per benchmark, CPU kind and configuration (a
+concurrency level and the servers measured at it, a mode, a quality setting), the newest run that measured
+it, labelled with its date and commit. Ratios are taken within one run only: the code, the CPU and a shared
+machine's speed change from one run to the next, so a record whose servers may come from several
+invocations (`converted`) is never paired. Older runs stay in the files; one marked `superseded` (with the
+reason: code that has changed since for that mode, and no newer run of it) is not shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: make `inferd` importable from the checkout
+from inferd.bench import peers  # noqa: E402
+from inferd.cpu import KINDS  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
+BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
+# the kinds README's table shows: this project's machines of today
+README_KINDS = ("zen5", "xeon-amx")
+LEVELS = (1, 16, 32)
+# the columns of the side-by-side tables: inferd's default and best modes, then the peers
+COLUMNS = (
+    (("inferd",), "inferd default"),
+    (("inferd-int8",), "inferd int8"),
+    (("vllm", "vllm-fp32"), "vLLM CPU 0.32"),
+    (("llama-server",), "llama-server Q4_K_M"),
+)
+REPRODUCE = (
+    "python benchmarks/vs_peers.py --servers inferd,inferd-int8,vllm,llama-server --workloads mixed "
+    "--concurrency 1,16,32 --interleave"
+)
+
+
+# -- reading -------------------------------------------------------------------------------------------
+def kinds_of(benchmark: str) -> dict[str, list[dict]]:
+    """kind -> the runs of benchmarks/results/<benchmark>-<kind>.json, in the order of KINDS."""
+    found = {}
+    for path in RESULTS.glob(f"{benchmark}-*.json"):
+        kind = path.stem.removeprefix(f"{benchmark}-")
+        found[kind] = peers.load(path)["runs"] if benchmark == "vs_peers" else json.loads(path.read_text())["runs"]
+    order = list(KINDS)
+    return dict(sorted(found.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+
+
+def newest(runs: list[dict], key: Callable[[dict], object]) -> dict[object, dict]:
+    """config -> the newest run that measured it (`key` gives a run's configs); a file's runs are in the
+    order they were taken, and superseded ones are left out."""
+    best: dict[object, dict] = {}
+    for run in runs:
+        if run.get("superseded"):
+            continue
+        for config in key(run) or ():
+            best[config] = run
+    return best
+
+
+# -- formatting ----------------------------------------------------------------------------------------
+def num(x: float | None, digits: int = 1) -> str:
+    return "—" if x is None else f"{x:,.{digits}f}"
+
+
+def times(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def short_dtype(dtype: str | None) -> str:
+    text = dtype or ""
+    return "bf16" if "bfloat16" in text else "fp32" if "float32" in text else text
+
+
+def cpu_label(kind: str, runs: list[dict]) -> str:
+    """'Intel Xeon Processor, 2 vCPUs (`xeon-amx`)': the CPU model and cores the newest run that recorded
+    them gave; the kind's description where none did."""
+    named = [r for r in runs if (r.get("cpu") or {}).get("model")] or runs
+    run = named[-1]
+    model = (run.get("cpu") or {}).get("model")
+    if not model:
+        return f"{KINDS.get(kind, kind)} (`{kind}`)"
+    model = re.sub(r"\((R|TM)\)", "", model).replace("  ", " ").strip()
+    machine = run.get("machine") or {}
+    cores = machine.get("cpu_count") or machine.get("cores")
+    return f"{model}{f', {cores} vCPUs' if cores else ''} (`{kind}`)"
+
+
+def run_label(run: dict) -> str:
+    if run.get("source") and not run.get("commit"):
+        return f"{run.get('date') or 'undated'}, {run['source']}"
+    commit = run.get("commit")
+    where = f"commit {commit[:10]}" if commit else "no commit recorded"
+    if commit and run.get("uncommitted_changes"):
+        where += " with uncommitted changes"
+    return f"{run.get('date') or 'undated'}, {where}"
+
+
+def command(run: dict) -> str | None:
+    """The run's command line without its --out (the file it wrote is the one it is read from)."""
+    text = run.get("command")
+    if not text:
+        return None
+    words = shlex.split(text)
+    while "--out" in words:
+        i = words.index("--out")
+        del words[i : i + 2]
+    return shlex.join(words)
+
+
+def how_measured(run: dict) -> str:
+    cmd = command(run)
+    text = f"`{cmd}`" if cmd else "command not recorded"
+    if isinstance(run.get("workload"), str):
+        text += f"; workload {run['workload']}"
+    return text
+
+
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+# -- inferd against its peers (vs_peers) ---------------------------------------------------------------
+def level_figures(run: dict) -> dict[str, dict[int, dict]]:
+    """server -> concurrency -> median figures, for the servers of a run that finished."""
+    out = {}
+    for name, entry in run.get("servers", {}).items():
+        if entry.get("error"):
+            continue
+        figs = peers.figures(entry, peers.workload_name(entry))
+        out[name] = {peers.concurrency(k): v for k, v in figs.items()}
+    return out
+
+
+def peer_configs(run: dict) -> list[int]:
+    """The levels at which a run measured an inferd mode beside a peer (none in a converted record, whose
+    servers may come from different invocations)."""
+    if run.get("converted"):
+        return []
+    figs = level_figures(run)
+    mine = {c for name, f in figs.items() if name.startswith("inferd") for c in f}
+    theirs = {c for name, f in figs.items() if not name.startswith("inferd") for c in f}
+    return sorted(c for c in mine & theirs if c in LEVELS)
+
+
+def current_peer_runs(runs: list[dict]) -> list[tuple[dict, list[int]]]:
+    """The newest run at each level, with the levels it is shown for, oldest run first."""
+    chosen: dict[int, list[int]] = {}
+    for level, run in newest(runs, peer_configs).items():
+        chosen.setdefault(runs.index(run), []).append(level)
+    return [(runs[i], sorted(levels)) for i, levels in sorted(chosen.items())]
+
+
+def column_server(run: dict, names: tuple[str, ...]) -> str | None:
+    figs = level_figures(run)
+    return next((n for n in names if n in figs), None)
+
+
+def cell(run: dict, names: tuple[str, ...], level: int, detail: bool) -> str:
+    server = column_server(run, names)
+    if server is None or level not in level_figures(run)[server]:
+        return "—"
+    m = level_figures(run)[server][level]
+    text = num(m.get("output_throughput"))
+    if server.startswith(("inferd", "vllm")) and server not in ("inferd-int8",):
+        text += f" ({short_dtype(run['servers'][server].get('dtype'))})"
+    if detail and m.get("mean_ttft_ms") is not None:
+        text += f"; TTFT {num(m['mean_ttft_ms'], 0)} ms, ITL {num(m.get('mean_itl_ms'))} ms"
+    return text
+
+
+def ratio_lines(run: dict, levels: list[int]) -> list[str]:
+    """Within this run: each inferd mode's output throughput over each peer's, at the levels shown."""
+    figs = level_figures(run)
+    lines = []
+    for mine, mine_label in COLUMNS[:2]:
+        me = column_server(run, mine)
+        if me is None:
+            continue
+        parts = []
+        for theirs, label in COLUMNS[2:]:
+            peer = column_server(run, theirs)
+            shared = [c for c in levels if peer and c in figs[me] and c in figs[peer]]
+            if not shared:
+                continue
+            r = [figs[me][c]["output_throughput"] / figs[peer][c]["output_throughput"] for c in shared]
+            name = f"{label} ({short_dtype(run['servers'][peer].get('dtype'))})" if peer.startswith("vllm") else label
+            parts.append(f"{' / '.join(times(x) for x in r)} {name} at c={' / '.join(map(str, shared))}")
+        if parts:
+            lines.append(f"{mine_label}: " + "; ".join(parts))
+    return lines
+
+
+def target_line(run: dict, levels: list[int]) -> str | None:
+    """inferd's targets, within this run: 1.5x vLLM's output throughput with a lower mean TTFT at c=16
+    and 32 (bf16 vLLM where the CPU has native bf16, fp32 elsewhere); 1.2x llama-server's at c=1."""
+    figs = level_figures(run)
+    best = {c: max((n for n in figs if n.startswith("inferd") and c in figs[n]), default=None,
+                   key=lambda n, c=c: figs[n][c]["output_throughput"]) for c in levels}  # fmt: skip
+    out = []
+    vllm = column_server(run, ("vllm", "vllm-fp32"))
+    for c in (c for c in levels if c in (16, 32)):
+        if vllm is None or best[c] is None or c not in figs[vllm]:
+            continue
+        mine, theirs = figs[best[c]][c], figs[vllm][c]
+        r = mine["output_throughput"] / theirs["output_throughput"]
+        ttft = (mine.get("mean_ttft_ms") or 0) / theirs["mean_ttft_ms"] if theirs.get("mean_ttft_ms") else None
+        if r < 1.5 or (ttft is not None and ttft >= 1.0):
+            verdict = "not met"
+        else:
+            verdict = "met" if ttft is not None else "throughput met, TTFT not recorded"
+        ttft_text = f", mean TTFT {times(ttft)}" if ttft is not None else ""
+        out.append(f"c={c} {times(r)}{ttft_text}: {verdict}")
+    if 1 in levels and "llama-server" in figs and best[1] is not None and 1 in figs["llama-server"]:
+        r = figs[best[1]][1]["output_throughput"] / figs["llama-server"][1]["output_throughput"]
+        out.append(f"c=1 {times(r)} llama-server: {'met' if r >= 1.2 else 'not met'}")
+    return "; ".join(out) or None
+
+
+def peers_table(kind: str, runs: list[dict], detail: bool) -> list[str]:
+    rows = []
+    for run, levels in current_peer_runs(runs):
+        for level in levels:
+            rows.append([run.get("date") or "undated", str(level), *(cell(run, n, level, detail) for n, _ in COLUMNS)])
+    return table(["run", "c", *(label for _, label in COLUMNS)], rows)
+
+
+def render_how_fast() -> str:
+    data = kinds_of("vs_peers")
+    lines = ["Output tokens/s, Gemma 3 270M, streaming, medians of 3 runs with the servers interleaved:", ""]
+    for kind in README_KINDS:
+        if kind not in data:
+            continue
+        lines += [f"**{cpu_label(kind, data[kind])}**", "", *peers_table(kind, data[kind], detail=False), ""]
+        for run, levels in current_peer_runs(data[kind]):
+            ratios = ratio_lines(run, levels)
+            lines.append(f"- {run_label(run)}: " + "; ".join(ratios) + ".")
+        lines.append("")
+    lines += [
+        "Each row is one run; compare within a row (`—`: not in that run). Measure your CPU with "
+        f"`{REPRODUCE}` (setup: [benchmarks/README.md](benchmarks/README.md)); every kind measured, with "
+        "latencies: [docs/performance.md](docs/performance.md#against-vllm-and-llama-server).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_vs_peers() -> str:
+    lines = []
+    for kind, runs in kinds_of("vs_peers").items():
+        lines += [f"**{cpu_label(kind, runs)}**, `benchmarks/results/vs_peers-{kind}.json`", ""]
+        lines += [*peers_table(kind, runs, detail=True), ""]
+        for run, levels in current_peer_runs(runs):
+            lines.append(f"- {run_label(run)}: {how_measured(run)}.")
+            lines += [f"  {text}." for text in ratio_lines(run, levels)]
+            if target := target_line(run, levels):
+                lines.append(f"  Targets: {target}.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- offline throughput --------------------------------------------------------------------------------
+def offline_mode(run: dict) -> list[tuple] | None:
+    """A run's mode (dtype, quantization, KV cache), where it ran the default settings otherwise."""
+    w = run.get("workload") or {}
+    if "inferd" not in run or w.get("cpu_linear", "onednn") != "onednn":
+        return None
+    if w.get("attention_backend") not in (None, "auto") or w.get("kv_cache_dtype") not in (None, "bfloat16", "float32"):
+        return None
+    dtype = w.get("dtype_chosen") or w.get("dtype")
+    return [(short_dtype(dtype), w.get("quantization") or "-", w.get("num_requests"))]
+
+
+def render_offline() -> str:
+    lines = []
+    for kind, runs in kinds_of("offline_throughput").items():
+        current = newest(runs, offline_mode)
+        rows = []
+        for (dtype, quant, requests), run in sorted(current.items()):
+            step = run.get("decode_step_batch32") or {}
+            hf = run.get("ratio_inferd_over_transformers")
+            rows.append([
+                f"{dtype}{'' if quant == '-' else ' + ' + quant}", str(requests),
+                num(run["inferd"]["median_output_tokens_per_s"]),
+                num((step.get("step_seconds") or 0) * 1e3) if step.get("step_seconds") else "—",
+                pct(step.get("fraction_of_peak")), times(hf) if hf else "—", run_label(run),
+            ])  # fmt: skip
+        if not rows:
+            continue
+        lines += [f"**{cpu_label(kind, runs)}**, `benchmarks/results/offline_throughput-{kind}.json`", ""]
+        head = ["mode", "requests", "out tok/s", "batch-32 step, ms", "of the matmul peak", "vs transformers", "run"]
+        lines += [*table(head, rows), ""]
+    return "\n".join(lines)
+
+
+# -- quality -------------------------------------------------------------------------------------------
+def quality_configs(run: dict) -> list[tuple]:
+    return [(mode, m.get("rows") or 0) for mode, m in (run.get("modes") or {}).items() if mode != "fp32"]
+
+
+def render_quality() -> str:
+    lines = []
+    for kind, runs in kinds_of("quality").items():
+        rows = []
+        for (mode, rows_per_pass), run in sorted(newest(runs, quality_configs).items(), key=lambda kv: kv[0][::-1]):
+            m, ref = run["modes"][mode], run["modes"].get("fp32", {})
+            a = m.get("agreement_with_fp32") or {}
+            excess = m["perplexity"] / ref["perplexity"] - 1 if ref.get("perplexity") else None
+            rows.append([
+                mode, str(rows_per_pass or "many"), f"{m['perplexity']:.3f}",
+                num(ref.get("perplexity"), 3), "—" if excess is None else f"{100 * excess:+.1f}%",
+                pct(a.get("same_token_fraction")), pct(a.get("identical_sequences_fraction")),
+                pct(a.get("first_token_agreement")), run_label(run),
+            ])  # fmt: skip
+        lines += [f"**{cpu_label(kind, runs)}**, `benchmarks/results/quality-{kind}.json`", ""]
+        head = ["mode", "rows a pass", "perplexity", "fp32 (same run)", "excess", "same token", "identical seqs",
+                "first token", "run"]  # fmt: skip
+        lines += [*table(head, rows), ""]
+    return "\n".join(lines)
+
+
+# -- the server against offline ------------------------------------------------------------------------
+def server_configs(run: dict) -> list[tuple]:
+    return [(run.get("concurrency"), run.get("quantization") or "-")] if "ratio" in run else []
+
+
+def render_server_overhead() -> str:
+    lines = []
+    for kind, runs in kinds_of("server_overhead").items():
+        rows = []
+        for (concurrency, quant), run in sorted(newest(runs, server_configs).items()):
+            pairs = [r["server"]["output_tokens_per_s"] / r["offline"]["output_tokens_per_s"] for r in run["runs"]]
+            rows.append([
+                str(concurrency), f"{short_dtype(run.get('dtype'))}{'' if quant == '-' else ' + ' + quant}",
+                num(run["offline_output_tokens_per_s"]), num(run["server_output_tokens_per_s"]),
+                f"**{run['ratio']:.3f}**", ", ".join(f"{p:.2f}" for p in pairs), run_label(run),
+            ])  # fmt: skip
+        lines += [f"**{cpu_label(kind, runs)}**, `benchmarks/results/server_overhead-{kind}.json`", ""]
+        head = ["c", "mode", "offline out tok/s", "server out tok/s", "server / offline", "per pair", "run"]
+        lines += [*table(head, rows), ""]
+    return "\n".join(lines)
+
+
+# -- kernels -------------------------------------------------------------------------------------------
+def render_batch1() -> str:
+    lines = []
+    for kind, runs in kinds_of("batch1_step").items():
+        run = runs[-1]
+        rows = [[mode, num(m["weights_bytes"] / 1e6, 0), num(m["median_step_s"] * 1e3),
+                 pct(m.get("fraction_of_bandwidth"))] for mode, m in run["modes"].items()]  # fmt: skip
+        lines += [f"**{cpu_label(kind, runs)}**, {run_label(run)}; memory read bandwidth in the run "
+                  f"{num(run.get('memory_read_gbs'))} GB/s", ""]  # fmt: skip
+        lines += [*table(["mode", "weights read a step, MB", "batch-1 step, ms", "of the bandwidth"], rows), ""]
+    return "\n".join(lines)
+
+
+def render_kernels() -> str:
+    lines = []
+    for kind, runs in kinds_of("prefill_attention").items():
+        run = runs[-1]
+        rows = [[str(r["tokens"]), f"{r['native_ms']:.3f}", f"{r['sdpa_ms']:.3f}", times(r["speedup"])]
+                for r in run["one_layer"]]  # fmt: skip
+        rows += [[f"{r['tokens']} (whole prefill)", num(r["native_ms"]), num(r["sdpa_ms"]), times(r["speedup"])]
+                 for r in run["whole_prefill"]]  # fmt: skip
+        lines += [f"Prefill attention, **{cpu_label(kind, runs)}**, {run_label(run)} "
+                  f"(`benchmarks/results/prefill_attention-{kind}.json`):", ""]  # fmt: skip
+        lines += [*table(["tokens", "AMX-BF16 kernel, ms", "torch SDPA, ms", "speed-up"], rows), ""]
+    for kind, runs in kinds_of("kv_cache_dtype").items():
+        run = runs[-1]
+        names = list(run["tokens_in_2gib"])
+        rows = [["tokens in the default 2 GiB", *(f"{run['tokens_in_2gib'][n]:,}" for n in names)]]
+        for r in run["decode_kernel"]:
+            rows.append([f"decode attention, 18 layers, {r['batch']} x {r['tokens']} tokens, ms",
+                         *(num(r["ms"][n], 2) for n in names)])  # fmt: skip
+        step = run["decode_step"]["ms"]
+        rows.append(["a whole decode step, batch 32, ms", *(num(v) for v in step.values())])
+        lines += [f"KV cache dtype, **{cpu_label(kind, runs)}**, {run_label(run)} "
+                  f"(`benchmarks/results/kv_cache_dtype-{kind}.json`):", ""]  # fmt: skip
+        lines += [*table(["", *names], rows), ""]
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "how-fast": render_how_fast,
+    "vs-peers": render_vs_peers,
+    "offline": render_offline,
+    "quality": render_quality,
+    "server-overhead": render_server_overhead,
+    "batch1": render_batch1,
+    "kernels": render_kernels,
+}
+
+
+def rendered(text: str) -> str:
+    """`text` with every figures block rewritten from the results files."""
+
+    def replace(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in RENDERERS:
+            raise SystemExit(f"unknown figures block {name!r}; known: {', '.join(RENDERERS)}")
+        return m.group(1) + RENDERERS[name]() + m.group(4)
+
+    return BLOCK.sub(replace, text)
+
+
+def stale(docs=DOCS) -> list[str]:
+    """The documents (and their blocks) that differ from what the results files render."""
+    out = []
+    for path in docs:
+        text = path.read_text()
+        new = rendered(text)
+        if new != text:
+            old_blocks = {m.group("name"): m.group("body") for m in BLOCK.finditer(text)}
+            names = [m.group("name") for m in BLOCK.finditer(new) if old_blocks.get(m.group("name")) != m.group("body")]
+            out.append(f"{path.relative_to(ROOT)}: {', '.join(names)}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 where a document differs; write nothing")
+    args = ap.parse_args()
+    if args.check:
+        differ = stale()
+        for line in differ:
+            print(f"out of date: {line} (run: python -m benchmarks.report)", file=sys.stderr)
+        return 1 if differ else 0
+    for path in DOCS:
+        text = path.read_text()
+        new = rendered(text)
+        if new != text:
+            path.write_text(new)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
