@@ -1,14 +1,14 @@
 """Offline throughput: inferd's engine against Hugging Face transformers `generate` on the same prompts.
 
-Workload (issue 2): 64 requests, prompt lengths uniform in 32-512, output lengths uniform in 32-256,
+Workload: 64 requests, prompt lengths uniform in 32-512, output lengths uniform in 32-256,
 ignore_eos, the default model. inferd runs them with max_num_seqs=32, in --dtype (auto by default) and
 --quantization; transformers runs fp32 static batches of 32 (left padding), each batch until its longest
 requested output, counting only the tokens each request asked for. Also: a decode step at batch 32 in
 model FLOP/s against the machine's matmul peak, and a profile of that step.
 
-    .venv/bin/python benchmarks/offline_throughput.py            # full run, writes results/offline_throughput.json
-    .venv/bin/python benchmarks/offline_throughput.py --quick    # 16 requests, for a smoke test
-    .venv/bin/python benchmarks/offline_throughput.py --skip-hf --dtype bfloat16 --quantization int8 --out x
+    .venv/bin/python -m benchmarks.offline_throughput            # a run in results/offline_throughput-<kind>.json
+    .venv/bin/python -m benchmarks.offline_throughput --quick    # 16 requests, for a smoke test
+    .venv/bin/python -m benchmarks.offline_throughput --skip-hf --dtype bfloat16 --quantization int8 --out x.json
 """
 
 from __future__ import annotations

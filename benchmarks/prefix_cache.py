@@ -1,6 +1,6 @@
 """Prefix caching: TTFT and throughput with the cache on and off, in one script.
 
-Workload (issue 3): 10 shared prefixes of 1024 tokens, each followed by 8 different 64-token questions,
+Workload: 10 shared prefixes of 1024 tokens, each followed by 8 different 64-token questions,
 64 output tokens, the default model. Requests go prefix by prefix with 8 in flight (a closed loop, as
 `inferd bench --max-concurrency 8` would send them), so TTFT measures prefill, not a queue. A second
 workload with nothing shared, submitted all at once, measures what the hashing and bookkeeping cost

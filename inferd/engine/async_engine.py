@@ -356,10 +356,9 @@ def free_openmp_pool() -> bool:
     libgomp gives every thread that starts parallel work its own pool of workers, and when it counts more of
     its threads than CPUs it stops spin-waiting between parallel regions, so each of the thousands of ops in
     a step waits for a worker to wake up. The model is loaded on the event loop's thread, whose pool would
-    then idle beside the step thread's. Measured on 2 cores: an engine stepping on a new thread after the
-    main thread had generated ran 12-19% slower than on the main thread, and as fast once the main thread's
-    pool was freed; `inferd serve`, whose main thread had only loaded the model, showed no difference beyond
-    the machine's noise (docs/performance.md). A thread that runs torch's parallel ops again later gets a new
+    then idle beside the step thread's: on 2 cores an engine stepping on a new thread after the main thread
+    had generated ran measurably slower than on the main thread, and as fast once the main thread's pool was
+    freed (docs/performance.md). A thread that runs torch's parallel ops again later gets a new
     pool. Without libgomp (another OpenMP runtime, no OpenMP) nothing happens."""
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the runtime torch already loaded

@@ -121,8 +121,8 @@ def int4_kernels():
 def _norm_rope_module():
     # no fused multiply-add: the reference rounds each product before the sum. -fno-trapping-math lets GCC
     # vectorise exp_approx's clamp (std::min/max) where the CPU has no masked vector ops: without it, on AVX2
-    # the gated activations ran one element at a time (GELU-tanh on 512 x 2048: 6.8 ms, against 1.0 with it,
-    # the same bits; AVX-512's masks vectorised it anyway). It changes no value, only which code may be used.
+    # the gated activations ran one element at a time, several times slower for the same bits (AVX-512's masks
+    # vectorised it anyway). It changes no value, only which code may be used.
     flags = ["-ffp-contract=off", "-fno-trapping-math"]
     return _build("inferd_norm_rope", _NORM_SOURCE, "CPU RMS norm and rotary kernels", flags)
 

@@ -91,9 +91,8 @@ class Linear(nn.Linear):
     oneDNN's inner-product kernels use every vector unit the CPU has (AVX-512 where present) and are
     much faster than the dense sgemm path for the small batches of decoding; see benchmarks/.
     A single bf16 row on CPU (a decode step at batch 1) goes through `torch.addmv`, torch's bf16 gemv
-    with float32 accumulation: `F.linear` there goes through a general matmul set up per call, and a
-    batch-1 step of the default model took 55-61 ms that way against 33 ms with gemv
-    (docs/performance.md).
+    with float32 accumulation: `F.linear` there goes through a general matmul set up per call, which on the
+    default model's small layers costs more than the product (docs/performance.md).
     """
 
     _packed: torch.Tensor | None = None
@@ -153,9 +152,9 @@ def use_native_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
     return norm is not None
 
 
-#: the batch size oneDNN lays a bf16 weight out for. Measured here (Xeon with AMX, the default model's LM head
-#: tiles, 16,384 x 640): laid out for 64 rows, 16 tiles took 21 ms at 1-16 rows, 32 ms at 32 and 28 ms at 64;
-#: laid out for 1 row, 28, 32 and 42 ms; dense `F.linear`, 29, 39-43 and 47-60 ms.
+#: the batch size oneDNN lays a bf16 weight out for: on the default model's LM head tiles (16,384 x 640) the
+#: layout for 64 rows was the fastest at every batch size from 1 to 64, ahead of the layout for 1 row and of
+#: dense `F.linear`.
 ONEDNN_BATCH_HINT = 64
 
 

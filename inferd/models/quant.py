@@ -13,8 +13,8 @@ dequantized to float) keeps its grid (to float rounding) instead of being quanti
 whose input width is not a multiple of 32 stays int8 (logged), and so does the LM head. Without a compiler
 int4 cannot run fast: it is then a ConfigError, not a silent crawl.
 
-Kernels, picked per call from the number of activation rows M (measured on Gemma 3 270M's shapes; see
-docs/performance.md):
+Kernels, picked per call from the number of activation rows M (the bounds chosen on Gemma 3 270M's shapes;
+the reasons in docs/performance.md):
 - decode (int8 M <= NATIVE_MAX_ROWS, int4 M <= INT4_FUSED_MAX_ROWS): our native kernels
   (`kernels/int8_linear_cpu.cpp`, `kernels/int4_linear_cpu.cpp`) quantize each activation row to int8 in
   groups of 32 (as llama.cpp's Q8_0) and sum the products in int32 (AVX-512 VNNI, AMX from 8 rows, AVX2, or
@@ -24,10 +24,9 @@ docs/performance.md):
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
 - float32 rows (the CPUs without native bf16), and bf16 rows on a CPU with AMX: the int8 kernel at every row
-  count, prefill included: its integer products outrun a matmul on the widened weights (fp32: 1.8x widening
-  the weights, 1.5x fp32 weights, on a Zen 3; AMX: TDPBSUD runs at twice TDPBF16PS's rate, 1.3-1.6x widening
-  the weights in cache for AMX-BF16 at 65-1024 rows, even at 2048). Prefill's activations are then rounded
-  to int8 as a decode step's are.
+  count, prefill included: its integer products outrun a matmul on the widened weights (an fp32 matmul does
+  a quarter of `vpmaddubsw` + `vpmaddwd`'s products an instruction; AMX's TDPBSUD does twice TDPBF16PS's, and
+  reads no widened copy). Prefill's activations are then rounded to int8 as a decode step's are.
 - many bf16 rows otherwise (prefill on AVX512_BF16 without AMX, or without the native kernel): the weights are
   widened (int8: q * scale, rounded once to the activations' dtype, by the native `int8_unpack`; exactly q,
   scaled after the matmul, without it) or unpacked (int4, a chunk of rows at a time into a cache-sized
@@ -55,12 +54,10 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("int8", "int4")
 
 # bf16 rows up to which the int8-reading kernels beat widening the weights for the dense matmul (see module
-# doc): torch's packed op without our kernel; ours (measured on Gemma 3 270M's shapes, bf16: 1.7x faster than
-# widening at 32-64 rows, about even at ~110). float32 rows take our kernel at every count: an fp32 matmul is
-# slower than its integer products (Zen 3, the body's 72 layers at 290 rows: 433 ms against 781 widened and
-# 648 with fp32 weights held); so do bf16 rows on an AMX CPU (session 16, the body's 72 layers alternated in one
-# process, ms, int8 kernel / AMX-BF16 on the weights widened in cache / widened in memory: 65 rows 25.6 / 41.8
-# / 73.1, 128 38.3 / 59.9 / 95.7, 512 143.8 / 195.9 / 227.5, 1024 294.9 / 380.4 / 454.8, 2048 764 / 790 / 743)
+# doc): torch's packed op without our kernel; ours, below the point on Gemma 3 270M's shapes where a bf16
+# matmul on widened weights stops being bound by their bytes. float32 rows take our kernel at every count (an
+# fp32 matmul is slower than its integer products), and so do bf16 rows on an AMX CPU (TDPBSUD against
+# AMX-BF16 on widened weights).
 INT8PACK_MAX_ROWS = 8
 NATIVE_MAX_ROWS = 64
 # torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
@@ -286,7 +283,7 @@ def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
     if not targets:
         raise ConfigError(f"--quantization {name}: {type(model).__name__} has no linear layers to quantize")
     # int4 keeps the LM head in int8, as llama.cpp keeps its output tensor at 6-8 bits: every logit rests on
-    # it, and int4 there cost about a quarter of int4's perplexity loss on Gemma 3 270M (docs/performance.md)
+    # it, and an int4 head cost a large share of int4's perplexity loss on Gemma 3 270M
     head = {id(m) for m in getattr(getattr(model, "lm_head", None), "tiles", [])}
     head |= {id(m) for m in getattr(model, "tiles", [])} if isinstance(model, LMHead) else set()
     kept_int8 = 0

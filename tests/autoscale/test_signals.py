@@ -78,7 +78,7 @@ def test_histogram_quantile_interpolates_within_the_bucket_as_promql_does():
 
 
 def test_coarse_buckets_misread_a_quantile_and_buckets_around_the_slo_do_not():
-    # the example: TTFTs spread evenly over 1.0..1.3 s; the true p95 is 1.285 s
+    # TTFTs spread evenly over 1.0..1.3 s; the true p95 is 1.285 s
     values = [1.0 + 0.3 * (i + 0.5) / 200 for i in range(200)]
     true_p95 = sorted(values)[int(0.95 * 200)]
 

@@ -47,7 +47,7 @@ def test_each_lab_writes_json_plot_and_text_with_its_numbers(lab_run, name):
 
 
 def test_the_textbook_invariants_are_claimed(lab_run):
-    """The issue's named checks, on the numbers themselves."""
+    """The textbook checks each lab names, on the numbers themselves."""
     paged = _result(lab_run, "paged-attention").numbers
     assert paged["paged_concurrency"] > paged["contiguous_concurrency"]
     good = _result(lab_run, "goodput")

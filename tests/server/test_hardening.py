@@ -1,5 +1,6 @@
-"""Regression tests for issue 9: each row of bad input (and each drain or auth edge) gets its 4xx, with
-OpenAI's error body, on a keep-alive connection that goes on serving, and leaves no request behind."""
+"""The hardening contract (docs/hardening.md), row by row: each kind of bad input (and each drain or auth
+edge) gets its 4xx, with OpenAI's error body, on a keep-alive connection that goes on serving, and leaves no
+request behind."""
 
 from __future__ import annotations
 
