@@ -97,11 +97,11 @@ def cpu_label(kind: str, runs: list[dict]) -> str:
     run = named[-1]
     model = (run.get("cpu") or {}).get("model")
     if not model:
-        return f"{KINDS.get(kind, kind)} (`{kind}`)"
+        return f"{KINDS.get(kind, kind)}, `{kind}`"
     model = re.sub(r"\((R|TM)\)", "", model).replace("  ", " ").strip()
     machine = run.get("machine") or {}
     cores = machine.get("cpu_count") or machine.get("cores")
-    return f"{model}{f', {cores} vCPUs' if cores else ''} (`{kind}`)"
+    return f"{model}{f', {cores} vCPUs' if cores else ''}, `{kind}`"
 
 
 def run_label(run: dict) -> str:
@@ -187,8 +187,9 @@ def cell(run: dict, names: tuple[str, ...], level: int, detail: bool) -> str:
     return text
 
 
-def ratio_lines(run: dict, levels: list[int]) -> list[str]:
-    """Within this run: each inferd mode's output throughput over each peer's, at the levels shown."""
+def ratio_lines(run: dict, levels: list[int], compact: bool = False) -> list[str]:
+    """Within this run: each inferd mode's output throughput over each peer's, at the levels shown
+    (`compact`: against llama-server, the single-stream peer, at concurrency 1 only)."""
     figs = level_figures(run)
     lines = []
     for mine, mine_label in COLUMNS[:2]:
@@ -199,11 +200,15 @@ def ratio_lines(run: dict, levels: list[int]) -> list[str]:
         for theirs, label in COLUMNS[2:]:
             peer = column_server(run, theirs)
             shared = [c for c in levels if peer and c in figs[me] and c in figs[peer]]
+            if compact and peer == "llama-server":
+                shared = [c for c in shared if c == 1]
             if not shared:
                 continue
             r = [figs[me][c]["output_throughput"] / figs[peer][c]["output_throughput"] for c in shared]
             name = f"{label} ({short_dtype(run['servers'][peer].get('dtype'))})" if peer.startswith("vllm") else label
-            parts.append(f"{' / '.join(times(x) for x in r)} {name} at c={' / '.join(map(str, shared))}")
+            where = "behind" if max(r) < 1 else "ahead" if min(r) > 1 else None
+            at = f"at c={' / '.join(map(str, shared))}" + (f", {where} at each" if where and len(r) > 1 else "")
+            parts.append(f"{' / '.join(times(x) for x in r)} {name} {at}")
         if parts:
             lines.append(f"{mine_label}: " + "; ".join(parts))
     return lines
@@ -251,7 +256,7 @@ def render_how_fast() -> str:
             continue
         lines += [f"**{cpu_label(kind, data[kind])}**", "", *peers_table(kind, data[kind], detail=False), ""]
         for run, levels in current_peer_runs(data[kind]):
-            ratios = ratio_lines(run, levels)
+            ratios = ratio_lines(run, levels, compact=True)
             lines.append(f"- {run_label(run)}: " + "; ".join(ratios) + ".")
         lines.append("")
     lines += [
@@ -397,7 +402,20 @@ def render_kernels() -> str:
     return "\n".join(lines)
 
 
+# -- the fleet simulator against real runs --------------------------------------------------------------
+def render_autoscale() -> str:
+    from benchmarks.autoscale_validate import headline
+
+    stored = json.loads((RESULTS / "autoscale_validation.json").read_text())
+    runs, load = len(stored["runs"]), stored["offered_load"]
+    return (
+        f"The simulator against real `inferd up` runs ({runs} runs of one replica at {load:g} of capacity, medians), "
+        f"{headline(stored)}.\n"
+    )
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "autoscale": render_autoscale,
     "how-fast": render_how_fast,
     "vs-peers": render_vs_peers,
     "offline": render_offline,
