@@ -17,11 +17,13 @@ FORBIDDEN = {
     "inferd.prefix_hash": {"inferd."},
     "inferd.procs": {"inferd."},
     "inferd.cpu": {"inferd."},
+    "inferd.measure": {"inferd."},  # the measuring library sits below everything that reports a number
     "inferd.strict_json": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.yaml_config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.fleet.spec": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.fleet.up": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
-    "inferd.fleet.disagg": {"inferd."},  # processes and list files only
+    # processes and list files only, and the handoff's settings (no torch)
+    "inferd.fleet.disagg": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.request": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.chat": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
