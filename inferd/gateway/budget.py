@@ -92,14 +92,19 @@ class MemoryBudgetStore:
         self._concurrent[tenant] = max(0, self._concurrent.get(tenant, 0) - 1)
 
 
-# KEYS: window hash, concurrency counter. ARGV: window_ms, max_concurrent (-1: none), n, limits.., amounts..
-# The window's start and the clock are Redis's own (TIME), so gateways with skewed clocks agree.
+# KEYS: window hash, concurrency counter. ARGV: window_ms, max_concurrent (-1: none), n, limits.., amounts..,
+# deadline (Redis's clock, ms; -1: none). The window's start and the clock are Redis's own (TIME), so gateways
+# with skewed clocks agree. A call that reaches Redis after its deadline (Redis was frozen, the gateway has
+# already answered 503) reserves nothing: a late reservation would charge the tenant and hold a concurrency
+# slot that no settlement ever gives back.
 _RESERVE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local win = tonumber(ARGV[1])
 local maxc = tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
+local deadline = tonumber(ARGV[4 + 2 * n])
+if deadline >= 0 and now > deadline then return {-1, '0', '0'} end
 local start = tonumber(redis.call('HGET', KEYS[1], 'start') or '-1')
 if start < 0 or now >= start + win then
   redis.call('DEL', KEYS[1])
@@ -152,6 +157,7 @@ class RedisBudgetStore:
         self.guard = StoreGuard("budget store", redis)
         self._reserve = redis.register_script(_RESERVE)
         self._settle = redis.register_script(_SETTLE)
+        self._clock_offset_ms: float | None = None  # Redis's clock minus ours, from the last reservation
 
     async def _run(self, call):
         try:
@@ -166,9 +172,20 @@ class RedisBudgetStore:
     async def reserve(
         self, tenant: str, limits: list[float], amounts: list[float], window_s: float, max_concurrent: int | None
     ) -> Decision:
-        args = [int(window_s * 1000), -1 if max_concurrent is None else max_concurrent, len(limits), *limits, *amounts]
+        window_ms = int(window_s * 1000)
+        sent_ms = time.time() * 1000
+        timeout_ms = (self.guard.timeout_s or 0.0) * 1000
+        # the deadline in Redis's clock, known from the previous answer (to within a round trip); none before it
+        deadline = (
+            -1 if self._clock_offset_ms is None or not timeout_ms else int(sent_ms + timeout_ms + self._clock_offset_ms)
+        )
+        args = [window_ms, -1 if max_concurrent is None else max_concurrent, len(limits), *limits, *amounts, deadline]
         failed, start, reset_ms, *used = await self._run(lambda: self._reserve(keys=self._keys(tenant), args=args))
         failed = int(failed)
+        if failed < 0:  # past its deadline in Redis: the guard's timeout fires first, so this is only a race
+            raise budget_store_unavailable(f"Redis at {self.guard.address} answered after the deadline")
+        redis_now = float(start) + window_ms - float(reset_ms)
+        self._clock_offset_ms = redis_now - (sent_ms + time.time() * 1000) / 2
         return Decision(
             allowed=failed == 0,
             failed=None if failed == 0 else failed - 1,

@@ -220,6 +220,11 @@ def test_a_budget_store_that_is_down_or_frozen_is_a_503_that_names_it(replicas, 
     assert max(took) < timeout + 1.0, took
     assert max(hinted) < timeout + 1.0, hinted
     wait_until(lambda: _post(gw.url, "down").status_code == 200, what="served again after SIGCONT")
+    # the reservations Redis ran after the thaw, past their deadline, took nothing: no slot is left held
+    import redis as redis_py
+
+    held = redis_py.Redis(port=port).get("inferd-gw:budget:{down}:concurrent")
+    assert int(held or 0) == 0, held
 
     redis_proc.kill()  # gone: connections refused
     took = [refused() for _ in range(3)]
