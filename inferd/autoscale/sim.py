@@ -13,7 +13,8 @@ steps at once (to the next completion, or to the step boundary after a request a
 
 The gateway sends each request to the ready replica with the fewest requests (queued + running), or
 holds it while none is ready. The autoscaler is the real `PoolAutoscaler`, fed every `interval_s` the
-signals the live fleet would read over `window_s` (exact quantiles here, not histogram estimates).
+signals the live fleet would read over `window_s` (percentiles of the exact samples here, by
+`inferd.measure.stats`, not histogram estimates).
 A new replica serves after `cold_start_s`; one scaled down takes no new requests and leaves once empty.
 Replica-hours count every replica from its start to its leaving, loading included.
 """
@@ -33,6 +34,7 @@ from inferd.autoscale.profile import Profile
 from inferd.autoscale.signals import Measured
 from inferd.autoscale.workload import Workload
 from inferd.fleet.spec import AutoscalingPolicy
+from inferd.measure.stats import percentile
 
 
 @dataclass
@@ -308,11 +310,10 @@ class Simulator:
             prefill_tokens_per_s=self.p.prefill_tokens_per_s,
         )
         if self.recent_first:
-            ttfts = np.array([x[1] for x in self.recent_first])
-            m.ttft_p95_s = float(np.percentile(ttfts, 95))
+            m.ttft_p95_s = percentile([x[1] for x in self.recent_first], 95)
             m.mean_prompt_tokens = float(np.mean([x[2] for x in self.recent_first]))
         if self.recent_itl:
-            m.itl_p95_s = weighted_percentile([x[1] for x in self.recent_itl], [x[2] for x in self.recent_itl], 95)
+            m.itl_p95_s = percentile([x[1] for x in self.recent_itl], 95, [x[2] for x in self.recent_itl])
         return m
 
     def utilization(self) -> float:
@@ -347,7 +348,7 @@ class Simulator:
         tl["arrival_rate"].append(self._tl_arrivals / self.timeline_s)
         tl["replicas"].append(sum(r.stopped is None for r in self.replicas))
         tl["ready"].append(len(self._serving()))
-        tl["ttft_p95_s"].append(float(np.percentile(self._tl_ttfts, 95)) if self._tl_ttfts else math.nan)
+        tl["ttft_p95_s"].append(percentile(self._tl_ttfts, 95) if self._tl_ttfts else math.nan)
         tl["queued"].append(len(self.gateway) + sum(len(r.queue) for r in self.replicas if r.stopped is None))
         self._tl_arrivals, self._tl_ttfts = 0, []
 
@@ -370,18 +371,18 @@ class Simulator:
         replica_s = sum((r.stopped if r.stopped is not None else end) - r.started for r in self.replicas)
         span = max(end, 1e-9)
         prompt, output = w.prompt_tokens, w.output_tokens
-        itl_p95 = weighted_percentile(self.itl_values, self.itl_counts, 95) if self.itl_values else None
+        itl_p95 = percentile(self.itl_values, 95, self.itl_counts)
         rep = {
             "requests": int(len(w)),
             "finished": int(finished.sum()),
             "duration_s": round(end, 3),
-            "ttft_p50_s": _q(ttft, 50),
-            "ttft_p95_s": _q(ttft, 95),
-            "ttft_p99_s": _q(ttft, 99),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p95_s": percentile(ttft, 95),
+            "ttft_p99_s": percentile(ttft, 99),
             "ttft_mean_s": float(np.nanmean(ttft)) if len(w) else None,
-            "tpot_p50_s": _q(tpot, 50),
-            "tpot_p95_s": _q(tpot, 95),
-            "itl_p50_s": weighted_percentile(self.itl_values, self.itl_counts, 50) if self.itl_values else None,
+            "tpot_p50_s": percentile(tpot, 50),
+            "tpot_p95_s": percentile(tpot, 95),
+            "itl_p50_s": percentile(self.itl_values, 50, self.itl_counts),
             "itl_p95_s": itl_p95,
             "request_throughput": float(finished.sum()) / span,
             "input_token_throughput": float(prompt[finished].sum()) / span,
@@ -428,19 +429,6 @@ class Simulator:
             "goodput_cost_per_million_tokens": per_m(cost, good_in + good_out),
             "goodput_cost_per_million_output_tokens": per_m(cost, good_out),
         }
-
-
-def _q(values: np.ndarray, p: float) -> float | None:
-    v = values[~np.isnan(values)]
-    return float(np.percentile(v, p)) if len(v) else None
-
-
-def weighted_percentile(values, weights, p: float) -> float:
-    v, w = np.asarray(values, dtype=float), np.asarray(weights, dtype=float)
-    order = np.argsort(v)
-    v, w = v[order], w[order]
-    cum = np.cumsum(w)
-    return float(v[np.searchsorted(cum, p / 100 * cum[-1])])
 
 
 def simulate(

@@ -1,5 +1,7 @@
 """Pure functions on request timings, with vLLM's serving-benchmark definitions (as in vLLM's benchmarks/serve.py).
 
+Percentiles are `inferd.measure.stats.percentile`'s, numpy's linear interpolation as vLLM reports them.
+
 TTFT: send -> first token chunk. TPOT: (E2EL - TTFT) / (output tokens - 1), so the first token is excluded.
 ITL: every gap between consecutive token chunks. E2EL: send -> end of stream. Goodput: requests per second
 that meet every SLO given. All times are seconds in; the summaries are milliseconds out, as vLLM reports.
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from inferd.measure.stats import percentile
 
 DEFAULT_PERCENTILES = (90.0, 95.0, 99.0)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -52,11 +56,6 @@ def tpot(t: RequestTiming) -> float | None:
     return (e2el(t) - first) / (t.output_tokens - 1)
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    # numpy's default (linear interpolation) is what vLLM reports
-    return float(np.percentile(np.asarray(values, dtype=float), p))
-
-
 @dataclass(frozen=True)
 class Summary:
     mean: float
@@ -85,7 +84,7 @@ def summarize_ms(values_s: Sequence[float], percentiles: Sequence[float] = DEFAU
         mean=float(ms.mean()),
         median=float(np.median(ms)),
         std=float(ms.std()),
-        percentiles={p: float(np.percentile(ms, p)) for p in percentiles},
+        percentiles={p: percentile(ms, p) for p in percentiles},
     )
 
 

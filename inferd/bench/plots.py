@@ -9,10 +9,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
 
 from inferd.bench.metrics import itls, ttft  # noqa: E402
 from inferd.bench.runner import LevelResult  # noqa: E402
+from inferd.measure.stats import percentile  # noqa: E402
 
 
 def _hist(ax, values_ms: Sequence[float], title: str) -> None:
@@ -24,7 +24,7 @@ def _hist(ax, values_ms: Sequence[float], title: str) -> None:
         return
     ax.hist(values_ms, bins=min(50, max(5, len(values_ms) // 4)), color="tab:blue", alpha=0.8)
     for p, style in ((50, "--"), (99, ":")):
-        v = float(np.percentile(values_ms, p))
+        v = percentile(values_ms, p)
         ax.axvline(v, color="k", linestyle=style, label=f"p{p} {v:.1f} ms")
     ax.legend()
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
-
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
 from inferd.labs.drive import Job, random_prompts, serve
+from inferd.measure.stats import percentile
 
 DEFINITION = 'time between successive output tokens during decode. Drives perceived "typing speed."'
 
@@ -38,8 +37,8 @@ def measure(ctx: LabContext) -> Measurement:
         run = serve(llm, [Job(p, out_len) for p in random_prompts(rng, ctx.facts().vocab, b, prompt_len)])
         series["itl_ms"].append([g * 1000 for s in run.served for g in s.itls])
     for b, gaps in zip(batches, series["itl_ms"], strict=True):
-        m.numbers[f"itl_p50_ms_b{b}"] = float(np.percentile(gaps, 50))
-        m.numbers[f"itl_p99_ms_b{b}"] = float(np.percentile(gaps, 99))
+        m.numbers[f"itl_p50_ms_b{b}"] = percentile(gaps, 50)
+        m.numbers[f"itl_p99_ms_b{b}"] = percentile(gaps, 99)
     long_len, chunk = ctx.size(768, 1536), ctx.size(64, 256)
     decoders, join_out = 4, ctx.size(24, 48)
     stall_off, ttft_off = join_stall(ctx, 0, long_len, decoders, join_out)

@@ -2,10 +2,11 @@
 
 `DashboardHub` attaches a `StepEvents` sink to the engine (inferd/engine/events.py), drains its ring on
 the event loop every `tick` seconds and fans the step events out to every open stream, together with a
-summary once a second: TTFT and ITL percentiles over the last minute, output tokens/s, the queue, KV
-usage and the prefix cache hit rate. Summaries of the last `history` seconds are kept, so a page opened
-now draws its charts from the past minutes at once. The step thread only ever appends to the ring;
-a slow page loses events (counted, and shown on the page), it never holds a step up.
+summary once a second: TTFT and ITL percentiles over the last minute (`inferd.measure.stats`, as the
+benchmarks take them), output tokens/s, the queue, KV usage and the prefix cache hit rate. Summaries of
+the last `history` seconds are kept, so a page opened now draws its charts from the past minutes at once.
+The step thread only ever appends to the ring; a slow page loses events (counted, and shown on the page),
+it never holds a step up.
 
 The page and its script are plain files in `inferd/server/static/` (no build step, nothing fetched from
 the internet). They are open like /health; the event stream is behind `--api-key` like the API, and
@@ -19,7 +20,6 @@ import collections
 import contextlib
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -32,21 +32,13 @@ from starlette.responses import StreamingResponse
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.engine import Engine
 from inferd.engine.events import StepEvents
+from inferd.measure.stats import percentile
 from inferd.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 PERCENTILES = (50, 90, 99)
-
-
-def percentile(values: list[float], p: float) -> float | None:
-    """Nearest-rank percentile, None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1))
-    return ordered[k]
 
 
 @dataclass

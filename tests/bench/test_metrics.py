@@ -15,7 +15,6 @@ from inferd.bench.metrics import (
     parse_slos,
     peak_concurrency,
     peak_output_throughput,
-    percentile,
     summarize_ms,
     tpot,
     ttft,
@@ -49,11 +48,7 @@ def test_single_token_has_no_tpot_and_no_itl():
     assert ttft(req(0.0, [], 0.5, out=0)) is None
 
 
-def test_percentiles_interpolate_linearly_like_numpy_and_vllm():
-    v = [1.0, 2.0, 3.0, 4.0]
-    assert percentile(v, 50) == pytest.approx(2.5)
-    assert percentile(v, 90) == pytest.approx(3.7)  # rank 0.9 * 3 = 2.7 -> 3 + 0.7 * (4 - 3)
-    assert percentile(v, 99) == pytest.approx(3.97)
+def test_summaries_interpolate_percentiles_linearly_like_numpy_and_vllm():
     s = summarize_ms([0.001, 0.002, 0.003, 0.004], (90, 99))
     assert (s.mean, s.median) == pytest.approx((2.5, 2.5))
     assert s.percentiles == pytest.approx({90: 3.7, 99: 3.97})

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from inferd.engine.events import CACHED, FREE, expand_runs
-from inferd.server.dashboard import DashboardHub, percentile
+from inferd.server.dashboard import DashboardHub
 from tests.server.conftest import start_server
 
 KEY = "dash-key"
@@ -145,11 +145,12 @@ def test_a_draining_server_ends_the_stream(tiny_models):
         assert time.monotonic() - t < 10
 
 
-def test_percentile_nearest_rank():
-    assert percentile([], 50) is None
-    assert percentile([5.0], 99) == 5.0
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) == 50.0 and percentile(values, 90) == 90.0 and percentile(values, 99) == 99.0
+def test_the_dashboards_percentiles_are_the_benchmarks():
+    """One definition (tests/measure/test_stats.py): the page's p99 is the number `inferd bench` reports."""
+    from inferd.bench import metrics
+    from inferd.server import dashboard
+
+    assert dashboard.percentile is metrics.percentile
 
 
 def test_a_slow_page_loses_messages_not_steps(tiny_models):
