@@ -34,11 +34,12 @@ from benchmarks.common import write_json  # noqa: E402
 from inferd.autoscale.measure import ProfileRun, StepRecorder, measure_profile
 from inferd.autoscale.sim import simulate
 from inferd.autoscale.workload import Workload
-from inferd.bench.arrivals import inter_arrival_times
 from inferd.bench.client import ClientConfig
 from inferd.bench.datasets import RandomDataset
 from inferd.bench.runner import BenchConfig, preflight, run_benchmark
 from inferd.bench.tokenizers import resolve_tokenizer
+from inferd.measure.arrivals import inter_arrival_times
+from inferd.measure.stats import percentile
 from inferd.procs import free_port
 
 RESULTS = Path(__file__).parent / "results"
@@ -118,8 +119,8 @@ def request_summary(r: dict) -> dict:
     real, sim = np.array(r["ttft_real_s"]), np.array(r["ttft_sim_s"])
     worst = np.argsort(real - sim)[-5:][::-1]
     return {
-        "send_lag_s": {"p50": float(np.median(lag)), "p95": float(np.percentile(lag, 95)), "max": float(lag.max())},
-        "ttft_real_minus_sim_s": {q: float(np.percentile(real - sim, int(q[1:]))) for q in ("p5", "p50", "p95")},
+        "send_lag_s": {"p50": percentile(lag, 50), "p95": percentile(lag, 95), "max": float(lag.max())},
+        "ttft_real_minus_sim_s": {q: percentile(real - sim, int(q[1:])) for q in ("p5", "p50", "p95")},
         "worst": [{"i": int(i), "real": float(real[i]), "sim": float(sim[i])} for i in worst],
     }
 

@@ -33,20 +33,16 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, machine, portable  # noqa: E402
 from benchmarks.gateway import build_model  # noqa: E402
 from benchmarks.procs import Proc, free_port, replica_metrics, spawn, wait_http  # noqa: E402
+from inferd.measure.arrivals import arrivals_within  # noqa: E402
+from inferd.measure.stats import percentile  # noqa: E402
 
 SECRET = "bench-secret"
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
 def _pin(cores: str) -> list[str]:
@@ -109,8 +105,7 @@ async def workload(url: str, args) -> dict:
     start = time.perf_counter()
     next_long = args.long_every / 2
     async with httpx.AsyncClient(timeout=600) as client:
-        t = 0.0
-        while t < args.duration:
+        for t in arrivals_within(args.duration, args.rate, 1.0, np.random.default_rng(args.seed)):
             await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
             words = " ".join(
                 rng.choice(["paged", "attention", "blocks", "decode", "batch", "cache"]) for _ in range(20)
@@ -120,7 +115,6 @@ async def workload(url: str, args) -> dict:
                 prompt = [rng.randrange(3, 380) for _ in range(args.long_prompt)]
                 tasks.append(asyncio.create_task(long_request(client, url, prompt, longs)))
                 next_long += args.long_every
-            t += rng.expovariate(args.rate)
         failures = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(r, BaseException)]
     if failures:
         print(f"{len(failures)} requests failed, e.g. {failures[0]!r}", file=sys.stderr)
@@ -131,11 +125,11 @@ async def workload(url: str, args) -> dict:
         "short_requests": len(shorts),
         "failed_requests": len(failures),
         "long_requests": len(longs),
-        "short_ttft_p50_s": pct(ttft, 50),
-        "short_ttft_p99_s": pct(ttft, 99),
-        "short_itl_p50_s": pct(itl, 50),
-        "short_itl_p99_s": pct(itl, 99),
-        "long_ttft_p50_s": pct([x["ttft"] for x in longs], 50),
+        "short_ttft_p50_s": percentile(ttft, 50),
+        "short_ttft_p99_s": percentile(ttft, 99),
+        "short_itl_p50_s": percentile(itl, 50),
+        "short_itl_p99_s": percentile(itl, 99),
+        "long_ttft_p50_s": percentile([x["ttft"] for x in longs], 50),
         "output_tokens_per_s": sum(s["tokens"] for s in shorts) / wall,
         "wall_s": wall,
     }

@@ -9,7 +9,8 @@ Azure LLM inference traces), or JSON lines with the same keys. Lengths are `fixe
 
 A spec string names a generator and its parameters: `poisson:rate=5,duration=600`,
 `gamma:rate=5,burstiness=0.3,duration=600`, `diurnal:mean=4,peak_to_trough=4,duration=86400,bursts=6,
-burst_x=3,burst_s=600`, `constant:rate=2,duration=60`.
+burst_x=3,burst_s=600`, `constant:rate=2,duration=60`. The random processes are `inferd.measure.arrivals`'s,
+the ones `inferd bench`, the labs and the benchmarks draw.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from inferd.errors import ConfigError
+from inferd.measure.arrivals import arrivals_within, thinned_arrivals
 
 
 @dataclass
@@ -81,13 +83,6 @@ def diurnal_rate(t: np.ndarray, mean: float, peak_to_trough: float, period: floa
     return mean * (1 - amp * np.cos(2 * np.pi * t / period))
 
 
-def _thinned(rate_fn, peak: float, duration: float, rng: np.random.Generator) -> np.ndarray:
-    """A non-homogeneous Poisson process by thinning a homogeneous one at the peak rate."""
-    n = rng.poisson(peak * duration)
-    t = np.sort(rng.uniform(0, duration, n))
-    return t[rng.uniform(0, peak, n) < rate_fn(t)]
-
-
 def generate_arrivals(spec: str, rng: np.random.Generator) -> np.ndarray:
     kind, _, rest = spec.partition(":")
     p = _params(rest)
@@ -99,12 +94,9 @@ def generate_arrivals(spec: str, rng: np.random.Generator) -> np.ndarray:
         if kind == "constant":
             return np.arange(0.0, duration, 1.0 / rate)
         shape = p.get("burstiness", 1.0) if kind == "gamma" else 1.0
-        n = int(rate * duration * 1.2 + 50)
-        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
-        t = np.cumsum(gaps)
-        while t[-1] < duration:  # rare: draw more
-            t = np.concatenate([t, t[-1] + np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n))])
-        return t[t < duration]
+        if shape <= 0:
+            raise ConfigError("burstiness must be > 0")
+        return arrivals_within(duration, rate, shape, rng)
     if kind == "diurnal":
         mean, ratio = p.get("mean", 1.0), p.get("peak_to_trough", 4.0)
         period = p.get("period", 86400.0)
@@ -118,7 +110,7 @@ def generate_arrivals(spec: str, rng: np.random.Generator) -> np.ndarray:
             return r
 
         peak = mean * 2 * ratio / (ratio + 1) * (burst_x if bursts else 1.0)
-        return _thinned(rate, peak, duration, rng)
+        return thinned_arrivals(rate, peak, duration, rng)
     raise ConfigError(f"arrivals {spec!r}: use poisson:, gamma:, diurnal:, constant: or a trace file")
 
 

@@ -20,13 +20,13 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from inferd.bench.arrivals import inter_arrival_times
 from inferd.bench.client import ClientConfig, RequestOutput, StreamingClient, normalize_base_url
 from inferd.bench.cost import best_level, cost_fields
 from inferd.bench.datasets import BenchRequest, Dataset
 from inferd.bench.metrics import DEFAULT_PERCENTILES, RequestTiming, compute_run_metrics, error_kind
 from inferd.bench.tokenizers import Tokenizer
 from inferd.errors import InferdError
+from inferd.measure.arrivals import inter_arrival_times
 
 logger = logging.getLogger(__name__)
 

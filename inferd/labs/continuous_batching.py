@@ -8,8 +8,9 @@ import statistics
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import Job, Run, poisson_times, random_prompts, serve
+from inferd.labs.drive import Job, Run, random_prompts, serve
 from inferd.labs.ttft import capacity_rps
+from inferd.measure.arrivals import arrival_offsets
 
 OUT_LENGTHS = {True: (4, 40), False: (8, 96)}  # by quick
 OVERLOAD = 2.0  # arrivals at twice what the engine serves: there is always someone waiting for a slot
@@ -25,7 +26,10 @@ def workload(ctx: LabContext, rate: float, seed: int = 0) -> list[Job]:
     lo, hi = OUT_LENGTHS[ctx.quick]
     rng = random.Random(seed)
     prompts = random_prompts(rng, ctx.facts().vocab, count, prompt_len)
-    return [Job(p, rng.randint(lo, hi), at=t) for p, t in zip(prompts, poisson_times(count, rate, seed), strict=True)]
+    return [
+        Job(p, rng.randint(lo, hi), at=t)
+        for p, t in zip(prompts, arrival_offsets(count, rate, 1.0, seed).tolist(), strict=True)
+    ]
 
 
 def slot_use(run: Run, batch: int) -> float:

@@ -73,14 +73,6 @@ class Fleet:
             p.stop()
 
 
-def pct(xs: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank), NaN-free: 0 for no samples."""
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
-
-
 @dataclass
 class Streamed:
     ttft: float

@@ -17,11 +17,14 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.disagg_fleet import Fleet, delta, leases_released, pct, stream, usable_cores
+from inferd.labs.disagg_fleet import Fleet, delta, leases_released, stream, usable_cores
 from inferd.labs.procs import metrics
+from inferd.measure.arrivals import arrivals_within
+from inferd.measure.stats import percentile
 
 DEFINITION = (
     "running prefill and decode on separate workers (or GPUs) and moving the KV cache between them, so long "
@@ -44,6 +47,11 @@ def load_for(ctx: LabContext) -> Load:
     return ctx.size(Load(4.0, 4.0, 24, 16, 900, 1.0), Load(30.0, 2.0, 24, 32, 1024, 5.0))
 
 
+def _ms(seconds: list[float], p: float) -> float:
+    """The p-th percentile in milliseconds, 0 for no samples (the lab's numbers stay numbers)."""
+    return 1000 * (percentile(seconds, p) or 0.0)
+
+
 async def _workload(url: str, load: Load, vocab: int) -> dict:
     """Poisson short requests plus a long prompt every `long_every` s; every request read to its end."""
     rng = random.Random(load.seed)
@@ -59,22 +67,20 @@ async def _workload(url: str, load: Load, vocab: int) -> dict:
         async def long() -> None:
             longs.append(await stream(client, url, [rng.randrange(16, hi) for _ in range(load.long_prompt)], 2))
 
-        start = time.perf_counter()
-        t, next_long = 0.0, load.long_every / 2
-        while t < load.seconds:
+        start, next_long = time.perf_counter(), load.long_every / 2
+        for t in arrivals_within(load.seconds, load.rate, 1.0, np.random.default_rng(load.seed)):
             await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
             tasks.append(asyncio.create_task(short()))
             if t >= next_long:
                 tasks.append(asyncio.create_task(long()))
                 next_long += load.long_every
-            t += rng.expovariate(load.rate)
         failures = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(r, BaseException)]
     itl = [g for s in shorts for g in s.itls]
     return {
         "sent": len(tasks), "failed": len(failures), "shorts": len(shorts), "longs": len(longs),
-        "itl_p50_ms": 1000 * pct(itl, 50), "itl_p99_ms": 1000 * pct(itl, 99), "itl_max_ms": 1000 * max(itl, default=0),
-        "ttft_p50_ms": 1000 * pct([s.ttft for s in shorts], 50),
-        "long_ttft_p50_ms": 1000 * pct([s.ttft for s in longs], 50),
+        "itl_p50_ms": _ms(itl, 50), "itl_p99_ms": _ms(itl, 99), "itl_max_ms": 1000 * max(itl, default=0),
+        "ttft_p50_ms": _ms([s.ttft for s in shorts], 50),
+        "long_ttft_p50_ms": _ms([s.ttft for s in longs], 50),
         "error": repr(failures[0]) if failures else "", "itls_ms": sorted(1000 * g for g in itl),
     }  # fmt: skip
 

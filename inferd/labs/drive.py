@@ -227,13 +227,3 @@ def _served(out, t0: float) -> Served:
         output_tokens=m.num_generation_tokens,
         cached_tokens=m.num_cached_tokens,
     )
-
-
-def poisson_times(count: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival offsets (seconds) of a Poisson process at `rate` requests/s, reproducible from `seed`."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(count):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out

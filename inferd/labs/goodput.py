@@ -10,8 +10,9 @@ import random
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import Job, poisson_times, random_prompts, serve
+from inferd.labs.drive import Job, random_prompts, serve
 from inferd.labs.ttft import capacity_rps
+from inferd.measure.arrivals import arrival_offsets
 
 DEFINITION = "throughput that also meets latency SLOs. The number that actually matters for capacity planning."
 TTFT_FACTOR, TPOT_FACTOR = 4.0, 2.5
@@ -30,7 +31,8 @@ def measure(ctx: LabContext) -> Measurement:
     series = {"load": loads, "rate": [], "tok_s": [], "goodput": [], "attainment": []}
     for i, load in enumerate(loads):
         prompts = random_prompts(rng, vocab, count, prompt_len)
-        jobs = [Job(p, out_len, at=t) for p, t in zip(prompts, poisson_times(count, load * capacity, i), strict=True)]
+        times = arrival_offsets(count, load * capacity, 1.0, seed=i).tolist()
+        jobs = [Job(p, out_len, at=t) for p, t in zip(prompts, times, strict=True)]
         r = serve(llm, jobs).metrics(slos)
         series["rate"].append(load * capacity)
         series["tok_s"].append(r["output_throughput"])

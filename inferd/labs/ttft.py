@@ -8,7 +8,8 @@ import statistics
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import Job, poisson_times, random_prompts, serve
+from inferd.labs.drive import Job, random_prompts, serve
+from inferd.measure.arrivals import arrival_offsets
 
 DEFINITION = (
     "latency from request arrival to the first token. Dominated by queueing and prefill. It is the metric users "
@@ -35,7 +36,7 @@ def measure(ctx: LabContext) -> Measurement:
     series = {"load": loads, "queue_ms": [], "prefill_ms": [], "ttft_ms": []}
     for i, load in enumerate(loads):
         prompts = random_prompts(rng, ctx.facts().vocab, count, prompt_len)
-        times = poisson_times(count, load * capacity, seed=i)
+        times = arrival_offsets(count, load * capacity, 1.0, seed=i).tolist()
         run = serve(llm, [Job(p, out_len, at=t) for p, t in zip(prompts, times, strict=True)])
         series["queue_ms"].append(statistics.mean(s.queueing for s in run.served) * 1000)
         series["prefill_ms"].append(statistics.mean(s.prefill for s in run.served) * 1000)

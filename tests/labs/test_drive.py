@@ -3,7 +3,7 @@ number of steps, and static batches that start only when full (or overdue, or wh
 
 from __future__ import annotations
 
-from inferd.labs.drive import Job, _Feeder, poisson_times
+from inferd.labs.drive import Job, _Feeder
 
 
 def _jobs(times: list[float]) -> list[Job]:
@@ -41,12 +41,6 @@ def test_a_step_triggered_job_arrives_after_that_many_steps_or_when_nothing_else
     assert [i for i, _ in f.arrivals(0.2, 3, 1)] == [1]
     stalled = _Feeder([Job([6], 2, at_step=3)], None, None, 0.5)
     assert [i for i, _ in stalled.arrivals(0.0, 0, 0)] == [0]  # no step would ever come
-
-
-def test_poisson_times_are_reproducible_with_the_right_mean():
-    times = poisson_times(2000, rate=10.0, seed=3)
-    assert times == poisson_times(2000, rate=10.0, seed=3) and times[0] == 0.0
-    assert abs(times[-1] / 1999 - 0.1) < 0.01
 
 
 def test_lab_all_goes_on_past_a_lab_that_cannot_run(tmp_path, monkeypatch, capsys):

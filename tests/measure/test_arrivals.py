@@ -1,3 +1,5 @@
+"""Arrival processes: the rate sets the mean gap, burstiness the spread; schedules by count or over a duration."""
+
 from __future__ import annotations
 
 import math
@@ -5,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from inferd.bench.arrivals import arrival_offsets, inter_arrival_times
+from inferd.measure.arrivals import arrival_offsets, arrivals_within, inter_arrival_times, thinned_arrivals
 
 
 @pytest.mark.parametrize("rate", [0.5, 4.0, 50.0])
@@ -34,3 +36,18 @@ def test_arrivals_are_reproducible_from_the_seed():
 def test_bad_settings_raise(rate, burstiness):
     with pytest.raises(ValueError):
         inter_arrival_times(3, rate, burstiness, np.random.default_rng(0))
+
+
+def test_a_process_over_a_duration_has_the_rate_and_stays_inside_it():
+    t = arrivals_within(1000.0, 5.0, 1.0, np.random.default_rng(4))
+    assert np.all(np.diff(t) >= 0) and t[0] > 0 and t[-1] < 1000.0
+    assert len(t) == pytest.approx(5000, rel=0.05)
+    assert len(arrivals_within(10.0, 200.0, 0.3, np.random.default_rng(0))) == pytest.approx(2000, rel=0.2)
+    with pytest.raises(ValueError):
+        arrivals_within(10.0, 0.0, 1.0, np.random.default_rng(0))
+
+
+def test_thinning_follows_the_rate_over_time():
+    t = thinned_arrivals(lambda x: np.where(x < 500, 1.0, 3.0), 3.0, 1000.0, np.random.default_rng(5))
+    assert np.all(np.diff(t) >= 0)
+    assert (t < 500).sum() == pytest.approx(500, rel=0.15) and (t >= 500).sum() == pytest.approx(1500, rel=0.1)
