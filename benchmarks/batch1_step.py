@@ -1,7 +1,8 @@
 """A decode step at batch 1, per mode: what one stream (concurrency 1) is bound by.
 
 For each mode the engine decodes one request and the step is timed (median of `--steps`); the weights the
-step reads are summed, so the JSON says how close each mode comes to the machine's memory bandwidth,
+step reads are summed (`inferd.measure.model.weight_bytes`: the linear layers as stored, the LM head's
+tiles included), so the JSON says how close each mode comes to the machine's memory bandwidth,
 measured in the same run. Modes are loaded one after another and the whole list is repeated (`--rounds`),
 so a drift of the machine's speed shows up as a spread rather than as a difference between modes.
 
@@ -15,11 +16,11 @@ import statistics
 import sys
 import time
 
-import torch
-
-from benchmarks.common import OUT_HELP, machine, memory_bandwidth_gbs, record_run
+from benchmarks.common import OUT_HELP, machine, record_run
 from inferd.config import DEFAULT_MODEL
 from inferd.engine.engine import LLM
+from inferd.measure.hardware import memory_bandwidth
+from inferd.measure.model import weight_bytes
 from inferd.sampling import SamplingParams
 
 MODES = {  # name -> LLM settings
@@ -29,24 +30,6 @@ MODES = {  # name -> LLM settings
     "int4": {"dtype": "auto", "quantization": "int4"},
 }
 PROMPT = "Tell me a long story about a dragon who guards a library of paged attention kernels. " * 3
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the linear layers' weights, the LM head's tiles included: what a batch-1 step streams from
-    memory (the embedding lookup reads one row; norms and the KV cache are small at batch 1)."""
-    from inferd.models.layers import Linear
-    from inferd.models.quant import Int4Linear, Int8Linear
-
-    total = 0
-    for m in model.modules():
-        if isinstance(m, Int8Linear):
-            total += m.weight_bytes()
-        elif isinstance(m, Int4Linear):
-            total += m.qweight.numel() + (m.step.numel() + m.low.numel()) * 4
-        elif isinstance(m, Linear):  # oneDNN-packed fp32 layers drop their dense weight: count its shape
-            size = m.weight.element_size()  # packed layers keep an empty weight of their dtype
-            total += m.in_features * m.out_features * size
-    return total
 
 
 def time_mode(model_name: str, settings: dict, steps: int) -> dict:
@@ -89,7 +72,7 @@ def main() -> None:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = memory_bandwidth() / 1e9
     rounds: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode in modes:

@@ -1,4 +1,6 @@
-"""Shared helpers for the benchmark scripts: machine facts, matmul peak, FLOP counting, JSON output."""
+"""Shared helpers for the benchmark scripts: timing, machine facts, JSON output. The machine's ceilings
+(matmul peak, memory bandwidth) and a model's bytes and FLOPs come from the measuring library
+(`inferd.measure.hardware`, `inferd.measure.model`), as the labs' do."""
 
 from __future__ import annotations
 
@@ -61,27 +63,6 @@ def kernel_args(doc: str, lengths: list[int]):
     return args
 
 
-def matmul_peak_gflops(n: int = 3072, dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """Large matmul throughput in `dtype`, with torch's dense path and (fp32) oneDNN's packed linear: the
-    peak a step in that dtype is measured against (bf16 on an AMX CPU runs ~3x fp32's)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    flops = 2 * n**3
-    out = {"dtype": str(dtype).removeprefix("torch."), "dense_mm": flops / median_time(lambda: a @ b) / 1e9}
-    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        wm = b.t().contiguous().to_mkldnn()
-        out["onednn"] = (
-            flops / median_time(lambda: torch.ops.mkldnn._linear_pointwise(a, wm, None, "none", [], "")) / 1e9
-        )
-    out["peak"] = max(v for k, v in out.items() if k != "dtype")
-    return out
-
-
-def memory_bandwidth_gbs(mib: int = 1024) -> float:
-    """Read bandwidth from memory: summing a tensor far larger than the caches (a decode step's ceiling)."""
-    x = torch.ones(mib * 1024 * 1024 // 4)
-    return x.numel() * 4 / median_time(x.sum, runs=5) / 1e9
-
-
 def machine() -> dict:
     return {
         "cpu": cpu.cpu_identity()["model"] or platform.processor(),
@@ -92,35 +73,6 @@ def machine() -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "load_average_at_start": os.getloadavg(),
     }
-
-
-class FlopCounter:
-    """Model FLOPs of a decoder: 2 per weight per token for the body, the LM head only where sampled,
-    plus attention (QK^T and PV) over each token's visible context."""
-
-    def __init__(self, model):
-        cfg = model.config
-        self.hidden = cfg.hidden_size
-        self.vocab = cfg.vocab_size
-        self.layers = cfg.num_hidden_layers
-        self.heads = cfg.num_attention_heads
-        self.head_dim = model.head_dim
-        # count from the linear shapes: packed (oneDNN) and int8 layers no longer hold a dense weight
-        self.body_params = sum(
-            m.in_features * m.out_features for m in model.model.layers.modules() if hasattr(m, "out_features")
-        )
-        self.windows = [getattr(layer.self_attn, "window", None) for layer in model.model.layers]
-        self.kv_heads = cfg.num_key_value_heads
-
-    def seen(self, context: int) -> int:
-        """Keys each token attends to, summed over the layers (sliding-window layers see at most their window)."""
-        return sum(min(context, w) if w else context for w in self.windows)
-
-    def attention(self, context: int) -> int:
-        return 4 * self.seen(context) * self.heads * self.head_dim
-
-    def token(self, context: int, sampled: bool) -> int:
-        return 2 * self.body_params + self.attention(context) + (2 * self.hidden * self.vocab if sampled else 0)
 
 
 def portable(value):

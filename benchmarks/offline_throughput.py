@@ -21,17 +21,11 @@ import time
 
 import torch
 
-from benchmarks.common import (
-    OUT_HELP,
-    FlopCounter,
-    machine,
-    matmul_peak_gflops,
-    median_time,
-    memory_bandwidth_gbs,
-    record_run,
-)
+from benchmarks.common import OUT_HELP, machine, median_time, record_run
 from inferd import LLM, SamplingParams
 from inferd.config import DEFAULT_MODEL
+from inferd.measure.hardware import matmul_peak, memory_bandwidth
+from inferd.measure.model import ModelFacts, model_facts
 
 
 def make_workload(n: int, seed: int, vocab_lo: int = 1000, vocab_hi: int = 200_000):
@@ -78,14 +72,11 @@ def run_hf(folder, prompts, outputs, batch_size: int) -> dict:
     return {"seconds": elapsed, "output_tokens": counted, "output_tokens_per_s": counted / elapsed}
 
 
-def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights a decode step reads: the body's linear layers and the LM head, in their stored
-    dtype (int8 where quantized; the embedding rows looked up are negligible)."""
-    model = llm.engine.model
-    flops = FlopCounter(model)
-    quantized = llm.engine.config.quantization == "int8"
-    per_weight = 1 if quantized else llm.engine.dtype_choice.dtype.itemsize
-    return (flops.body_params + flops.hidden * flops.vocab) * per_weight
+def facts(llm: LLM) -> ModelFacts:
+    """The engine's model in bytes and FLOPs: weights as stored (int8, int4 or the dtype), the KV cache in
+    its own dtype."""
+    engine = llm.engine
+    return model_facts(engine.model, engine.dtype, engine.kv_dtype)
 
 
 def fill_decode_batch(engine, prompts, max_tokens: int) -> list[str]:
@@ -100,7 +91,7 @@ def fill_decode_batch(engine, prompts, max_tokens: int) -> list[str]:
     return ids
 
 
-def decode_step_efficiency(llm: LLM, prompts, batch: int, weight_bytes: int, rounds: int = 7) -> dict:
+def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> dict:
     """Fill the batch, finish every prefill, then time decode steps and profile one. Both ceilings are
     reported: FLOP/s against the matmul peak, and bytes read (every weight once, each request's K and V)
     against the measured memory bandwidth; a step is bound by whichever it is nearer.
@@ -110,19 +101,18 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, weight_bytes: int, rou
     steps once made a 47 ms step read as 65% of the peak in one run and 40% in another. Each round's step is
     set against that round's ceilings, and the fractions are the medians over rounds."""
     engine = llm.engine
-    flops = FlopCounter(engine.model)
+    model = facts(llm)
     ids = fill_decode_batch(engine, prompts[:batch], max_tokens=64)
     running = list(engine.scheduler.running)
-    step_flops = sum(flops.token(r.num_tokens, sampled=True) for r in running)
-    kv_elem = llm.engine.kv_dtype.itemsize
-    kv_bytes = sum(2 * flops.seen(r.num_tokens) * flops.kv_heads * flops.head_dim * kv_elem for r in running)
-    step_bytes = weight_bytes + kv_bytes
+    step_flops = sum(model.flops_per_token(r.num_tokens, sampled=True) for r in running)
+    kv_bytes = sum(model.kv_bytes_read(r.num_tokens) for r in running)
+    step_bytes = model.weight_bytes + kv_bytes
     engine.step()  # warm-up
     per_round = []
     for _ in range(rounds):
         step = median_time(engine.step, runs=3, warmup=0)
-        peak = matmul_peak_gflops(dtype=engine.dtype_choice.dtype)["peak"]  # the step's own dtype sets its peak
-        bandwidth = memory_bandwidth_gbs()
+        peak = matmul_peak(3072, engine.dtype)["peak"] / 1e9  # the step's own dtype sets its peak
+        bandwidth = memory_bandwidth() / 1e9
         per_round.append(
             {
                 "step_seconds": step,
@@ -157,7 +147,7 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, weight_bytes: int, rou
         "bandwidth_gbs": statistics.median(r["bandwidth_gbs"] for r in per_round),
         "fraction_of_bandwidth": statistics.median(r["fraction_of_bandwidth"] for r in per_round),
         "rounds": per_round,
-        "lm_head_share_of_flops": len(running) * 2 * flops.hidden * flops.vocab / step_flops,
+        "lm_head_share_of_flops": len(running) * 2 * model.lm_head_params / step_flops,
         "profile_top_ops": top,
     }
 
@@ -200,7 +190,7 @@ def main() -> None:
     run_inferd(llm, prompts[:4], [8] * 4)  # warm-up
     inferd_runs = [run_inferd(llm, prompts, outputs) for _ in range(args.runs)]
     inferd_tps = statistics.median(r["output_tokens_per_s"] for r in inferd_runs)
-    decode = decode_step_efficiency(llm, prompts, args.max_num_seqs, weight_bytes(llm))
+    decode = decode_step_efficiency(llm, prompts, args.max_num_seqs)
     result = {
         "workload": {
             "num_requests": args.num_requests,

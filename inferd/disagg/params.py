@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from inferd.measure.model import kv_bytes_per_token
+
 VERSION = 1
 _HEX = set("0123456789abcdef")
 
@@ -55,7 +57,7 @@ class KVLayout:
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V."""
         elem = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}.get(self.dtype, 4)
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 from inferd.engine.sampler import Sampler, argmax_only
 from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.errors import ConfigError
+from inferd.measure.model import kv_bytes_per_token
 from inferd.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from inferd.models.base import CausalLM
 from inferd.sampling import SamplingParams
@@ -102,8 +103,7 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+        return block_size * kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype.itemsize)
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,6 +1,7 @@
 """What every lab shares in one run: the model (loaded once per set of engine settings), this machine's
-measured matmul peak and memory bandwidth, the model's shape in bytes and FLOPs, and earlier labs'
-measurements (the cost lab reuses the goodput lab's when both run).
+measured matmul peak and memory bandwidth, the model's shape in bytes and FLOPs (both from the measuring
+library, `inferd.measure`, as the benchmarks take them), and earlier labs' measurements (the cost lab
+reuses the goodput lab's when both run).
 
 `--quick` swaps the default model for a tiny random-weight Llama built on the fly (`inferd.labs.tiny`), so
 every lab finishes in seconds; its numbers show the mechanics, not a real model's speed, and each lab's
@@ -12,7 +13,6 @@ from __future__ import annotations
 import gc
 import os
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -23,40 +23,25 @@ import torch
 
 from inferd.bench.results import machine_info
 from inferd.config import DEFAULT_MODEL
+from inferd.measure.hardware import matmul_peak, memory_bandwidth
+from inferd.measure.model import ModelFacts
+from inferd.measure.model import model_facts as facts_of
 
 if TYPE_CHECKING:
     from inferd.engine.engine import LLM
     from inferd.labs.base import Measurement
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def best_time(fn: Callable[[], object], device: torch.device, runs: int = 5) -> float:
-    """Fastest of `runs` timed calls after one warm-up: a peak, so the least disturbed run counts."""
-    fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 @dataclass(frozen=True)
 class Hardware:
-    """This machine's ceilings, measured, not looked up: a roofline needs both."""
+    """This machine's ceilings, measured (`inferd.measure.hardware`), not looked up: a roofline needs both."""
 
     device: str
     dtype: str
     matmul_flops: float  # FLOP/s of a large square matmul in the model's dtype
     matmul_n: int
-    memory_bandwidth: float  # bytes/s of a large tensor copy (read + write counted)
-    copy_bytes: int
+    memory_bandwidth: float  # bytes/s read from memory
+    probe_bytes: int  # of the tensor the bandwidth was read from
 
     @property
     def ridge(self) -> float:
@@ -65,74 +50,15 @@ class Hardware:
 
 
 def measure_hardware(device: torch.device, dtype: torch.dtype, quick: bool) -> Hardware:
-    n = 512 if quick else 2048
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    flops = 2 * n**3 / best_time(lambda: a @ b, device, runs=3 if quick else 5)
-    elems = (64 if quick else 512) * 2**20 // 4  # past the last-level cache, so it measures memory
-    src = torch.ones(elems, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * 4
-    bandwidth = 2 * nbytes / best_time(lambda: dst.copy_(src), device, runs=3 if quick else 5)
-    return Hardware(device.type, str(dtype).removeprefix("torch."), flops, n, bandwidth, nbytes)
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """A loaded model's size in the units the labs reason in: parameters, bytes, FLOPs per token."""
-
-    name: str
-    dtype: str
-    elem_bytes: int
-    hidden: int
-    vocab: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    body_params: int  # the decoder layers' matmul weights
-    lm_head_params: int
-    windows: tuple[int | None, ...]  # sliding window per layer (None: full attention)
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of weights one forward pass reads (the embedding is a gather of a few rows, not counted)."""
-        return (self.body_params + self.lm_head_params) * self.elem_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.elem_bytes
-
-    def kv_bytes_read(self, context: int) -> int:
-        """K/V bytes one query reads at this context: sliding layers only their window."""
-        per_layer_token = 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
-        return sum(per_layer_token * (min(context, w) if w else context) for w in self.windows)
-
-    def flops_per_token(self, context: int, sampled: bool = True) -> int:
-        attention = sum(4 * (min(context, w) if w else context) * self.num_heads * self.head_dim for w in self.windows)
-        return 2 * self.body_params + attention + (2 * self.lm_head_params if sampled else 0)
+    n, nbytes, runs = (512, 64 * 2**20, 3) if quick else (2048, 2**30, 5)
+    flops = matmul_peak(n, dtype, device, runs)["peak"]
+    bandwidth = memory_bandwidth(nbytes, device, runs)
+    return Hardware(device.type, str(dtype).removeprefix("torch."), float(flops), n, bandwidth, nbytes)
 
 
 def model_facts(llm: LLM, name: str) -> ModelFacts:
-    model = llm.engine.model
-    cfg = model.config
-    # count from the Linear shapes: packed (oneDNN) layers no longer hold a dense weight parameter
-    body = sum(m.in_features * m.out_features for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    windows = tuple(getattr(layer.self_attn, "window", None) for layer in model.model.layers)
-    return ModelFacts(
-        name=name,
-        dtype=str(llm.engine.dtype).removeprefix("torch."),
-        elem_bytes=torch.empty((), dtype=llm.engine.dtype).element_size(),
-        hidden=cfg.hidden_size,
-        vocab=cfg.vocab_size,
-        num_layers=model.num_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        body_params=body,
-        lm_head_params=cfg.vocab_size * cfg.hidden_size,
-        windows=windows,
-    )
+    engine = llm.engine
+    return facts_of(engine.model, engine.dtype, engine.kv_dtype, name)
 
 
 def _flat_defaults() -> dict:

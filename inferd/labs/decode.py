@@ -107,10 +107,10 @@ def explain(m: Measurement) -> Explanation:
             n,
             "bw_pct_b1 >= 50.0",
             yes="At batch 1 a step reads {mb_read_b1} MB of weights and KV cache in {step_ms_b1} ms: {gb_s_b1} GB/s, "
-            "{bw_pct_b1}% of the {bandwidth_gb_s} GB/s this machine copies: memory-bandwidth-bound, as the "
+            "{bw_pct_b1}% of the {bandwidth_gb_s} GB/s this machine reads: memory-bandwidth-bound, as the "
             "glossary says.",
             no="At batch 1 a step reads {mb_read_b1} MB of weights and KV cache in {step_ms_b1} ms: {gb_s_b1} GB/s, "
-            "only {bw_pct_b1}% of the {bandwidth_gb_s} GB/s this machine copies. This decode is not "
+            "only {bw_pct_b1}% of the {bandwidth_gb_s} GB/s this machine reads. This decode is not "
             "memory-bandwidth-bound here, contrary to the glossary.",
         ),
         decide(

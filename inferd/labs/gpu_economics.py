@@ -30,9 +30,10 @@ def precision_modes() -> list[str]:
 
 
 def projected_step_ms(facts, batch: int, context: int, flops: float, bandwidth: float, elem_bytes: int) -> float:
-    """Roofline time of one decode step: the larger of reading the bytes and doing the FLOPs; no overheads."""
-    scale = elem_bytes / facts.elem_bytes
-    nbytes = (facts.weight_bytes + batch * facts.kv_bytes_read(context)) * scale
+    """Roofline time of one decode step, weights and KV in a dtype of `elem_bytes`: the larger of reading the
+    bytes and doing the FLOPs; no overheads."""
+    weights = (facts.body_params + facts.lm_head_params) * elem_bytes
+    nbytes = weights + batch * facts.kv_bytes_read(context) * elem_bytes / facts.kv_elem_bytes
     return max(nbytes / bandwidth, batch * facts.flops_per_token(context) / flops) * 1000
 
 
@@ -53,11 +54,11 @@ def measure(ctx: LabContext) -> Measurement:
         m.series[f"{name} tok_s"] = [b / s * 1000 for b, s in zip(batches, steps, strict=True)]
     g = GPU_PROFILES[HEADLINE]
     lo, hi = batches[0], batches[-1]
-    bytes_tok = facts.kv_bytes_read(context) * 2 / facts.elem_bytes
+    bytes_tok = facts.kv_bytes_read(context) * 2 / facts.kv_elem_bytes
     flops_tok = facts.flops_per_token(context)
     # the batch at which the projected step stops being bandwidth-bound: b*flops/F = (W + b*kv)/B
     denom = flops_tok / g["flops"] - bytes_tok / g["bandwidth"]
-    weights_bf16 = facts.weight_bytes * 2 / facts.elem_bytes
+    weights_bf16 = (facts.body_params + facts.lm_head_params) * 2
     m.numbers.update(
         b_lo=lo,
         b_hi=hi,

@@ -97,6 +97,11 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
 
+    def weight_bytes(self) -> int:
+        """What a pass over the layer reads: its weights in their dtype, from the shape (a packed layer
+        keeps an empty dense weight of that dtype)."""
+        return self.in_features * self.out_features * self.weight.element_size()
+
     def pack_for_cpu(self, drop_dense: bool) -> None:
         """Hand the matmul to oneDNN: fp32 as a plain oneDNN tensor, bf16 reordered into oneDNN's blocked
         layout for its AMX/AVX512_BF16 kernels (`ONEDNN_BATCH_HINT`)."""

@@ -238,6 +238,10 @@ class Int4Linear(QuantizedLinear):
     def from_linear(cls, linear: nn.Linear, kernels) -> Int4Linear:
         return cls(*quantize_int4(linear.weight), linear.bias, kernels)
 
+    def weight_bytes(self) -> int:
+        """What a pass over the layer reads: two int4 weights a byte, and each group's float32 step and low."""
+        return self.qweight.numel() + (self.step.numel() + self.low.numel()) * 4
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(self.qweight, self.step, self.low).to(dtype)
 
