@@ -33,6 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, machine, write_json  # noqa: E402
 from benchmarks.procs import free_port, replica_metrics, spawn, start_gateway, start_replica, wait_http  # noqa: E402
+from inferd.labs.tiny import build_tokenizer, llama_config, write_random_model  # noqa: E402
+from inferd.measure.stats import percentile  # noqa: E402
 
 
 # -- a fast fake upstream, run as `python benchmarks/gateway.py --fake-upstream PORT` -------------------
@@ -75,11 +77,6 @@ def cpu_seconds(pid: int) -> float:
     far less than it skews latencies."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def _latencies(url: str, body: dict, n: int) -> list[float]:
@@ -135,10 +132,10 @@ def overhead(args, logs: Path) -> dict:
                     _throughput(fake.url + "/v1/completions", body, args.overhead_requests * 2, 32)
                 )
                 out["stream" if stream else "non_stream"] = {
-                    "direct_p50_ms": 1000 * pct(direct, 0.5),
-                    "gateway_p50_ms": 1000 * pct(via, 0.5),
-                    "added_p50_ms": 1000 * (pct(via, 0.5) - pct(direct, 0.5)),
-                    "added_p99_ms": 1000 * (pct(via, 0.99) - pct(direct, 0.99)),
+                    "direct_p50_ms": 1000 * percentile(direct, 50),
+                    "gateway_p50_ms": 1000 * percentile(via, 50),
+                    "added_p50_ms": 1000 * (percentile(via, 50) - percentile(direct, 50)),
+                    "added_p99_ms": 1000 * (percentile(via, 99) - percentile(direct, 99)),
                     "gateway_cpu_ms_per_request": gw_cpu,
                     "upstream_cpu_ms_per_request": up_cpu,
                     "gateway_requests_per_s_c32": rps,
@@ -152,49 +149,13 @@ def overhead(args, logs: Path) -> dict:
 
 
 # -- routing gain --------------------------------------------------------------------------------------
-# what the benchmark model's byte-level BPE tokenizer is trained on (the weights are random anyway)
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog. ",
-    "Question: What is the capital of France?\nAnswer: Paris. ",
-    "Paged attention stores keys and values in fixed-size blocks. ",
-    "Continuous batching lets requests join and leave every step. ",
-    "def add(a, b):\n    return a + b\n",
-    "1234567890 + - * / = ( ) [ ] { } < > ! ? , . ; : ' \" ",
-]
-
-
-def build_tokenizer(vocab_size: int):
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(_CORPUS * 20, vocab_size=vocab_size, special_tokens=["<pad>", "<eos>", "<bos>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-
-
 def build_model(folder: Path, hidden: int, layers: int) -> Path:
-    import torch
-    import transformers as tf
-
+    """A random-weight Llama of this size in `folder` (kept there: a later run reuses it)."""
     if (folder / "config.json").exists():
         return folder
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=384,
-        hidden_size=hidden,
-        intermediate_size=hidden * 4,
-        num_hidden_layers=layers,
-        num_attention_heads=max(4, hidden // 64),
-        num_key_value_heads=max(4, hidden // 64),
-        max_position_embeddings=4096,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-        architectures=["LlamaForCausalLM"],
-    )
-    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
-    build_tokenizer(cfg.vocab_size).save_pretrained(folder)
-    return folder
+    heads = max(4, hidden // 64)
+    config = llama_config(384, hidden, hidden * 4, layers, heads, heads)
+    return write_random_model(folder, config, build_tokenizer(config.vocab_size))
 
 
 def workload(seed: int, systems: int, users: int, system_words: int) -> list[str]:
@@ -272,7 +233,7 @@ def routing_gain(args, logs: Path) -> dict:
 
             out[name] = {
                 "ttft_mean_s": statistics.mean(ttft),
-                "ttft_p99_s": pct(ttft, 0.99),
+                "ttft_p99_s": percentile(ttft, 99),
                 "prefix_hit_rate": delta("inferd:prefix_cache_hits_total")
                 / max(1.0, delta("inferd:prefix_cache_queries_total")),
                 "requests": len(ttft),

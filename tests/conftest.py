@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from inferd.labs import tiny
+
 TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 
 _CORPUS = [
@@ -34,14 +36,8 @@ VOCAB = 384
 
 
 def build_tokenizer():
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(_CORPUS * 20, vocab_size=VOCAB, min_frequency=1, special_tokens=["<pad>", "<eos>", "<bos>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    """The tests' tokenizer: a corpus with non-ASCII text, and a chat template."""
+    return tiny.build_tokenizer(VOCAB, _CORPUS, CHAT_TEMPLATE)
 
 
 def tiny_config(arch: str):
@@ -94,19 +90,15 @@ def tiny_config(arch: str):
 
 
 def build_tiny_model(arch: str, folder: Path) -> Path:
-    import transformers as tf
-
-    torch.manual_seed(1234)
     config = tiny_config(arch)
     config.initializer_range = 0.2  # peaked distributions: greedy ties would make exactness tests fragile
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random norms too, so a wrong norm formula cannot hide behind weight=1
+
+    def random_norms(model) -> None:  # so a wrong norm formula cannot hide behind weight=1
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if arch == "gemma3" else 1.0))
-    model.save_pretrained(folder)
-    build_tokenizer().save_pretrained(folder)
-    return folder
+
+    return tiny.write_random_model(folder, config, build_tokenizer(), seed=1234, adjust=random_norms)
 
 
 @pytest.fixture(scope="session")
