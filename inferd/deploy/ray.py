@@ -116,15 +116,6 @@ async def asgi_call(app, method: str, path: str, headers: list[tuple[str, str]],
             await asyncio.wait_for(task, timeout=30)
 
 
-def engine_config(spec: FleetSpec, model: ModelSpec, pool: PoolSpec):
-    """The engine config `inferd serve` would build from the pool's flags (`FleetSpec.serve_argv`), so a
-    replica on Ray runs with exactly the settings of one on Kubernetes or under `inferd up`."""
-    from inferd.cli import build_parser
-    from inferd.config import engine_config_from_args
-
-    return engine_config_from_args(build_parser().parse_args(["serve", *spec.serve_argv(model, pool)]))
-
-
 class EngineReplica:
     """inferd's engine and server app in one Serve replica."""
 
@@ -135,7 +126,7 @@ class EngineReplica:
 
         fleet = FleetSpec.model_validate(spec)
         model, pool_spec = next((m, p) for m, p in fleet.pools() if p.name == pool)
-        engine = Engine(engine_config(fleet, model, pool_spec))
+        engine = Engine(model.engine_config(pool_spec))  # as `inferd serve` reads the pool's flags
         settings = ServerSettings([model.name, *model.aliases], model_root=model.model, metrics_names=metrics_names)
         self.app = create_app(engine, settings)
         self.state = self.app.state.inferd
@@ -301,9 +292,11 @@ def _error(e: GatewayError) -> JSONResponse:
 
 
 @dataclass
-class _Route:
+class Route:
+    """Where a model's requests go: its pools, each with its engine's block size (what its prefix keys hash)."""
+
     model: ModelSpec
-    pools: list[str]
+    block_sizes: dict[str, int]
     tokenizer: Any  # tokenizers.Tokenizer or None (no prefix affinity)
 
 
@@ -314,6 +307,15 @@ def _load_tokenizer(model: ModelSpec):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def model_routes(spec: FleetSpec) -> dict[str, Route]:
+    """Each name and alias a client may send as `model` -> its route."""
+    routes = {}
+    for m in spec.models:
+        route = Route(m, {p.name: m.engine_config(p).cache.block_size for p in m.pools}, _load_tokenizer(m))
+        routes |= dict.fromkeys([m.name, *m.aliases], route)
+    return routes
 
 
 def _prompt_text(kind: str, body: dict) -> str | list[int] | None:
@@ -353,13 +355,9 @@ class OpenAIIngress:
     def __init__(self, spec: dict, engines: dict[str, Any]):
         self.spec = FleetSpec.model_validate(spec)
         self.engines = engines
-        self.routes: dict[str, _Route] = {}
-        for m in self.spec.models:
-            route = _Route(m, [p.name for p in m.pools], _load_tokenizer(m))
-            for name in [m.name, *m.aliases]:
-                self.routes[name] = route
+        self.routes = model_routes(self.spec)
 
-    def _hashes(self, route: _Route, pool: str, kind: str, body: dict) -> list[bytes]:
+    def _hashes(self, route: Route, pool: str, kind: str, body: dict) -> list[bytes]:
         prompt = _prompt_text(kind, body)
         if prompt is None or (isinstance(prompt, str) and route.tokenizer is None):
             return []
@@ -368,9 +366,8 @@ class OpenAIIngress:
             ids = route.tokenizer.encode(prompt[:MAX_ROUTED_CHARS], add_special_tokens=True).ids
         else:
             ids = prompt
-        pool_spec = next(p for p in route.model.pools if p.name == pool)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        hashes = block_hashes(ids, route.model.engine_settings(pool_spec).get("block_size", 16), salt)
+        hashes = block_hashes(ids, route.block_sizes[pool], salt)
         return hashes[:-1] if cut else hashes  # a token may straddle the cut: its block is not trusted
 
     async def _openai(self, request: Request, kind: str) -> Response:
@@ -384,7 +381,7 @@ class OpenAIIngress:
         route = self.routes.get(body.get("model")) if isinstance(body.get("model"), str) else None
         if route is None:
             return _error(model_not_found(body.get("model"), list(self.routes)))
-        pool = random.choice(route.pools)
+        pool = random.choice(list(route.block_sizes))
         headers = [(k, v) for k, v in request.headers.items() if k in ("content-type", "authorization", "accept")]
         stream = body.get("stream") is True
         req = RoutedRequest(request.url.path, raw, headers, stream, self._hashes(route, pool, kind, body))
@@ -443,10 +440,10 @@ def deployment_options(model: ModelSpec, pool: PoolSpec, opts: RayOptions) -> di
     actor: dict[str, Any] = {"num_cpus": r.cpu, "memory": parse_memory(r.memory)}
     if r.gpu:
         actor["num_gpus"] = r.gpu
-    seqs = model.engine_settings(pool).get("max_num_seqs", 64)
+    seqs = model.engine_config(pool).scheduler.max_num_seqs
     out: dict[str, Any] = {
         "name": deployment_name(pool),
-        "max_ongoing_requests": opts.max_ongoing_requests or 2 * int(seqs),
+        "max_ongoing_requests": opts.max_ongoing_requests or 2 * seqs,
         "ray_actor_options": actor,
         "health_check_period_s": 5,
         "graceful_shutdown_timeout_s": 30,

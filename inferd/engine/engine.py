@@ -35,8 +35,6 @@ from inferd.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_MAX_DEFAULT_LEN = 8192
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -94,7 +92,7 @@ class Engine:
         folder = loader.resolve_model(config.model)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or folder)
         hf_config = loader.text_config(loader.load_config(folder))
-        self.max_model_len = config.max_model_len or min(loader.model_max_len(hf_config), _MAX_DEFAULT_LEN)
+        self.max_model_len = config.context_len(loader.model_max_len(hf_config))
         self.model = loader.load_model(
             folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, config.quantization
         )
@@ -141,7 +139,7 @@ class Engine:
     def _num_blocks(self) -> int:
         cache = self.config.cache
         per_block = ModelRunner.bytes_per_block(self.model, cache.block_size, self.kv_dtype)
-        num_blocks = cache.num_blocks or cache.kv_cache_memory // per_block
+        num_blocks = cache.blocks(per_block)
         tokens = num_blocks * cache.block_size
         if tokens < self.max_model_len:
             raise ConfigError(

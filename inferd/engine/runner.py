@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferd.config import engine_default
 from inferd.engine.sampler import Sampler, argmax_only
 from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.errors import ConfigError
@@ -59,8 +60,8 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        attention_backend: str = "auto",
-        seed: int = 0,
+        attention_backend: str = engine_default("attention_backend"),
+        seed: int = engine_default("seed"),
         kv_dtype: torch.dtype | None = None,
     ):
         self.model = model

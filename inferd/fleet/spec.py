@@ -21,7 +21,7 @@ gateway:                             # inferd gateway's settings, less `pools` a
 
 A model has either `both` pools, or exactly one `prefill` and one `decode` pool (disaggregated).
 Everything here is checked when the file is read, with errors naming the line; the tools that consume
-the spec (`serve_argv`, `gateway_config`) never meet an invalid one.
+the spec (`serve_argv`, `engine_config`, `gateway_config`) never meet an invalid one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from inferd.config import DEFAULT_MODEL, _settings, make_engine_config, parse_memory, read_settings
+from inferd.config import (
+    DEFAULT_MODEL,
+    EngineConfig,
+    engine_argv,
+    engine_config_from_argv,
+    parse_memory,
+)
 from inferd.errors import ConfigError
 from inferd.gateway.config import GatewayConfig
 from inferd.yaml_config import RefError, parse_yaml_model, read_text
@@ -142,8 +148,8 @@ class ModelSpec(_Model):
         for where, settings in [(("engine",), self.engine)] + [
             (("pools", i, "engine"), p.engine) for i, p in enumerate(self.pools)
         ]:
-            try:
-                make_engine_config(self.model, **read_settings(self.engine | settings))
+            try:  # read as a replica reads its flags
+                engine_config_from_argv(["--model", self.model, *engine_argv(self.engine | settings)]).validate()
             except (ConfigError, TypeError) as e:
                 raise RefError(where, str(e)) from None
         return self
@@ -154,6 +160,19 @@ class ModelSpec(_Model):
 
     def engine_settings(self, pool: PoolSpec) -> dict[str, Any]:
         return self.engine | pool.engine
+
+    def engine_flags(self, pool: PoolSpec) -> list[str]:
+        """The engine flags of one replica of `pool`, less --model: its settings, and its threads from
+        resources.cpu unless the settings name them."""
+        settings = self.engine_settings(pool)
+        if "num_threads" not in settings:
+            settings = settings | {"num_threads": pool.resources.threads}
+        return engine_argv(settings)
+
+    def engine_config(self, pool: PoolSpec) -> EngineConfig:
+        """The engine config `inferd serve` builds from a replica's flags: every setting the spec leaves out
+        is the engine's default (`inferd.config`)."""
+        return engine_config_from_argv(["--model", self.model, *self.engine_flags(pool)])
 
 
 class FleetSpec(_Model):
@@ -189,16 +208,7 @@ class FleetSpec(_Model):
         argv = ["--model", model.model, "--served-model-name", model.name]
         if pool.role != "both":
             argv += ["--role", pool.role]
-        flags = {f.name: kind for _, f, kind in _settings()}
-        for name, value in model.engine_settings(pool).items():
-            flag = "--" + name.replace("_", "-")
-            if flags[name] is bool:
-                argv.append(flag if value else "--no-" + flag[2:])
-            else:
-                argv += [flag, str(value)]
-        if "num_threads" not in model.engine_settings(pool):
-            argv += ["--num-threads", str(pool.resources.threads)]
-        return argv
+        return argv + model.engine_flags(pool)
 
     def gateway_config(self, endpoints: dict[str, dict[str, Any]]) -> GatewayConfig:
         """The gateway's config for this fleet, given where each front pool's replicas are found.
@@ -212,7 +222,7 @@ class FleetSpec(_Model):
         for m in self.models:
             front = [p for p in m.pools if p.role in ("both", "decode")]
             for p in front:
-                block_size = m.engine_settings(p).get("block_size", 16)
+                block_size = m.engine_config(p).cache.block_size
                 pools.append({"name": p.name, "model": m.name, "block_size": block_size} | endpoints[p.name])
             routes.append({"name": m.name, "aliases": m.aliases, "backends": [{"pool": p.name} for p in front]})
         return GatewayConfig.model_validate(self.gateway | {"pools": pools, "models": routes})

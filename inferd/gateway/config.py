@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from inferd.config import engine_default
 from inferd.yaml_config import RefError, parse_yaml_model, read_text
 
 
@@ -95,7 +96,9 @@ class PoolConfig(_Model):
     replicas_dns: DnsDiscovery | None = None
     model: str | None = Field(None, description="the model name sent upstream (default: the route's name)")
     api_key: str | None = None
-    block_size: int = Field(16, ge=1, description="the replicas' --block-size, for prefix affinity")
+    block_size: int = Field(
+        engine_default("block_size"), ge=1, description="the replicas' --block-size, for prefix affinity"
+    )
     tokenizer: str = Field(
         "replica",
         description="'replica' (ask the replica's /tokenize), a tokenizer.json path or folder, or 'estimate'",

@@ -36,26 +36,24 @@ DEFINITION = (
 MIB = 2**20
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"  # in a checkout
 
-# what each engine flag in the pod's args does, and the glossary term it belongs to
-FLAGS = {
-    "--max-num-seqs": ("most sequences in the running batch; more wait in the queue", "continuous batching"),
-    "--kv-cache-memory": ("memory reserved up front for the KV pool: the tokens that fit", "KV cache"),
-    "--num-blocks": ("KV blocks in the pool (instead of a memory size)", "PagedAttention"),
-    "--block-size": ("tokens per KV block, the page of the pool", "PagedAttention"),
-    "--max-model-len": ("longest sequence (prompt + output) one request may reach", "KV cache"),
-    "--max-num-batched-tokens": ("tokens computed per step; longer prompts are prefilled in chunks", "ITL / TPOT"),
-    "--enable-prefix-caching": ("reuse the KV blocks of a prompt prefix seen before", "SGLang"),
-    "--no-enable-prefix-caching": ("prefix reuse off", "SGLang"),
-    "--dtype": ("precision of weights and activations", "GPU economics"),
-    "--quantization": ("weights stored in fewer bits: more fits, decode reads less", "GPU economics"),
-    "--num-threads": ("CPU threads for the matmuls (the pool's resources.cpu)", "GPU economics"),
-    "--attention-backend": ("attention kernel: PyTorch reference or inferd's native one", "TensorRT-LLM"),
-    "--metrics-names": ("/metrics also under vLLM's names, read by llm-d's picker and KEDA", "vLLM"),
-    "--drain-timeout": ("on SIGTERM, seconds to finish the running batch before exiting", "continuous batching"),
-    "--model": ("the weights the engine loads", "KServe"),
-    "--served-model-name": ("the name clients send as `model`", "vLLM"),
-    "--host": ("listen on every interface of the pod", "-"),
-    "--port": ("the engine's HTTP port (OpenAI API, /health, /metrics)", "-"),
+# the glossary term each `inferd serve` flag in the pod's args belongs to (what it does is its --help)
+TERMS = {
+    "--max-num-seqs": "continuous batching",
+    "--kv-cache-memory": "KV cache",
+    "--num-blocks": "PagedAttention",
+    "--block-size": "PagedAttention",
+    "--max-model-len": "KV cache",
+    "--max-num-batched-tokens": "ITL / TPOT",
+    "--enable-prefix-caching": "SGLang",
+    "--no-enable-prefix-caching": "SGLang",
+    "--dtype": "GPU economics",
+    "--quantization": "GPU economics",
+    "--num-threads": "GPU economics",
+    "--attention-backend": "TensorRT-LLM",
+    "--metrics-names": "vLLM",
+    "--drain-timeout": "continuous batching",
+    "--model": "KServe",
+    "--served-model-name": "vLLM",
 }
 
 
@@ -116,13 +114,16 @@ def validation(objs: list[dict]) -> dict[str, Any]:
 
 # -- the field table ------------------------------------------------------------------------------------------
 def _arg_rows(args: list[str]) -> list[tuple[str, str, str, str]]:
+    from inferd.cli import flag_help
+
+    helps = flag_help(args[0])  # args[0] is the subcommand (serve)
     rows = []
-    i = 1  # args[0] is the subcommand (serve)
+    i = 1
     while i < len(args):
         flag = args[i]
         value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else ""
-        does, term = FLAGS.get(flag, ("an `inferd serve` flag (see --help)", "-"))
-        rows.append((f"c.args {flag}", value or "(on)", does, term))
+        does = helps.get(flag) or f"an `inferd {args[0]}` flag"
+        rows.append((f"c.args {flag}", value or "(on)", does, TERMS.get(flag, "-")))
         i += 2 if value else 1
     return rows
 
@@ -206,14 +207,6 @@ def _peak_rss(pid: int) -> float | None:
     return None
 
 
-def pool_config(spec, model, pool):
-    """The engine config `inferd serve` builds from the pool's flags, as the manifest runs it."""
-    from inferd.cli import build_parser
-    from inferd.config import engine_config_from_args
-
-    return engine_config_from_args(build_parser().parse_args(["serve", *spec.serve_argv(model, pool)]))
-
-
 def replica_flags(ctx: LabContext, spec, model, pool) -> list[str]:
     """The pool's `inferd serve` flags, less the model (the run's model is measured) and its name."""
     argv = spec.serve_argv(model, pool)
@@ -278,21 +271,19 @@ def weight_bytes(ctx: LabContext) -> float:
 
 
 def kv_pool_bytes(config, per_token: int) -> int:
-    """The KV pool the engine allocates at start: --num-blocks, else as many blocks as --kv-cache-memory holds."""
-    block = config.cache.block_size
-    blocks = config.cache.num_blocks or config.cache.kv_cache_memory // (block * per_token)
-    return blocks * block * per_token
+    """The KV pool the engine allocates at start for this config (`CacheConfig.blocks`, the engine's sizing)."""
+    per_block = config.cache.block_size * per_token
+    return config.cache.blocks(per_block) * per_block
 
 
 def max_model_len(config) -> int:
-    """The engine's max_model_len for this config: the flag, else the model's own limit, capped as the engine does."""
-    from inferd.engine.engine import _MAX_DEFAULT_LEN
+    """The engine's max_model_len for this config (`EngineConfig.context_len` of the model's own limit)."""
     from inferd.models import loader
 
-    if config.max_model_len:
+    if config.max_model_len:  # no need to read the model
         return config.max_model_len
     folder = loader.resolve_model(config.model)
-    return min(loader.model_max_len(loader.text_config(loader.load_config(folder))), _MAX_DEFAULT_LEN)
+    return config.context_len(loader.model_max_len(loader.text_config(loader.load_config(folder))))
 
 
 # -- the lab ------------------------------------------------------------------------------------------------
@@ -308,7 +299,7 @@ def measure(ctx: LabContext) -> Measurement:
     checked = validation(objs)
     llm = next(o for o in objs if o["kind"] == "LLMInferenceService")
     model, pool = next((m, p) for m in spec.models for p in m.pools if f"inferd-{p.name}" == llm["metadata"]["name"])
-    config = dataclasses.replace(pool_config(spec, model, pool), model=ctx.model)  # the model this run measures
+    config = dataclasses.replace(model.engine_config(pool), model=ctx.model)  # the model this run measures
     facts = ctx.facts()
     block = config.cache.block_size
     pool_bytes = kv_pool_bytes(config, facts.kv_bytes_per_token)

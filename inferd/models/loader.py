@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from inferd.config import DEFAULT_MODEL
+from inferd.config import DEFAULT_MODEL, engine_default
 from inferd.errors import ModelLoadError
 from inferd.models.base import CausalLM
 from inferd.models.layers import bf16_onednn_available, pack_linears_for_cpu, use_native_kernels
@@ -192,7 +192,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
-    cpu_linear: str = "onednn",
+    cpu_linear: str = engine_default("cpu_linear"),
     quantization: str | None = None,
 ) -> CausalLM:
     """Build the model class for `config` (a text config, see `text_config`) and fill it from `folder`.

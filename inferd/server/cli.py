@@ -23,8 +23,8 @@ def register(subparsers) -> None:
     from inferd.disagg.cli import add_serve_args
 
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API (default: the default model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API, /health and /metrics")
     p.add_argument(
         "--served-model-name", nargs="+", default=None, help="name(s) clients use for the model (default: --model)"
     )

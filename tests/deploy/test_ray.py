@@ -52,6 +52,17 @@ def test_the_serve_config_is_one_serve_accepts():
     assert app["import_path"] == "inferd.deploy.ray:build_app" and app["args"]["spec"]["models"][0]["name"] == "gemma"
 
 
+def test_a_pool_without_engine_settings_takes_the_engines_defaults():
+    """max_ongoing_requests is twice the engine's own max_num_seqs, and the prefix keys hash its own block size."""
+    from inferd.config import engine_default
+    from inferd.deploy.ray import deployment_options, model_routes
+
+    spec = parse_fleet("models:\n  - name: m\n    pools:\n      - name: m-both\n")
+    ((model, pool),) = spec.pools()
+    assert deployment_options(model, pool, RayOptions())["max_ongoing_requests"] == 2 * engine_default("max_num_seqs")
+    assert model_routes(spec)["m"].block_sizes == {"m-both": engine_default("block_size")}
+
+
 def test_the_cli_writes_the_config_and_refuses_a_disaggregated_model(tmp_path, capsys):
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(FLEET)
