@@ -25,6 +25,20 @@ def message_dict(role: str, content: str | list | None, name: str | None, index:
     return out
 
 
+def messages_text(messages: list) -> str:
+    """The text of chat messages (string contents and text parts) joined by newlines, read leniently: what is
+    not text is skipped. What a router tokenizes for prefix affinity without the template, and what a token
+    estimate counts; the template renders the real prompt (`chat_text`)."""
+    parts = []
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            parts.append(c)
+        elif isinstance(c, list):
+            parts.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return "\n".join(parts)
+
+
 def chat_text(
     tokenizer,
     conversation: list[dict],

@@ -4,7 +4,8 @@
 and the server answers them with a 4xx. `ServingError` and its subclasses are not the request's fault:
 the server cannot take it now (503 with Retry-After) or could not finish it (a 5xx or an SSE error event).
 
-`error_body` and `error_event` build the OpenAI error body that the server and the gateway both send.
+`error_body` builds the OpenAI error body, the one builder behind every error the server, the gateway, the
+Ray ingress and the disaggregation proxy send; `error_event` carries it in a stream that already began.
 """
 
 import json
@@ -70,6 +71,11 @@ def error_body(
     """OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`; building it never raises,
     whatever the client sent (every string is made valid UTF-8)."""
     return {"error": {"message": clean(message), "type": type, "param": clean(param), "code": clean(code)}}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status: the request's fault below 500, the server's from 500 on."""
+    return "invalid_request_error" if status < 500 else "server_error"
 
 
 def error_event(body: dict) -> str:

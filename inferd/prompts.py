@@ -2,7 +2,8 @@
 the 400 a request gets when it fails a pydantic type.
 
 The server's request model and the gateway both validate prompts with `Prompt`, so the two accept exactly
-the same prompts and name the same field in their errors: `prompt`, or `prompt.3` for the element at fault.
+the same prompts and name the same field in their errors: `prompt`, or `prompt.3` for the element at fault;
+`prompt_items` is how the server, the gateway and the Ray ingress read a checked prompt as its prompts.
 A token id is an integer in [0, 2^63), what the engine and the prefix cache's keys (`inferd.prefix_hash`)
 hold. The gateway cannot import `inferd.server` (it runs without the engine), so these live here.
 """
@@ -60,6 +61,14 @@ def invalid_request(errors: Sequence[dict], prefix: Sequence = ()) -> InvalidReq
     if len(errors) > 10:
         details += f"; and {len(errors) - 10} more"
     return InvalidRequestError(f"invalid request: {details}", param=params[0] if params else None)
+
+
+def prompt_items(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A prompt of one of the four shapes (as `check_prompt` returns it) as the list of prompts it is: a string
+    or one list of token ids is one prompt."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 def check_prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:

@@ -4,7 +4,8 @@
   run in the replica and called in-process over ASGI, so requests, validation, errors, SSE and
   `/metrics` are exactly `inferd serve`'s. A response streams back through Serve as (head, chunks...).
 - `OpenAIIngress`: `/v1/completions`, `/v1/chat/completions` (streaming or not), `/v1/models`,
-  `/health`. It resolves `model` (name or alias) to its pools, computes the prompt's prefix block
+  `/health`. It reads the body and the prompt as the gateway does (`inferd.gateway.errors.parse_json_body`,
+  `inferd.prompts`), resolves `model` (name or alias) to its pools, computes the prompt's prefix block
   keys (`inferd.prefix_hash`, the pool's block size) and hands the request to Serve. A non-streaming
   request whose replica dies is sent again to another one; a stream is retried until its first byte.
 - `InferdRequestRouter`: Serve's request-router extension, scoring replicas with the gateway's own
@@ -20,7 +21,6 @@
 """
 
 import asyncio
-import json
 import logging
 import math
 import random
@@ -36,15 +36,17 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from inferd.chat import messages_text
 from inferd.config import parse_memory
-from inferd.errors import ConfigError
+from inferd.errors import ConfigError, InvalidRequestError
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec, load_fleet
 from inferd.gateway.config import Scorers
-from inferd.gateway.errors import GatewayError, bad_request, model_not_found
+from inferd.gateway.errors import GatewayError, model_not_found, parse_json_body
 from inferd.gateway.picker import SCORERS, Candidate
 from inferd.gateway.prefix import MemoryPrefixIndex
 from inferd.gateway.replicas import Load, Replica
 from inferd.prefix_hash import block_hashes
+from inferd.prompts import check_prompt, prompt_items
 
 logger = logging.getLogger(__name__)
 
@@ -318,24 +320,16 @@ def model_routes(spec: FleetSpec) -> dict[str, Route]:
     return routes
 
 
-def _prompt_text(kind: str, body: dict) -> str | list[int] | None:
+def routing_prompt(kind: str, body: dict) -> str | list[int] | None:
+    """What routes a request by its prefix: a chat's message text, or a completion's first prompt (read with
+    the server's prompt type); None for a prompt the server would refuse (the replica answers that)."""
     if kind == "chat":
-        parts = []
-        for m in body.get("messages") or []:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                parts.append(c)
-            elif isinstance(c, list):
-                parts += [p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        return "\n".join(parts)
-    prompt = body.get("prompt")
-    is_ids = isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
-    if isinstance(prompt, list) and prompt and not is_ids:
-        prompt = prompt[0]  # a batch of prompts: the first one's prefix routes it
-        is_ids = isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
-    if isinstance(prompt, str) or is_ids:
-        return prompt
-    return None
+        messages = body.get("messages")
+        return messages_text(messages) if isinstance(messages, list) else ""
+    try:
+        return prompt_items(check_prompt(body.get("prompt")))[0]
+    except InvalidRequestError:
+        return None
 
 
 # (defined before the deployment: Serve serialises the class, with what it refers to, when decorating)
@@ -358,7 +352,7 @@ class OpenAIIngress:
         self.routes = model_routes(self.spec)
 
     def _hashes(self, route: Route, pool: str, kind: str, body: dict) -> list[bytes]:
-        prompt = _prompt_text(kind, body)
+        prompt = routing_prompt(kind, body)
         if prompt is None or (isinstance(prompt, str) and route.tokenizer is None):
             return []
         cut = isinstance(prompt, str) and len(prompt) > MAX_ROUTED_CHARS  # the prefix is what routes
@@ -372,12 +366,10 @@ class OpenAIIngress:
 
     async def _openai(self, request: Request, kind: str) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return _error(bad_request("the body is not valid JSON"))
-        if not isinstance(body, dict):
-            return _error(bad_request("the body must be a JSON object"))
+        try:  # read as the gateway and the server read it
+            body = parse_json_body(raw)
+        except GatewayError as e:
+            return _error(e)
         route = self.routes.get(body.get("model")) if isinstance(body.get("model"), str) else None
         if route is None:
             return _error(model_not_found(body.get("model"), list(self.routes)))

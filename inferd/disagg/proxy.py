@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from inferd import strict_json
-from inferd.errors import InvalidRequestError
+from inferd.errors import InvalidRequestError, error_body, error_event, error_type
 
 logger = logging.getLogger(__name__)
 
@@ -300,8 +300,8 @@ class Proxy:
         except httpx.HTTPError as e:  # the decode instance died mid-answer: end the stream with an error event
             logger.warning("decode instance failed mid-answer: %s", e)
             if "text/event-stream" in resp.headers.get("content-type", ""):
-                error = {"error": {"message": "the decode instance failed mid-stream", "type": "server_error"}}
-                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                error = error_event(error_body("the decode instance failed mid-stream", "server_error"))
+                yield (error + "data: [DONE]\n\n").encode()
         finally:
             done()
             await resp.aclose()
@@ -367,8 +367,8 @@ def _no_decode() -> JSONResponse:
     return _error(503, "no decode instance is ready; try again later", "service_unavailable")
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+def _error(status: int, message: str, kind: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind or error_type(status)), status_code=status)
 
 
 def create_app(settings: ProxySettings) -> FastAPI:

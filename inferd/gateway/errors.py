@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd import strict_json
-from inferd.errors import InvalidRequestError, error_body, error_event
+from inferd.errors import InvalidRequestError, error_body, error_event, error_type
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return GatewayError(exc.status_code, str(exc.detail), kind).response()
+        return GatewayError(exc.status_code, str(exc.detail), error_type(exc.status_code)).response()
 
     @app.exception_handler(Exception)
     async def _on_any(request: Request, exc: Exception) -> JSONResponse:

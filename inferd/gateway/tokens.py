@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from inferd.chat import chat_text, message_dict
-from inferd.prompts import INT64_MAX
+from inferd.chat import chat_text, message_dict, messages_text
+from inferd.prompts import INT64_MAX, prompt_items
 
 logger = logging.getLogger(__name__)
 
@@ -43,32 +43,9 @@ def _estimate(text: str) -> int:
     return max(1, (len(text.encode("utf-8")) + 3) // 4)
 
 
-def _prompt_items(prompt) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes (str, [str], [int], [[int]]; `inferd.prompts.check_prompt` has checked
-    which) as a list of prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return [prompt]
-    if isinstance(prompt, list):
-        return prompt
-    return []
-
-
 def _token_ids(value) -> bool:
     """Whether a server's /tokenize answer is token ids the prefix keys can hash (any other server may answer)."""
     return isinstance(value, list) and all(type(t) is int and 0 <= t <= INT64_MAX for t in value)
-
-
-def _chat_text(messages: list) -> str:
-    parts = []
-    for m in messages:
-        c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, str):
-            parts.append(c)
-        elif isinstance(c, list):
-            parts.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return "\n".join(parts)
 
 
 class LocalChat:
@@ -129,7 +106,7 @@ class PoolTokenizer:
     async def count(self, kind: str, body: dict, model: str, replica_url: str | None) -> PromptTokens:
         if kind == "chat":
             return await self._chat(body, model, replica_url)
-        items = _prompt_items(body.get("prompt"))
+        items = prompt_items(body["prompt"])  # checked by `inferd.prompts.check_prompt`
         ids_list = [p if isinstance(p, list) else await self._encode(p, model, replica_url) for p in items]
         if any(ids is None for ids in ids_list):
             count = sum(len(p) if isinstance(p, list) else _estimate(p) for p in items)
@@ -150,7 +127,7 @@ class PoolTokenizer:
     async def _chat(self, body: dict, model: str, replica_url: str | None) -> PromptTokens:
         messages = body.get("messages") or []
         if self.chat is not None:
-            big = len(_chat_text(messages)) > THREAD_CHARS
+            big = len(messages_text(messages)) > THREAD_CHARS
             ids = await asyncio.to_thread(self.chat.chat_ids, body) if big else self.chat.chat_ids(body)
             if ids is not None:
                 return PromptTokens(len(ids), ids)
@@ -161,7 +138,7 @@ class PoolTokenizer:
             ids = await self._ask(replica_url, payload)
             if ids is not None:
                 return PromptTokens(len(ids), ids)
-        return PromptTokens(_estimate(_chat_text(messages)), None, exact=False)
+        return PromptTokens(_estimate(messages_text(messages)), None, exact=False)
 
     async def _ask(self, replica_url: str, payload: dict) -> list[int] | None:
         """A replica's /tokenize; None when it cannot answer (then the count is estimated)."""

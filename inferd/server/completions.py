@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from inferd.outputs import RequestOutput
+from inferd.prompts import prompt_items
 from inferd.server.errors import APIError, stream_error
 from inferd.server.logprobs import completion_logprobs
 from inferd.server.params import completion_params, usage_options
@@ -22,14 +23,9 @@ async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[st
     """OpenAI's four prompt shapes (str, [str], [int], [[int]]) -> token ids and texts, one per prompt.
 
     Every text's length is checked before any is tokenized, so a refused request costs no tokenizing."""
-    if isinstance(prompt, str):
-        items = [prompt]
-    elif not prompt:
+    items = prompt_items(prompt)
+    if not items:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    elif isinstance(prompt[0], int):
-        items = [prompt]
-    else:
-        items = prompt
     texts = [p if isinstance(p, str) else None for p in items]
     for i, text in enumerate(texts):
         if text is not None:

@@ -22,6 +22,7 @@ from inferd.errors import (
     RequestFailedError,
     clean,
     error_body,
+    error_type,
 )
 from inferd.errors import error_event as sse_error_event
 from inferd.prompts import invalid_request
@@ -119,7 +120,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        kind = error_type(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail or phrase), kind, headers=exc.headers))
 
     @app.exception_handler(InferdError)

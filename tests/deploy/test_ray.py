@@ -84,14 +84,16 @@ def test_the_policy_takes_the_largest_target_within_the_steps():
 
 
 def test_the_prompt_that_routes_each_openai_shape():
-    from inferd.deploy.ray import _prompt_text
+    from inferd.deploy.ray import routing_prompt
 
-    assert _prompt_text("completion", {"prompt": [1, 2, 3]}) == [1, 2, 3]
-    assert _prompt_text("completion", {"prompt": [[4, 5], [6]]}) == [4, 5]
-    assert _prompt_text("completion", {"prompt": ["a", "b"]}) == "a"
-    assert _prompt_text("completion", {"prompt": 5}) is None
+    assert routing_prompt("completion", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert routing_prompt("completion", {"prompt": [[4, 5], [6]]}) == [4, 5]
+    assert routing_prompt("completion", {"prompt": ["a", "b"]}) == "a"
+    assert routing_prompt("completion", {"prompt": 5}) is None
+    assert routing_prompt("completion", {"prompt": [1, "x"]}) is None  # the replica refuses it
+    assert routing_prompt("completion", {"prompt": [1.0, 2]}) == [1, 2]  # as the server reads it
     messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "yo"}]}]
-    assert _prompt_text("chat", {"messages": messages}) == "hi\nyo"
+    assert routing_prompt("chat", {"messages": messages}) == "hi\nyo"
 
 
 # -- the app on a local Ray instance ------------------------------------------------------------------------
