@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 
 from inferd.config import DEFAULT_MODEL
-from inferd.deploy.k8s import (
+from inferd.deploy.pods import (
     ENGINE_PORT,
     K8sOptions,
     Manifest,
-    _label_value,
-    _pod_spec,
     engine_container,
+    label_value,
+    pod_spec,
     pool_labels,
     pool_name,
 )
@@ -78,7 +78,7 @@ def llm_inference_service(spec: FleetSpec, model: ModelSpec, opts: K8sOptions) -
     uri, downloaded = model_uri(model)
     pool = model.pools[0]
     container = _kserve_container(spec, model, opts, downloaded)
-    pod = _pod_spec([container], opts, gpu="nvidia.com/gpu" in container["resources"]["requests"])
+    pod = pod_spec([container], opts, gpu="nvidia.com/gpu" in container["resources"]["requests"])
     body: dict = {
         "model": {"uri": uri, "name": model.name},
         "replicas": pool.replicas,
@@ -159,7 +159,7 @@ def kserve_objects(spec: FleetSpec, opts: K8sOptions) -> list[Manifest]:
 def inference_pool(model: ModelSpec, opts: K8sOptions) -> Manifest:
     pool = model.pools[0]
     name = pool_name(pool)
-    selector = {"app.kubernetes.io/name": "inferd", "inferd.dev/model": _label_value(model.name)}
+    selector = {"app.kubernetes.io/name": "inferd", "inferd.dev/model": label_value(model.name)}
     return {
         "apiVersion": "inference.networking.k8s.io/v1",
         "kind": "InferencePool",

@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from inferd.deploy.k8s import K8sOptions, Manifest, pool_labels, pool_name
+from inferd.deploy.pods import K8sOptions, Manifest, pool_labels, pool_name
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 Nothing heavy is imported at parser-building time; the engine and the proxy app load inside the commands.
 `inferd serve` turns the flags into checked settings (`disagg_settings`) before it loads the model, and
-attaches the connector (`make_connector`) after.
+attaches the engine's connector (`inferd.engine.kv_connector.attach_disagg`) after: nothing here imports the
+engine.
 """
 
 from __future__ import annotations
@@ -108,33 +109,6 @@ def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     add_serve_args(p)
     return p
-
-
-def make_connector(settings: DisaggSettings | None, engine):
-    """The engine's KV connector for `settings` (None for --role both: no connector), already attached."""
-    if settings is None:
-        return None
-    from inferd.engine.kv_connector import DisaggConnector
-
-    connector = DisaggConnector(settings, engine.kv.block_size)
-    engine.attach_kv_connector(connector)
-    return connector
-
-
-def register_metrics(app, connector) -> None:
-    """The handoff's metrics on the server's /metrics."""
-    if connector is None:
-        return
-    from inferd.disagg.metrics import DisaggCollector
-    from inferd.engine.kv_connector import TRANSFER_BUCKETS
-
-    state = app.state.inferd
-    served = connector._server  # noqa: SLF001
-    state.metrics.registry.register(
-        DisaggCollector(
-            state.model_name, lambda: connector.stats, TRANSFER_BUCKETS, lambda: served.stats if served else None
-        )
-    )
 
 
 # -- inferd disagg proxy -----------------------------------------------------------------------------

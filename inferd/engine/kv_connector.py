@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferd.disagg.leases import Lease, LeaseTable
+from inferd.disagg.metrics import DisaggCollector
 from inferd.disagg.params import OTHER_PROMPT, BadTransferParams, KVTransferParams, prompt_digest
 from inferd.disagg.settings import DisaggSettings
 from inferd.disagg.transport import (
@@ -220,6 +221,11 @@ class DisaggConnector(KVConnector):
     def peer(self) -> str:
         host = self.s.advertise_host or self.s.kv_host
         return f"{host}:{self._server.port}" if self._server else ""
+
+    def collector(self, model_name: str) -> DisaggCollector:
+        """The handoff's metrics, for the server's /metrics registry."""
+        served = lambda: self._server.stats if self._server else None  # noqa: E731
+        return DisaggCollector(model_name, lambda: self.stats, TRANSFER_BUCKETS, served)
 
     # -- worker side: caches ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: KVCaches) -> KVCaches:
@@ -504,3 +510,12 @@ class DisaggConnector(KVConnector):
             if lease is None:
                 return
             self._client.ack(lease.peer, lease.epoch, lease.lease_id)
+
+
+def attach_disagg(settings: DisaggSettings | None, engine) -> DisaggConnector | None:
+    """The engine's KV connector for `inferd serve --role prefill|decode` (None for `both`), attached."""
+    if settings is None:
+        return None
+    connector = DisaggConnector(settings, engine.kv.block_size)
+    engine.attach_kv_connector(connector)
+    return connector

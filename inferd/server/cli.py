@@ -142,7 +142,7 @@ def _memory(flag: str, text: str) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from inferd.config import engine_config_from_args, parse_memory
-    from inferd.disagg.cli import disagg_settings, make_connector, register_metrics
+    from inferd.disagg.cli import disagg_settings
 
     config = engine_config_from_args(args)
     config.validate()
@@ -150,11 +150,12 @@ def run_serve(args: argparse.Namespace) -> int:
     check_serve_flags(args)
 
     from inferd.engine.engine import Engine
+    from inferd.engine.kv_connector import attach_disagg
     from inferd.server.app import create_app
     from inferd.server.state import ServerSettings
 
     engine = Engine(config)  # load first: the port opens (and /health answers 200) only once the model is ready
-    connector = make_connector(disagg, engine)
+    connector = attach_disagg(disagg, engine)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
         api_key=args.api_key,
@@ -169,7 +170,8 @@ def run_serve(args: argparse.Namespace) -> int:
         dashboard=args.dashboard,
     )
     app = create_app(engine, settings)
-    register_metrics(app, connector)
+    if connector is not None:  # the handoff's metrics on /metrics
+        app.state.inferd.metrics.registry.register(connector.collector(app.state.inferd.model_name))
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from inferd.sampling import SamplingParams
 from inferd.server.errors import APIError
-from inferd.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from inferd.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
-def usage_options(req: _SamplingFields) -> tuple[bool, bool]:
+def usage_options(req: SamplingFields) -> tuple[bool, bool]:
     """(usage chunk at the end, usage on every chunk) of a stream, as vLLM reads stream_options."""
     opts = req.stream_options
     return (bool(opts and opts.include_usage), bool(opts and opts.include_usage and opts.continuous_usage_stats))
 
 
-def _check_stream_options(req: _SamplingFields) -> None:
+def _check_stream_options(req: SamplingFields) -> None:
     opts = req.stream_options
     if opts is None:
         return
@@ -27,7 +27,7 @@ def _check_stream_options(req: _SamplingFields) -> None:
         )
 
 
-def _common(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _check_stream_options(req)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")

@@ -32,7 +32,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -61,7 +61,7 @@ class _SamplingFields(_Request):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -81,7 +81,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
