@@ -14,6 +14,7 @@ _PLUGIN_COMMANDS = [
     "inferd.server.cli",
     "inferd.bench.cli",
     "inferd.gateway.cli",
+    "inferd.runtime.cli",
     "inferd.autoscale.cli",
     "inferd.deploy.cli",
     "inferd.disagg.cli",

@@ -122,7 +122,7 @@ def test_a_burst_grows_the_fleet_to_two_and_back_to_one_without_a_failed_request
 
 def test_up_sets_fine_buckets_around_the_targets(tmp_path):
     from inferd.fleet.spec import parse_fleet
-    from inferd.fleet.up import PoolRun, UpOptions, replica_argv
+    from inferd.runtime.up import PoolRun, UpOptions, replica_argv
 
     spec = parse_fleet(FLEET.format(model="gemma3-270m").replace("waiting: 2,", "ttft_p95_s: 0.5, itl_p95_s: 0.04,"))
     model, pool = spec.pools()[0]

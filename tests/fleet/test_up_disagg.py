@@ -190,7 +190,7 @@ def test_a_disaggregated_fleet_hands_kv_over_and_scales_both_pools_to_two_and_ba
 
 def test_replica_argv_of_the_two_roles_and_the_gateway_sends_the_model_to_its_proxy(tmp_path):
     from inferd.fleet.spec import parse_fleet
-    from inferd.fleet.up import LocalFleet, UpOptions, replica_argv
+    from inferd.runtime.up import LocalFleet, UpOptions, replica_argv
 
     spec = parse_fleet(FLEET.format(model="gemma3-270m"))
     fleet = LocalFleet(spec, UpOptions(state_dir=tmp_path))
@@ -214,7 +214,7 @@ def test_replica_argv_of_the_two_roles_and_the_gateway_sends_the_model_to_its_pr
 def test_a_prefill_replica_stops_once_its_leases_are_pulled_and_a_prefill_pool_at_zero_wakes_with_its_model(
     tmp_path, monkeypatch
 ):
-    import inferd.fleet.up as up
+    import inferd.runtime.up as up
     from inferd.autoscale.signals import Measured
     from inferd.fleet.spec import parse_fleet
 

@@ -14,7 +14,7 @@ to ready) are measured; every scaling event and cold start goes to the status li
 
 A disaggregated model (a prefill pool and a decode pool) also gets an `inferd disagg proxy` in front of
 its pools, which the gateway sends its requests to; the two pools scale separately, each with its own
-policy, and the proxy and the decode replicas follow them through list files (`inferd/fleet/disagg.py`).
+policy, and the proxy and the decode replicas follow them through list files (`inferd/runtime/disagg.py`).
 
 Ctrl-C or SIGTERM: the gateway stops first (finishing the requests it holds), then the disaggregation
 proxies, then the replicas drain, then Prometheus if this started it. Killed any other way (SIGKILL, a
@@ -45,7 +45,9 @@ from prometheus_client import Gauge, start_http_server
 from inferd.autoscale.policy import Decision, FleetAutoscaler
 from inferd.autoscale.prom import PrometheusProcess, start_prometheus, write_targets
 from inferd.autoscale.signals import DirectSource, Measured, PrometheusError, PrometheusSource, buckets_around
-from inferd.fleet.disagg import (
+from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec
+from inferd.procs import die_with_parent, free_port
+from inferd.runtime.disagg import (
     LEASE_WAIT_S,
     SECRET_ENV,
     DisaggFront,
@@ -54,8 +56,6 @@ from inferd.fleet.disagg import (
     scraped_value,
     write_list,
 )
-from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec
-from inferd.procs import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
