@@ -72,12 +72,13 @@ def cluster(tmp_path_factory, tiny_models) -> Iterator[Cluster]:
     kv_port = free_port()
     procs = [_prefill(model, logs, kv_port), _decode(model, logs, kv_port), start_replica(model, logs, *SMALL)]
     procs.append(_proxy(logs, [procs[0].url], [procs[1].url]))
+    cluster = Cluster(*procs, kv_port=kv_port, model=model, logs=logs)
     try:
         for p in procs:
             wait_http(p, "/health", timeout=180)
-        yield Cluster(*procs, kv_port=kv_port, model=model, logs=logs)
+        yield cluster
     finally:
-        for p in procs:
+        for p in [*procs, cluster.prefill]:  # a test may have restarted the prefill instance
             p.stop()
 
 
@@ -327,6 +328,17 @@ def test_prefill_killed_mid_run_requests_still_complete(cluster: Cluster):
     assert _completion(cluster.proxy.url, bodies[0])["choices"][0]["text"] == want[0]
     proxy = replica_metrics(cluster.proxy.url)
     assert proxy["inferd:disagg_proxy_prefills_total"] >= len(bodies) + 1
+    _wait_idle(cluster.decode)
+    # the module's other tests may come after this one: the prefill instance back, on its ports, and in use
+    killed = cluster.prefill
+    cluster.prefill = spawn("prefill-again", list(killed.popen.args), killed.port, cluster.logs)
+    wait_http(cluster.prefill, "/health", timeout=180)
+    pulled = lambda: _metric(cluster.decode, "inferd:kv_transfer_blocks_total")  # noqa: E731
+    before = pulled()
+    deadline = time.monotonic() + 30
+    while pulled() == before and time.monotonic() < deadline:  # until the proxy sends prefills there again
+        _completion(cluster.proxy.url, {"prompt": _prompt(40, 99), **GREEDY})
+    assert pulled() > before, "the proxy never used the restarted prefill instance"
     _wait_idle(cluster.decode)
 
 
