@@ -10,7 +10,8 @@ import inferd
 
 ROOT = Path(inferd.__file__).parent
 
-# package (or module) -> the inferd packages it must never import, at any indentation
+# package -> the inferd packages it must never import, at any indentation. A rule names a package (or a
+# top-level module); the few that name a module inside a package state a layering within it, said beside each.
 FORBIDDEN = {
     "inferd.errors": {"inferd."},
     "inferd.sampling": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
@@ -30,29 +31,44 @@ FORBIDDEN = {
         "inferd.autoscale",
         "inferd.runtime",
     },
-    # processes, list files and the handoff's settings (no torch): the engine and the server run as processes
-    "inferd.runtime": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    # what starts and runs a fleet: above the spec, the renderers and the policy it runs, never the benchmark
+    "inferd.runtime": {"inferd.models", "inferd.bench", "inferd.request", "inferd.labs"},
+    # within it, `inferd up` runs the engine and the server as processes (processes, list files and the
+    # handoff's settings: no torch); only the Ray app (`inferd.runtime.ray`) runs them inside its replicas
+    "inferd.runtime.up": {"inferd.engine", "inferd.server"},
+    "inferd.runtime.disagg": {"inferd.engine", "inferd.server"},
+    "inferd.runtime.cli": {"inferd.engine", "inferd.server"},
     "inferd.request": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.chat": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench"},
     "inferd.models": {"inferd.engine", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.engine": {"inferd.server", "inferd.bench"},
+    # within the engine: the runner (the model on a step) and the scheduler (requests and KV blocks) meet only
+    # in `inferd.engine.engine`; the step they pass is a leaf of its own
     "inferd.engine.runner": {"inferd.engine.scheduler", "inferd.engine.kv_cache", "inferd.request"},
     "inferd.engine.step": {"inferd.engine.", "inferd.request", "inferd.models"},
     "inferd.server": {"inferd.bench"},
     "inferd.bench": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
     # the handoff's pieces sit below the engine (which puts them together in inferd.engine.kv_connector)
     "inferd.disagg": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
+    # within it, the prefill side's lease table and the handoff's metrics are its bottom: nothing of inferd
     "inferd.disagg.leases": {"inferd."},
     "inferd.disagg.metrics": {"inferd."},
     "inferd.autoscale": {"inferd.engine", "inferd.models", "inferd.server", "inferd.request"},
     "inferd.gateway": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
-    "inferd.deploy": {"inferd.bench", "inferd.request"},
-    "inferd.deploy.pods": {"inferd.engine", "inferd.models", "inferd.server"},
-    "inferd.deploy.k8s": {"inferd.engine", "inferd.models", "inferd.server"},
-    "inferd.deploy.keda": {"inferd.engine", "inferd.models", "inferd.server"},
-    "inferd.deploy.extras": {"inferd.engine", "inferd.models", "inferd.server"},
-    "inferd.deploy.validate": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway"},
+    # pure renderers: the fleet spec in, Kubernetes objects and Serve's config out (what runs is inferd.runtime)
+    "inferd.deploy": {
+        "inferd.engine",
+        "inferd.models",
+        "inferd.server",
+        "inferd.bench",
+        "inferd.request",
+        "inferd.gateway",
+        "inferd.disagg",
+        "inferd.autoscale",
+        "inferd.runtime",
+        "inferd.labs",
+    },
     "inferd.labs": {"inferd.server", "inferd.gateway"},  # it runs them as processes and talks HTTP
 }
 

@@ -1,7 +1,7 @@
 """`inferd deploy k8s|ray --config fleet.yaml`: render the fleet for Kubernetes or Ray Serve.
 
 `observability` writes a Grafana dashboard and SLO burn-rate alert rules.
-`ray` writes Serve's config file (`serve run` / `serve deploy`) for the app in `inferd.deploy.ray`.
+`ray` writes Serve's config file (`serve run` / `serve deploy`) for the app in `inferd.runtime.ray`.
 `k8s` writes one YAML file per group of objects and a `kustomization.yaml` into `--out` (or prints
 the base set to stdout); `kubectl apply -k DIR` deploys it. The spec is validated first: a broken one
 gets an error naming the file, line and field, and nothing is written.

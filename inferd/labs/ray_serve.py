@@ -1,4 +1,4 @@
-"""Ray Serve: the fleet's Ray Serve application (`inferd/deploy/ray.py`) run on a local Ray instance and scaled
+"""Ray Serve: the fleet's Ray Serve application (`inferd/runtime/ray.py`) run on a local Ray instance and scaled
 by load from one engine replica to two and back. The lab records the autoscaling policy's decisions with
 their times and the signals they rest on (the policy runs inside Serve's controller; `RecordingPolicy` wraps
 inferd's `PoolAutoscalingPolicy` and writes each decision to a file), Serve's replica count as it followed
@@ -48,7 +48,7 @@ class RecordingPolicy:
     and target replicas, the signals summed over replicas, the policy's desired count (before Serve's bounds)."""
 
     def __init__(self, log_path: str, **policy: Any):
-        from inferd.deploy.ray import PoolAutoscalingPolicy
+        from inferd.runtime.ray import PoolAutoscalingPolicy
 
         self.inner = PoolAutoscalingPolicy(**policy)
         self.log_path = log_path
@@ -104,12 +104,13 @@ def lab_fleet(ctx: LabContext):
 
 
 def build_lab_app(spec, log_path: Path):
-    """`inferd.deploy.ray.build`, with the policy wrapped in `RecordingPolicy` and Serve's metrics pushed at the
+    """`inferd.runtime.ray.build`, with the policy wrapped in `RecordingPolicy` and Serve's metrics pushed at the
     policy's `interval_s` (Serve's default is every 10 s)."""
     from ray import serve
     from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-    from inferd.deploy.ray import EngineReplica, OpenAIIngress, RayOptions, deployment_options
+    from inferd.deploy.ray import RayOptions, deployment_options
+    from inferd.runtime.ray import EngineReplica, OpenAIIngress
 
     engines = {}
     for m, p in spec.pools():

@@ -1,11 +1,14 @@
-"""`inferd deploy ray`: the Serve config and the autoscaling policy without Ray running, then the app for real
-on a local Ray instance: OpenAI requests and streams through it, prefix-affine routing seen in the replicas'
-own counters, and a replica killed under load without a lost non-streaming request."""
+"""`inferd deploy ray` (`inferd.deploy.ray`) and its app (`inferd.runtime.ray`): the Serve config and the
+autoscaling policy without Ray running, then the app for real on a local Ray instance: OpenAI requests and
+streams through it, prefix-affine routing seen in the replicas' own counters, and a replica killed under load
+without a lost non-streaming request."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +17,7 @@ import pytest
 import yaml
 
 from inferd.cli import main
-from inferd.deploy.ray import RayOptions, desired_replicas, serve_config
+from inferd.deploy.ray import RayOptions, serve_config
 from inferd.errors import ConfigError
 from inferd.fleet.spec import AutoscalingPolicy, parse_fleet
 from tests.net import free_port
@@ -45,17 +48,18 @@ def test_the_serve_config_is_one_serve_accepts():
     auto = deps["engine-gemma-both"]["autoscaling_config"]
     assert (auto["min_replicas"], auto["max_replicas"], auto["initial_replicas"]) == (0, 4, 1)
     assert auto["downscale_delay_s"] == 90 and auto["downscale_to_zero_delay_s"] == 300
-    assert auto["policy"]["policy_function"] == "inferd.deploy.ray:PoolAutoscalingPolicy"
+    assert auto["policy"]["policy_function"] == "inferd.runtime.ray:PoolAutoscalingPolicy"
     assert AutoscalingPolicy.model_validate(auto["policy"]["policy_kwargs"]).targets.waiting == 2
     assert deps["engine-gemma-both"]["ray_actor_options"] == {"num_cpus": 2.0, "memory": 2 << 30, "num_gpus": 1}
     assert deps["engine-gemma-fixed"]["num_replicas"] == 2 and deps["engine-gemma-fixed"]["max_ongoing_requests"] == 16
-    assert app["import_path"] == "inferd.deploy.ray:build_app" and app["args"]["spec"]["models"][0]["name"] == "gemma"
+    assert app["import_path"] == "inferd.runtime.ray:build_app" and app["args"]["spec"]["models"][0]["name"] == "gemma"
 
 
 def test_a_pool_without_engine_settings_takes_the_engines_defaults():
     """max_ongoing_requests is twice the engine's own max_num_seqs, and the prefix keys hash its own block size."""
     from inferd.config import engine_default
-    from inferd.deploy.ray import deployment_options, model_routes
+    from inferd.deploy.ray import deployment_options
+    from inferd.runtime.ray import model_routes
 
     spec = parse_fleet("models:\n  - name: m\n    pools:\n      - name: m-both\n")
     ((model, pool),) = spec.pools()
@@ -73,7 +77,36 @@ def test_the_cli_writes_the_config_and_refuses_a_disaggregated_model(tmp_path, c
         serve_config(parse_fleet(split))
 
 
+def test_the_config_names_the_runtimes_builder_router_and_policy():
+    """What the rendered config names by import path is what Serve finds in `inferd.runtime.ray`."""
+    import importlib
+
+    from inferd.runtime import ray as runtime
+
+    cfg = serve_config(parse_fleet(FLEET))
+    (app,) = cfg["applications"]
+    engine = next(d for d in app["deployments"] if d["name"] == "engine-gemma-both")
+    paths = [
+        app["import_path"],
+        engine["request_router_config"]["request_router_class"],
+        engine["autoscaling_config"]["policy"]["policy_function"],
+    ]
+    found = [getattr(importlib.import_module(m), name) for m, name in (p.split(":") for p in paths)]
+    assert found == [runtime.build_app, runtime.InferdRequestRouter, runtime.PoolAutoscalingPolicy]
+
+
+def test_rendering_the_config_loads_neither_ray_nor_the_engine():
+    code = (
+        "import sys; import inferd.deploy.ray; "
+        "print(sorted(m for m in ('ray', 'torch', 'inferd.engine', 'inferd.runtime') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_the_policy_takes_the_largest_target_within_the_steps():
+    from inferd.runtime.ray import desired_replicas
+
     p = AutoscalingPolicy(targets={"waiting": 2, "kv_cache_usage": 0.5}, max_scale_up_step=2, max_scale_down_step=1)
     assert desired_replicas(p, 2, {"waiting": 5.0, "kv_cache_usage": 0.4}) == 3  # ceil(5 / 2)
     assert desired_replicas(p, 2, {"waiting": 0.0, "kv_cache_usage": 1.9}) == 4  # ceil(1.9 / 0.5)
@@ -84,7 +117,7 @@ def test_the_policy_takes_the_largest_target_within_the_steps():
 
 
 def test_the_prompt_that_routes_each_openai_shape():
-    from inferd.deploy.ray import routing_prompt
+    from inferd.runtime.ray import routing_prompt
 
     assert routing_prompt("completion", {"prompt": [1, 2, 3]}) == [1, 2, 3]
     assert routing_prompt("completion", {"prompt": [[4, 5], [6]]}) == [4, 5]
@@ -106,7 +139,7 @@ def ray_app(tiny_models, tmp_path_factory):
     import ray
     from ray import serve
 
-    from inferd.deploy.ray import build
+    from inferd.runtime.ray import build
 
     fleet = f"""\
 models:

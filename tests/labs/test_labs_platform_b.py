@@ -104,7 +104,7 @@ def test_the_fleet_option_is_what_the_lab_renders(tmp_path):
 
 
 def test_the_recorded_policy_is_inferds_own(tmp_path):
-    from inferd.deploy.ray import desired_replicas
+    from inferd.runtime.ray import desired_replicas
 
     policy = {"min_replicas": 1, "max_replicas": 2, "targets": {"waiting": 1}}
     log = tmp_path / "decisions.jsonl"

@@ -1,0 +1,444 @@
+"""The fleet as a Ray Serve application: an engine deployment per pool behind an OpenAI ingress.
+
+- `EngineReplica` (one deployment per pool, `engine-<pool>`): inferd's engine and its OpenAI server app,
+  run in the replica and called in-process over ASGI, so requests, validation, errors, SSE and
+  `/metrics` are exactly `inferd serve`'s. A response streams back through Serve as (head, chunks...).
+- `OpenAIIngress`: `/v1/completions`, `/v1/chat/completions` (streaming or not), `/v1/models`,
+  `/health`. It reads the body and the prompt as the gateway does (`inferd.gateway.errors.parse_json_body`,
+  `inferd.prompts`), resolves `model` (name or alias) to its pools, computes the prompt's prefix block
+  keys (`inferd.prefix_hash`, the pool's block size) and hands the request to Serve. A non-streaming
+  request whose replica dies is sent again to another one; a stream is retried until its first byte.
+- `InferdRequestRouter`: Serve's request-router extension, scoring replicas with the gateway's own
+  scorers (`inferd.gateway.picker.SCORERS`: queue, KV cache, in-flight, prefix) over each replica's
+  routing stats and the gateway's prefix index (`inferd.gateway.prefix.MemoryPrefixIndex`), so routing
+  on Ray is the routing on Kubernetes and behind `inferd gateway`.
+- `PoolAutoscalingPolicy`: Serve's custom autoscaling policy, driven by the pool's `AutoscalingPolicy`
+  (replicas = ceil(total signal / target), the largest over targets, step limits); Serve applies the
+  min/max bounds and the up/down delays the policy's windows map to.
+
+`build_app` is the application builder (`serve run inferd.runtime.ray:build_app config=fleet.yaml`); the
+deployments' options, and the `serve deploy`/`serve run` config file that names this module's builder, router
+and policy, are rendered by `inferd.deploy.ray`, which imports none of this. This module is what runs: it imports Ray,
+the gateway's routing and, in each replica, the engine and the server's app.
+"""
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from inferd.chat import messages_text
+from inferd.deploy.ray import INGRESS_NAME, RayOptions, check_spec, deployment_options
+from inferd.errors import ConfigError, InvalidRequestError
+from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, load_fleet
+from inferd.gateway.config import Scorers
+from inferd.gateway.errors import GatewayError, model_not_found, parse_json_body
+from inferd.gateway.picker import SCORERS, Candidate
+from inferd.gateway.prefix import MemoryPrefixIndex
+from inferd.gateway.replicas import Load, Replica
+from inferd.prefix_hash import block_hashes
+from inferd.prompts import check_prompt, prompt_items
+
+logger = logging.getLogger(__name__)
+
+RETRIES = 2  # other replicas tried when one dies under a request
+MAX_ROUTED_CHARS = 65536  # prompt characters tokenized at the ingress for prefix affinity
+
+
+@dataclass
+class RoutedRequest:
+    """One OpenAI request on its way to an engine replica; `block_hashes` is what the router matches."""
+
+    path: str
+    body: bytes
+    headers: list[tuple[str, str]]
+    stream: bool
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+# -- the engine replica ------------------------------------------------------------------------------
+async def asgi_call(app, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> AsyncIterator:
+    """Call an ASGI app in-process; yields {"status", "headers"} first, then the body's chunks as they are
+    sent. Closing the generator early tells the app the client left (the server aborts the request)."""
+    out: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
+    }
+    task = asyncio.create_task(app(scope, receive, out.put))
+    task.add_done_callback(lambda t: out.put_nowait({"type": "inferd.done"}))
+    try:
+        while True:
+            msg = await out.get()
+            if msg["type"] == "http.response.start":
+                yield {"status": msg["status"], "headers": [(k.decode(), v.decode()) for k, v in msg["headers"]]}
+            elif msg["type"] == "http.response.body":
+                if msg.get("body"):
+                    yield msg["body"]
+                if not msg.get("more_body", False):
+                    break
+            elif msg["type"] == "inferd.done":
+                task.result()  # raises what the app raised
+                break
+    finally:
+        gone.set()
+        if not task.done():
+            await asyncio.wait_for(task, timeout=30)
+
+
+class EngineReplica:
+    """inferd's engine and server app in one Serve replica."""
+
+    def __init__(self, spec: dict, pool: str, metrics_names: str = "vllm"):
+        from inferd.engine.engine import Engine
+        from inferd.server.app import create_app
+        from inferd.server.state import ServerSettings
+
+        fleet = FleetSpec.model_validate(spec)
+        model, pool_spec = next((m, p) for m, p in fleet.pools() if p.name == pool)
+        engine = Engine(model.engine_config(pool_spec))  # as `inferd serve` reads the pool's flags
+        settings = ServerSettings([model.name, *model.aliases], model_root=model.model, metrics_names=metrics_names)
+        self.app = create_app(engine, settings)
+        self.state = self.app.state.inferd
+        self._lifespan = None
+        self._start_lock = asyncio.Lock()
+        self.requests = 0  # OpenAI requests routed here (reported with the routing stats)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (a unit test)
+            self.replica_id = "local"
+
+    async def _started(self) -> None:
+        async with self._start_lock:
+            if self._lifespan is None:
+                lifespan = self.app.router.lifespan_context(self.app)
+                await lifespan.__aenter__()
+                self._lifespan = lifespan
+
+    async def handle(self, req: RoutedRequest) -> AsyncIterator:
+        self.requests += 1
+        await self._started()
+        first = True
+        async for item in asgi_call(self.app, "POST", req.path, req.headers, req.body):
+            if first:
+                item["headers"].append(("x-inferd-replica", self.replica_id))
+                first = False
+            yield item
+
+    async def get(self, path: str) -> tuple[int, str]:
+        """A GET on the replica's own server (`/metrics`, `/health`): status and text."""
+        await self._started()
+        chunks, status = [], 500
+        async for item in asgi_call(self.app, "GET", path, [], b""):
+            if isinstance(item, dict):
+                status = item["status"]
+            else:
+                chunks.append(item)
+        return status, b"".join(chunks).decode()
+
+    def _signals(self) -> dict[str, float]:
+        ae = self.state.async_engine
+        st = ae.stats
+        return {
+            "waiting": float(st.num_waiting + ae.num_pending),
+            "running": float(st.num_running),
+            "kv_cache_usage": float(st.kv_cache_usage),
+            "prefix_cache_hits": float(st.prefix_cache_hits),
+            "prefix_cache_queries": float(st.prefix_cache_queries),
+        }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Read by the request router (every `request_routing_stats_period_s` of the deployment's options)."""
+        return self._signals() | {"replica": self.replica_id, "requests": float(self.requests)}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by the autoscaling policy, averaged by Serve over the look-back window."""
+        return self._signals()
+
+    async def check_health(self) -> None:
+        if self.state.async_engine.dead is not None:
+            raise RuntimeError(f"engine died: {self.state.async_engine.dead}")
+
+
+# -- the request router --------------------------------------------------------------------------------
+def rank(cands: list[Candidate], weights: Scorers) -> list[tuple[float, Candidate]]:
+    """The gateway's weighted sum of scorers, best first."""
+    w = weights.model_dump()
+    scored = [(sum(w[n] * fn(c) for n, fn in SCORERS.items() if w[n] > 0), c) for c in cands]
+    return sorted(scored, key=lambda sc: -sc[0])
+
+
+class InferdRequestRouter(RequestRouter):
+    """Serve's request router with the gateway's scorers and prefix index."""
+
+    def initialize_state(self, scorers: dict | None = None, capacity_blocks: int = 65536, **_: Any) -> None:
+        self.weights = Scorers.model_validate(scorers or {})
+        self.index = MemoryPrefixIndex(capacity_blocks)
+        self.rng = random.Random()
+
+    def _candidate(self, r: RunningReplica, hashes: list[bytes], matched: dict[str, int], now: float) -> Candidate:
+        rid = r.replica_id.to_full_id_str()
+        rep = Replica(url=rid, pool="")
+        rep.in_flight = self._replica_queue_len_cache.get(r.replica_id) or 0
+        stats = r.routing_stats or {}
+        load = None
+        if stats:
+            load = Load(at=now, waiting=stats.get("waiting", 0.0), kv_usage=stats.get("kv_cache_usage", 0.0))
+        return Candidate(rep, load, matched.get(rid, 0) / len(hashes) if hashes else 0.0)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        req = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        hashes = getattr(req, "block_hashes", None) or []
+        ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
+        matched = await self.index.match(ids, hashes) if hashes else {}
+        now = time.monotonic()
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        cands = [self._candidate(r, hashes, matched, now) for r in candidate_replicas]
+        self.rng.shuffle(cands)  # ties go to a random replica
+        return [[by_id[c.replica.url]] for _, c in rank(cands, self.weights)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        req = pending_request.args[0] if pending_request.args else None
+        hashes = getattr(req, "block_hashes", None)
+        if hashes:
+            _now(self.index.insert(replica_id.to_full_id_str(), hashes))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        _now(self.index.forget(replica_id.to_full_id_str()))
+
+
+def _now(coro) -> Any:
+    """Run a coroutine that never suspends (the in-memory prefix index's) to its end, right here: the
+    router's callbacks are synchronous, and the next pick must already see this one's blocks."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("the prefix index suspended; only the in-memory index can run in the router")
+
+
+# -- autoscaling ----------------------------------------------------------------------------------------
+# the policy's targets that replicas report (record_autoscaling_stats); the others are `inferd up`'s
+RAY_TARGETS = {"waiting": "waiting", "running": "running", "kv_cache_usage": "kv_cache_usage"}
+
+
+def desired_replicas(policy: AutoscalingPolicy, current: int, totals: dict[str, float]) -> int:
+    """ceil(fleet total / per-replica target), the largest over targets, within the step limits.
+    (Serve then applies min/max and the up/down delays.)"""
+    targets = policy.targets.model_dump()
+    wants = [
+        math.ceil(totals[signal] / targets[name] - 1e-9)
+        for name, signal in RAY_TARGETS.items()
+        if targets[name] is not None and signal in totals
+    ]
+    want = max(wants, default=current)
+    return max(current - policy.max_scale_down_step, min(current + policy.max_scale_up_step, want))
+
+
+class PoolAutoscalingPolicy:
+    """Serve's custom autoscaling policy for one pool (Serve builds it with `policy_kwargs`)."""
+
+    def __init__(self, **policy: Any):
+        self.policy = AutoscalingPolicy.model_validate(policy)
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        metrics = ctx.aggregated_metrics or {}
+        totals = {name: sum(per_replica.values()) for name, per_replica in metrics.items()}
+        if ctx.current_num_replicas == 0:  # nothing reports: demand is what waits at the handles
+            return (1 if ctx.total_num_requests > 0 else 0), {}
+        return desired_replicas(self.policy, ctx.current_num_replicas, totals), {}
+
+
+# -- the ingress -------------------------------------------------------------------------------------
+ingress_app = FastAPI(title="inferd on Ray Serve")
+
+
+def _error(e: GatewayError) -> JSONResponse:
+    return e.response()
+
+
+@dataclass
+class Route:
+    """Where a model's requests go: its pools, each with its engine's block size (what its prefix keys hash)."""
+
+    model: ModelSpec
+    block_sizes: dict[str, int]
+    tokenizer: Any  # tokenizers.Tokenizer or None (no prefix affinity)
+
+
+def _load_tokenizer(model: ModelSpec):
+    path = Path(model.model)
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def model_routes(spec: FleetSpec) -> dict[str, Route]:
+    """Each name and alias a client may send as `model` -> its route."""
+    routes = {}
+    for m in spec.models:
+        route = Route(m, {p.name: m.engine_config(p).cache.block_size for p in m.pools}, _load_tokenizer(m))
+        routes |= dict.fromkeys([m.name, *m.aliases], route)
+    return routes
+
+
+def routing_prompt(kind: str, body: dict) -> str | list[int] | None:
+    """What routes a request by its prefix: a chat's message text, or a completion's first prompt (read with
+    the server's prompt type); None for a prompt the server would refuse (the replica answers that)."""
+    if kind == "chat":
+        messages = body.get("messages")
+        return messages_text(messages) if isinstance(messages, list) else ""
+    try:
+        return prompt_items(check_prompt(body.get("prompt")))[0]
+    except InvalidRequestError:
+        return None
+
+
+# (defined before the deployment: Serve serialises the class, with what it refers to, when decorating)
+def _headers(head: dict) -> dict[str, str]:
+    skip = {"content-length", "transfer-encoding", "connection", "x-request-id"}  # Serve sets its own
+    return {k: v for k, v in head["headers"] if k.lower() not in skip}
+
+
+async def _rest(gen) -> AsyncIterator[bytes]:
+    async for chunk in gen:
+        yield chunk
+
+
+@serve.deployment(name=INGRESS_NAME, max_ongoing_requests=256)
+@serve.ingress(ingress_app)
+class OpenAIIngress:
+    def __init__(self, spec: dict, engines: dict[str, Any]):
+        self.spec = FleetSpec.model_validate(spec)
+        self.engines = engines
+        self.routes = model_routes(self.spec)
+
+    def _hashes(self, route: Route, pool: str, kind: str, body: dict) -> list[bytes]:
+        prompt = routing_prompt(kind, body)
+        if prompt is None or (isinstance(prompt, str) and route.tokenizer is None):
+            return []
+        cut = isinstance(prompt, str) and len(prompt) > MAX_ROUTED_CHARS  # the prefix is what routes
+        if isinstance(prompt, str):
+            ids = route.tokenizer.encode(prompt[:MAX_ROUTED_CHARS], add_special_tokens=True).ids
+        else:
+            ids = prompt
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        hashes = block_hashes(ids, route.block_sizes[pool], salt)
+        return hashes[:-1] if cut else hashes  # a token may straddle the cut: its block is not trusted
+
+    async def _openai(self, request: Request, kind: str) -> Response:
+        raw = await request.body()
+        try:  # read as the gateway and the server read it
+            body = parse_json_body(raw)
+        except GatewayError as e:
+            return _error(e)
+        route = self.routes.get(body.get("model")) if isinstance(body.get("model"), str) else None
+        if route is None:
+            return _error(model_not_found(body.get("model"), list(self.routes)))
+        pool = random.choice(list(route.block_sizes))
+        headers = [(k, v) for k, v in request.headers.items() if k in ("content-type", "authorization", "accept")]
+        stream = body.get("stream") is True
+        req = RoutedRequest(request.url.path, raw, headers, stream, self._hashes(route, pool, kind, body))
+        return await self._forward(pool, req)
+
+    async def _forward(self, pool: str, req: RoutedRequest) -> Response:
+        handle = self.engines[pool].options(stream=True)
+        for attempt in range(RETRIES + 1):
+            gen = handle.handle.remote(req)
+            try:
+                head = await gen.__anext__()
+                headers = _headers(head) | {"x-inferd-attempts": str(attempt + 1)}
+                if req.stream:
+                    return StreamingResponse(_rest(gen), status_code=head["status"], headers=headers)
+                chunks = [c async for c in gen]
+                return Response(b"".join(chunks), status_code=head["status"], headers=headers)
+            except RayActorError as e:  # the replica died under the request: another one takes it
+                logger.warning("pool %s: replica died (%s); attempt %d of %d", pool, e, attempt + 1, RETRIES + 1)
+        return _error(GatewayError(503, f"no replica of pool {pool} could serve the request", type="server_error"))
+
+    @ingress_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._openai(request, "completion")
+
+    @ingress_app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._openai(request, "chat")
+
+    @ingress_app.get("/v1/models")
+    async def models(self) -> dict:
+        now = int(time.time())
+        data = [{"id": name, "object": "model", "created": now, "owned_by": "inferd"} for name in self.routes]
+        return {"object": "list", "data": data}
+
+    @ingress_app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+
+# -- building the application ---------------------------------------------------------------------------
+def build(spec: FleetSpec, opts: RayOptions | None = None) -> serve.Application:
+    opts = opts or RayOptions()
+    check_spec(spec)
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    engines = {}
+    for m, p in spec.pools():
+        options = deployment_options(m, p, opts)
+        options["request_router_config"] = RequestRouterConfig(**options["request_router_config"])
+        if "autoscaling_config" in options:
+            options["autoscaling_config"] = AutoscalingConfig(**options["autoscaling_config"])
+        engines[p.name] = (
+            serve.deployment(EngineReplica)
+            .options(**options)
+            .bind(spec.model_dump(mode="json"), p.name, opts.metrics_names)
+        )
+    return OpenAIIngress.bind(spec.model_dump(mode="json"), engines)
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve's application builder: `config` (a fleet YAML path) or `spec` (the fleet as a dict)."""
+    if "spec" in args:
+        spec = args["spec"] if isinstance(args["spec"], FleetSpec) else FleetSpec.model_validate(args["spec"])
+    elif "config" in args:
+        spec = load_fleet(args["config"])
+    else:
+        raise ConfigError("build_app needs `config` (a fleet YAML path) or `spec`")
+    return build(spec, RayOptions(metrics_names=args.get("metrics_names", "vllm")))
