@@ -6,9 +6,15 @@ signed lease on the prompt's blocks. The original request then goes to the least
 with those `kv_transfer_params`, and the decode's answer (a stream or one body) goes back to the client
 byte for byte, so streaming behaves exactly as the server's.
 
+The HTTP edge is the gateway's: its pool type (`inferd.gateway.replicas`), its request parsing and
+OpenAI error bodies, the headers it passes on and its SSE relay (`inferd.gateway.proxy`), so the two
+front doors answer alike.
+
 Failures: a prefill that cannot be reached, answers 5xx or times out is skipped and the decode instance
 prefills itself (a *local prefill*); a 4xx from the prefill instance is the client's error and goes back
-unchanged. A decode instance that cannot be reached answers 502 with an OpenAI error body.
+unchanged. A decode instance that cannot be reached answers 502 with an OpenAI error body; one that
+breaks mid-stream ends the stream with one SSE error event (`stream_broken`) and no `[DONE]`, as the
+gateway's streams end.
 
 With `--decider cost` the proxy predicts, per request, whether prefilling on the decode instance is
 faster than the handoff: the prompt's tokens over the decode pool's measured prefill rate against the
@@ -31,22 +37,20 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from inferd import strict_json
-from inferd.errors import InvalidRequestError, error_body, error_event, error_type
+from inferd.gateway.errors import GatewayError, parse_json_body
+from inferd.gateway.proxy import ClosingStream, SSEFilter, passed_headers, relay_sse
+from inferd.gateway.replicas import Replica, Replicas
 
 logger = logging.getLogger(__name__)
-
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 
 
 @dataclass
@@ -61,62 +65,32 @@ class ProxySettings:
     decode_wait: float = 30.0  # seconds a request waits for a decode instance when none is listed
 
 
-@dataclass
-class Instance:
-    url: str
-    in_flight: int = 0
-    picks: int = 0
+class Pool(Replicas):
+    """Least-loaded choice over the front doors' pool: fewest requests in flight, then the least picked.
 
-
-class Pool:
-    """Least-loaded choice: fewest requests in flight, then the least picked.
-
-    With `file`, the instances are the URLs listed there, read again when the file changes (its inode,
-    mtime or size): an instance that stays keeps its counters, one that leaves is no longer picked (the
-    requests it has in flight finish on it).
+    With `file`, the instances are the URLs listed there, read again when the file changes: an instance
+    that stays keeps its counters, one that leaves is no longer picked (the requests it has in flight
+    finish on it).
     """
 
-    def __init__(self, urls: list[str], file: str | Path | None = None, on_change=None):
-        self.instances = [Instance(u.rstrip("/")) for u in urls]
-        self.file = None if file is None else Path(file)
-        self.on_change = on_change
-        self._key: tuple | None = ()  # the file's (inode, mtime, size) when last read; () never
-        self.refresh()
-
-    def refresh(self) -> None:
-        if self.file is None:
-            return
-        try:
-            st = self.file.stat()
-            key: tuple | None = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            key = None  # a missing file lists nothing
-        if key == self._key:
-            return
-        try:
-            text = "" if key is None else self.file.read_text()
-        except OSError:
-            key, text = None, ""
-        self._key = key
-        urls = list(dict.fromkeys(u.strip().rstrip("/") for u in text.splitlines() if u.strip()))
-        if urls != [i.url for i in self.instances]:
-            known = {i.url: i for i in self.instances}
-            self.instances = [known.get(u) or Instance(u) for u in urls]
-            logger.info("%s: now %s", self.file, urls)
-            if self.on_change is not None:
-                self.on_change(len(self.instances))
-
-    def pick(self) -> Instance | None:
-        self.refresh()
-        if not self.instances:
-            return None
-        inst = min(self.instances, key=lambda i: (i.in_flight, i.picks))
-        inst.picks += 1
-        return inst
+    def __init__(self, urls: list[str], file: str | Path | None = None, on_change=None, name: str = ""):
+        super().__init__(name, urls, file, on_change)
 
     @property
-    def in_flight(self) -> int:
-        return sum(i.in_flight for i in self.instances)
+    def instances(self) -> list[Replica]:
+        return list(self.replicas.values())
+
+    def refresh(self) -> None:
+        if self.refresh_discovery():
+            logger.info("%s: now %s", self.file.path, list(self.replicas))
+
+    def pick(self) -> Replica | None:
+        self.refresh()
+        if not self.replicas:
+            return None
+        inst = min(self.replicas.values(), key=lambda i: (i.in_flight, i.picks))
+        inst.picks += 1
+        return inst
 
 
 @dataclass
@@ -164,8 +138,8 @@ class Proxy:
         self.settings = settings
         self.metrics = ProxyMetrics()
         gauge = self.metrics.instances
-        self.prefill = Pool(settings.prefill, settings.prefill_file, gauge.labels("prefill").set)
-        self.decode = Pool(settings.decode, settings.decode_file, gauge.labels("decode").set)
+        self.prefill = Pool(settings.prefill, settings.prefill_file, gauge.labels("prefill").set, "prefill")
+        self.decode = Pool(settings.decode, settings.decode_file, gauge.labels("decode").set, "decode")
         gauge.labels("prefill").set(len(self.prefill.instances))
         gauge.labels("decode").set(len(self.decode.instances))
         self.cost = CostModel()
@@ -222,11 +196,9 @@ class Proxy:
     async def handle(self, path: str, raw: Request) -> Response:
         self.metrics.requests.labels(path).inc()
         try:
-            body = strict_json.loads(await raw.body())
-        except (InvalidRequestError, ValueError) as e:
-            return _error(400, f"the body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            body = parse_json_body(await raw.body())
+        except GatewayError as e:
+            return e.response()
         if not await self.wait_for_decode():  # before a prefill whose lease nobody would collect
             return _no_decode()
         headers = self.headers(raw)
@@ -258,20 +230,37 @@ class Proxy:
         request = self.client.build_request("POST", inst.url + path, json=body, headers=headers, timeout=None)
         try:
             resp = await self.client.send(request, stream=True)
+            if resp.status_code != 200 or "text/event-stream" not in resp.headers.get("content-type", ""):
+                try:  # an answer that is not a stream (a refusal) is read whole and passed on
+                    await resp.aread()
+                finally:
+                    await resp.aclose()
         except httpx.HTTPError as e:
             inst.in_flight -= 1
-            return _error(502, f"the decode instance failed: {type(e).__name__}", "server_error")
-
-        def done() -> None:
+            return _decode_failed(e)
+        if resp.is_closed:
             inst.in_flight -= 1
+            self._measure(time.monotonic() - t0, remote, body)
+            return _passthrough(resp)
 
-        resp_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
-        return StreamingResponse(
-            self._relay(resp, done, t0, remote, body),
-            status_code=resp.status_code,
-            headers=resp_headers,
-            media_type=resp.headers.get("content-type"),
+        async def on_close() -> None:
+            inst.in_flight -= 1
+            await resp.aclose()
+
+        def on_broken(kind: str) -> None:
+            logger.warning("decode instance %s failed mid-answer: %s", inst.url, kind)
+
+        events = relay_sse(
+            resp.aiter_raw(),
+            SSEFilter(forced_usage=False),
+            lambda: self._measure(time.monotonic() - t0, remote, body),
+            on_broken,
+            (httpx.HTTPError,),
+            source="the decode instance",
         )
+        resp_headers = passed_headers(resp.headers)
+        resp_headers.pop("content-type", None)
+        return ClosingStream(events, on_close, resp_headers)
 
     async def _decode_once(self, path: str, body: dict, headers: dict, remote: bool) -> Response:
         """A non-streaming answer, read whole first: a decode instance dying mid-answer is a clear 502."""
@@ -283,28 +272,11 @@ class Proxy:
         try:
             resp = await self.client.post(inst.url + path, json=body, headers=headers, timeout=None)
         except httpx.HTTPError as e:
-            return _error(502, f"the decode instance failed: {type(e).__name__}", "server_error")
+            return _decode_failed(e)
         finally:
             inst.in_flight -= 1
         self._measure(time.monotonic() - t0, remote, body)
         return _passthrough(resp)
-
-    async def _relay(self, resp: httpx.Response, done, t0: float, remote: bool, body: dict) -> AsyncIterator[bytes]:
-        first = True
-        try:
-            async for chunk in resp.aiter_raw():
-                if first:
-                    first = False
-                    self._measure(time.monotonic() - t0, remote, body)
-                yield chunk
-        except httpx.HTTPError as e:  # the decode instance died mid-answer: end the stream with an error event
-            logger.warning("decode instance failed mid-answer: %s", e)
-            if "text/event-stream" in resp.headers.get("content-type", ""):
-                error = error_event(error_body("the decode instance failed mid-stream", "server_error"))
-                yield (error + "data: [DONE]\n\n").encode()
-        finally:
-            done()
-            await resp.aclose()
 
     def _measure(self, ttfb: float, remote: bool, body: dict) -> None:
         tokens = _rough_prompt_tokens(body)
@@ -322,7 +294,7 @@ class Proxy:
             self.decode.refresh()
         return bool(self.decode.instances)
 
-    async def decode_instance(self) -> Instance | None:
+    async def decode_instance(self) -> Replica | None:
         """The least-loaded decode instance (waiting for one as `wait_for_decode`)."""
         await self.wait_for_decode()
         return self.decode.pick()
@@ -334,7 +306,7 @@ class Proxy:
         try:
             resp = await self.client.get(inst.url + "/v1/models", headers=self.headers(raw), timeout=10)
         except httpx.HTTPError as e:
-            return _error(502, f"the decode instance failed: {type(e).__name__}", "server_error")
+            return _decode_failed(e)
         return _passthrough(resp)
 
 
@@ -359,16 +331,15 @@ def _rough_prompt_tokens(body: dict) -> int:
 
 
 def _passthrough(resp: httpx.Response) -> Response:
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
-    return Response(resp.content, status_code=resp.status_code, headers=headers)
+    return Response(resp.content, status_code=resp.status_code, headers=passed_headers(resp.headers))
 
 
 def _no_decode() -> JSONResponse:
-    return _error(503, "no decode instance is ready; try again later", "service_unavailable")
+    return GatewayError(503, "no decode instance is ready; try again later", "service_unavailable").response()
 
 
-def _error(status: int, message: str, kind: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind or error_type(status)), status_code=status)
+def _decode_failed(e: httpx.HTTPError) -> JSONResponse:
+    return GatewayError(502, f"the decode instance failed: {type(e).__name__}", "server_error").response()
 
 
 def create_app(settings: ProxySettings) -> FastAPI:

@@ -25,7 +25,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -36,8 +36,14 @@ from inferd.gateway.errors import GatewayError, timed_out
 
 logger = logging.getLogger(__name__)
 
-# headers of the replica's answer that the client gets
+# headers of the replica's answer that the client gets (never a hop-by-hop one, nor the length or
+# encoding of a body that may be relayed in other chunks, nor a second Date or Server)
 PASSED_HEADERS = ("content-type", "x-request-id", "retry-after")
+
+
+def passed_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers of an upstream's answer that the client gets (`headers`: aiohttp's or httpx's)."""
+    return {k: headers[k] for k in PASSED_HEADERS if k in headers}
 
 
 @dataclass
@@ -84,8 +90,7 @@ class Upstream:
 
     def headers(self) -> dict[str, str]:
         """The replica's headers that the client gets."""
-        h = self.response.headers
-        return {k: h[k] for k in PASSED_HEADERS if k in h}
+        return passed_headers(self.response.headers)
 
     def close(self) -> None:
         """Give the connection back (to the pool if its body was read to the end, else closed)."""
@@ -200,9 +205,11 @@ class SSEFilter:
 
 
 class ClosingStream(StreamingResponse):
-    """A streaming response whose `on_close` runs however it ends, even if its body never started."""
+    """An SSE response whose `on_close` runs however it ends, even if its body never started; unbuffered
+    and uncached, as the server's own streams are."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], headers: dict):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
         super().__init__(content, headers=headers, media_type="text/event-stream")
         self.on_close = on_close
 
@@ -213,13 +220,29 @@ class ClosingStream(StreamingResponse):
             await self.on_close()
 
 
-async def relay_events(
+def relay_events(
     up: Upstream, sse: SSEFilter, deadline: float, on_first: Callable[[], None], on_broken: Callable[[str], None]
 ) -> AsyncIterator[bytes]:
     """The replica's stream, event by event; a failure after the first byte becomes one SSE error event."""
+    return relay_sse(_chunks(up, deadline), sse, on_first, on_broken, (aiohttp.ClientError,), close=up.close)
+
+
+async def relay_sse(
+    chunks: AsyncIterator[bytes],
+    sse: SSEFilter,
+    on_first: Callable[[], None],
+    on_broken: Callable[[str], None],
+    failures: tuple[type[BaseException], ...],
+    source: str = "the replica",
+    close: Callable[[], None] | None = None,
+) -> AsyncIterator[bytes]:
+    """An upstream's stream relayed as whole SSE events, whatever its client (`failures`: the exceptions
+    that mean it broke). A break, or the deadline (`TimeoutError`), ends the stream with one SSE error
+    event and no `[DONE]`: the client must not take a cut stream for a complete one. `on_first` runs
+    before the first event goes out, `on_broken(kind)` on a break, `close` however it ends."""
     sent_any = False
     try:
-        async for chunk in _chunks(up, deadline):
+        async for chunk in chunks:
             out = sse.feed(chunk)
             if out:
                 if not sent_any:
@@ -229,14 +252,15 @@ async def relay_events(
         tail = sse.tail()
         if tail:
             yield tail
-    except (aiohttp.ClientError, TimeoutError) as e:
+    except (*failures, TimeoutError) as e:
         timed_out = isinstance(e, TimeoutError)
         kind = "timeout" if timed_out else "stream_broken"
         on_broken(kind)
-        msg = "the request timed out at the gateway" if timed_out else "the replica failed while streaming"
+        msg = "the request timed out at the gateway" if timed_out else f"{source} failed while streaming"
         yield GatewayError(502, msg, "server_error", code=kind).sse_event()
     finally:
-        up.close()
+        if close is not None:
+            close()
 
 
 async def _chunks(up: Upstream, deadline: float) -> AsyncIterator[bytes]:

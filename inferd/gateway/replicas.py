@@ -1,5 +1,9 @@
 """Replicas and pools: each replica's health, ejection, in-flight count and last scraped load.
 
+`Replicas` is the one pool type of inferd's HTTP front doors: the gateway's `Pool` adds its config's DNS
+name and reload, and the disaggregation proxy picks the least-loaded replica of one. Both follow a list
+file (`ListFile`) that `inferd up` rewrites as it scales.
+
 A replica's load comes from its Prometheus `/metrics` (inferd's `inferd:*` names, or vLLM's `vllm:*`),
 scraped at a short interval by `monitor.py`. A load older than `stale_after_s` is unknown, never idle.
 The in-flight count is the gateway's own and always fresh: it is raised when a replica is picked,
@@ -10,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -68,6 +73,7 @@ class Replica:
     pool: str
     in_flight: int = 0
     in_flight_tokens: int = 0  # prompt + expected output tokens of the requests in flight there
+    picks: int = 0  # times a least-loaded pick chose it (its tie-break)
     load: Load | None = None
     healthy: bool = True  # until a probe or a request says otherwise
     failures: int = 0
@@ -93,74 +99,112 @@ class Replica:
         self.healthy = True
 
 
-@dataclass(eq=False)
-class Pool:
-    """The replicas serving one upstream model; static URLs plus those listed in `replicas_file`."""
+class ListFile:
+    """A file of replica URLs, one a line (`#` starts a comment), read again when it changes.
 
-    config: PoolConfig
-    replicas: dict[str, Replica] = field(default_factory=dict)
-    _file_mtime: float | None = None
-    _file_urls: list[str] = field(default_factory=list)
-    _dns_urls: list[str] = field(default_factory=list)
-    dns_resolved_at: float = float("-inf")
+    A change is a new inode, mtime or size, so a list renamed over or rewritten within one mtime tick is
+    still seen. A missing file lists nothing until it appears; a line that is not a replica URL is logged
+    and skipped."""
 
-    def __post_init__(self) -> None:
-        self._file_urls = self._read_file()
-        self._resync()
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._key: tuple | None = ()  # (inode, mtime, size) when last read; None: missing; (): never read
 
-    def _resync(self) -> None:
-        self.sync(self.config.replicas + self._file_urls + self._dns_urls)
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    def sync(self, urls: list[str]) -> None:
-        """Keep the state of replicas still listed, add new ones, drop the rest (in-flight requests finish)."""
-        wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
-        self.replicas = {u: self.replicas.get(u) or Replica(u, self.name) for u in wanted}
-
-    def _read_file(self) -> list[str]:
-        path = self.config.replicas_file
-        if path is None:
-            return []
+    def _stat(self) -> tuple | None:
         try:
-            self._file_mtime = path.stat().st_mtime
-            text = Path(path).read_text()
+            st = self.path.stat()
         except OSError:
-            return []  # a missing list file is an empty list until it appears
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def changed(self) -> bool:
+        return self._stat() != self._key
+
+    def read(self) -> list[str]:
+        key = self._stat()
+        try:
+            text = "" if key is None else self.path.read_text()
+        except OSError:
+            key, text = None, ""
+        self._key = key
         urls = []
         for n, line in enumerate(text.splitlines(), 1):
             url = line.split("#", 1)[0].strip()
             problem = replica_url_problem(url) if url else None
             if problem is not None:
-                logger.warning("%s:%d: %s; line skipped", path, n, problem)
+                logger.warning("%s:%d: %s; line skipped", self.path, n, problem)
             elif url:
                 urls.append(url)
         return urls
 
-    def refresh_discovery(self) -> bool:
-        """Re-read the list file if it changed; True if the replica set changed."""
-        path = self.config.replicas_file
-        if path is None:
-            return False
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            mtime = None
-        if mtime == self._file_mtime:
-            return False
-        before = set(self.replicas)
-        self._file_urls = self._read_file()
+
+class Replicas:
+    """One pool's replicas by URL, the front doors' shared pool: static URLs plus those of a list file.
+
+    The set changes only through `sync`: a replica still listed keeps its object (its in-flight count, load
+    and health), a new one starts fresh, one no longer listed is dropped (the requests in flight there
+    finish on it). `on_change(count)` hears of every change. A subclass may list more URLs (`_urls`)."""
+
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        file: str | Path | None = None,
+        on_change: Callable[[int], object] | None = None,
+    ):
+        self.name = name
+        self.static = list(urls)
+        self.file = None if file is None else ListFile(file)
+        self.on_change = on_change
+        self.replicas: dict[str, Replica] = {}
+        self._file_urls = [] if self.file is None else self.file.read()
         self._resync()
-        return set(self.replicas) != before
+
+    def _urls(self) -> list[str]:
+        return self.static + self._file_urls
+
+    def _resync(self) -> bool:
+        return self.sync(self._urls())
+
+    def sync(self, urls: list[str]) -> bool:
+        """Make `urls` the replicas, in that order; True if that changed them."""
+        wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        if wanted == list(self.replicas):
+            return False
+        self.replicas = {u: self.replicas.get(u) or Replica(u, self.name) for u in wanted}
+        if self.on_change is not None:
+            self.on_change(len(self.replicas))
+        return True
+
+    def refresh_discovery(self) -> bool:
+        """Re-read the list file if it changed (one `stat` when it did not); True if the replicas changed."""
+        if self.file is None or not self.file.changed():
+            return False
+        self._file_urls = self.file.read()
+        return self._resync()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas.values())
+
+
+class Pool(Replicas):
+    """The gateway's pool: the replicas serving one upstream model, from its config's URLs, its
+    `replicas_file` and the addresses its `replicas_dns` name resolves to."""
+
+    def __init__(self, config: PoolConfig):
+        self.config = config
+        self._dns_urls: list[str] = []
+        self.dns_resolved_at = float("-inf")
+        super().__init__(config.name, config.replicas, config.replicas_file)
+
+    def _urls(self) -> list[str]:
+        return super()._urls() + self._dns_urls
 
     def set_dns(self, urls: list[str]) -> bool:
-        """The addresses the pool's DNS name resolved to; True if the replica set changed."""
-        before = set(self.replicas)
+        """The addresses the pool's DNS name resolved to; True if the replicas changed."""
         self._dns_urls = urls
-        self._resync()
-        return set(self.replicas) != before
+        return self._resync()
 
     def adopt(self, old: Pool) -> None:
         """After a config reload: keep the live state (in-flight, load, health) of replicas still here."""

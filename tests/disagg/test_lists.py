@@ -86,3 +86,42 @@ def test_no_prefill_instance_prefills_on_the_decode_instance_and_no_decode_insta
     assert second.status_code == 503 and second.json()["error"]["type"] == "service_unavailable"
     assert len(seen) == 1  # and the 503 came before any prefill
     assert 'inferd:disagg_proxy_instances{pool="decode"} 0.0' in metrics
+
+
+def test_a_decode_stream_is_relayed_whole_and_a_break_ends_it_with_one_error_event(tmp_path):
+    decode = tmp_path / "decode"
+    write(decode, ["http://decode-1"])
+    app = create_app(ProxySettings([], [], prefill_file=str(tmp_path / "none"), decode_file=str(decode)))
+    events = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n']
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield events[0]
+            raise httpx.ReadError("gone")
+
+    class Whole(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for e in events:  # one event cut across two chunks
+                yield e[:10]
+                yield e[10:]
+            yield b"data: [DONE]\n\n"
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        broken = json.loads(request.content)["prompt"] == "break"
+        headers = {"content-type": "text/event-stream", "x-request-id": "r1", "server": "upstream"}
+        return httpx.Response(200, headers=headers, stream=Broken() if broken else Whole())
+
+    async def calls(c: httpx.AsyncClient):
+        app.state.proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+        whole = await c.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        broken = await c.post("/v1/completions", json={"prompt": "break", "stream": True})
+        return whole, broken
+
+    whole, broken = _run(app, calls)
+    assert whole.status_code == 200 and whole.content == b"".join(events) + b"data: [DONE]\n\n"
+    assert whole.headers["x-request-id"] == "r1" and whole.headers.get("server") != "upstream"
+    assert whole.headers["content-type"].startswith("text/event-stream")
+    assert broken.content.startswith(events[0]) and b"[DONE]" not in broken.content
+    last = json.loads(broken.content.decode().strip().split("\n\n")[-1][6:])
+    assert last["error"]["code"] == "stream_broken" and last["error"]["type"] == "server_error"
+    assert app.state.proxy.decode.in_flight == 0
