@@ -335,7 +335,10 @@ def _passthrough(resp: httpx.Response) -> Response:
 
 
 def _no_decode() -> JSONResponse:
-    return GatewayError(503, "no decode instance is ready; try again later", "service_unavailable").response()
+    return GatewayError(
+        503, "no decode instance is ready; try again later", "server_error", code="no_replica",
+        headers={"Retry-After": "1"},
+    ).response()  # fmt: skip
 
 
 def _decode_failed(e: httpx.HTTPError) -> JSONResponse:

@@ -83,7 +83,8 @@ def test_no_prefill_instance_prefills_on_the_decode_instance_and_no_decode_insta
     assert first.status_code == 200 and first.json()["choices"][0]["text"] == "ok"
     assert seen == [("http://decode-1/v1/completions", {"prompt": "hi", "max_tokens": 3})]  # no kv_transfer_params
     assert 'inferd:disagg_proxy_prefills_total{reason="no_prefill_instance",where="local"} 1.0' in metrics
-    assert second.status_code == 503 and second.json()["error"]["type"] == "service_unavailable"
+    assert second.status_code == 503 and second.headers["Retry-After"] == "1"
+    assert second.json()["error"]["type"] == "server_error" and second.json()["error"]["code"] == "no_replica"
     assert len(seen) == 1  # and the 503 came before any prefill
     assert 'inferd:disagg_proxy_instances{pool="decode"} 0.0' in metrics
 
