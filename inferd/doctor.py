@@ -22,22 +22,14 @@ FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx
             "amx_bf16")  # fmt: skip
 
 
-def _cpu_model() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    line = next((line for line in info.splitlines() if line.startswith("model name")), "")
-    return line.partition(":")[2].strip() or platform.machine()
-
-
 def report() -> dict:
     """Everything `inferd doctor` prints, as a plain record (`--json`)."""
     import torch
 
+    from inferd import cpu
     from inferd.models import cpu_kernels, dtypes
 
-    flags = dtypes.cpu_flags()
+    flags = cpu.cpu_flags()
     built = cpu_kernels.build_all()
     kernels = {}
     for name, ok in built.items():
@@ -69,7 +61,7 @@ def report() -> dict:
     missing = [name for name, entry in kernels.items() if not entry["built"]]
     return {
         "cpu": {
-            "model": _cpu_model(),
+            "model": cpu.cpu_identity()["model"] or platform.processor() or platform.machine(),
             "machine": platform.machine(),
             "cores": os.cpu_count(),
             "features": {f: f in flags for f in FEATURES},

@@ -19,6 +19,7 @@ from pathlib import Path
 from inferd.bench.client import RequestOutput
 from inferd.bench.metrics import RequestTiming, e2el, itls, tpot, ttft
 from inferd.bench.runner import BenchConfig, LevelResult, ServerInfo, sweep_best
+from inferd.cpu import cpu_identity
 
 RESULT_VERSION = 1
 
@@ -30,10 +31,9 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
     }
-    try:  # the CPU model and memory say more than "x86_64" when comparing runs across machines
-        cpu = Path("/proc/cpuinfo").read_text()
-        if m := re.search(r"^model name\s*:\s*(.+)$", cpu, re.M):
-            info["cpu_model"] = m.group(1).strip()
+    if model := cpu_identity()["model"]:  # the CPU model and memory say more than "x86_64" across machines
+        info["cpu_model"] = model
+    try:
         mem = Path("/proc/meminfo").read_text()
         if m := re.search(r"^MemTotal:\s*(\d+) kB", mem, re.M):
             info["memory_gib"] = round(int(m.group(1)) / 2**20, 1)
