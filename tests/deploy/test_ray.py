@@ -187,8 +187,9 @@ def _replica_actors() -> list[str]:
     )
 
 
-def _replica_stats() -> dict[str, dict]:
-    """Each engine replica's own counters, as Serve's router reads them (record_routing_stats)."""
+def _replica_stats(by: str = "replica") -> dict[str, dict]:
+    """Each engine replica's own counters, as Serve's router reads them (record_routing_stats), keyed by its
+    replica id (`by="replica"`) or by its actor's name (`by="actor"`)."""
     import ray
 
     out = {}
@@ -197,7 +198,7 @@ def _replica_stats() -> dict[str, dict]:
             stats = ray.get(ray.get_actor(name, namespace="serve").record_routing_stats.remote(), timeout=10)
         except Exception:  # a replica going away
             continue
-        out[stats["replica"]] = stats
+        out[stats["replica"] if by == "replica" else name] = stats
     return out
 
 
@@ -256,7 +257,6 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_holds_it(ray_app):
 def test_a_killed_replica_is_replaced_without_losing_a_request(ray_app):
     import ray
 
-    victim = _replica_actors()[0]
     stop = threading.Event()
     results: list[httpx.Response] = []
 
@@ -268,7 +268,13 @@ def test_a_killed_replica_is_replaced_without_losing_a_request(ray_app):
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(client, i) for i in range(6)]
-        time.sleep(3)
+        busy: dict[str, float] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(busy.values()):  # the router may keep both idle at first
+            time.sleep(0.5)
+            busy = {name: st["running"] + st["waiting"] for name, st in _replica_stats(by="actor").items()}
+        victim = max(busy, key=busy.get)  # a replica with requests on it: the kill must cut some
+        assert busy[victim] > 0, busy
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         time.sleep(3)
         stop.set()
