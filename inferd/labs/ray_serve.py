@@ -5,8 +5,9 @@ inferd's `PoolAutoscalingPolicy` and writes each decision to a file), Serve's re
 them, and how the request router spread requests over the two replicas, read from each replica's own
 request counter: by load for distinct prompts, by prefix for prompts that share one.
 
-Ray is started for the lab alone (`address="local"`: never a cluster already running on the machine) and
-stopped when the lab ends, on failure too; the lab then checks that every process Ray started is gone.
+Ray is started for the lab alone and stopped when the lab ends, on failure too, by the runtime's `local_ray`
+(`address="local"`: never a cluster already running on the machine), which then checks that every process
+Ray started is gone.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,106 +104,16 @@ def lab_fleet(ctx: LabContext):
     )
 
 
-def build_lab_app(spec, log_path: Path):
-    """`inferd.runtime.ray.build`, with the policy wrapped in `RecordingPolicy` and Serve's metrics pushed at the
-    policy's `interval_s` (Serve's default is every 10 s)."""
-    from ray import serve
-    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+def recording(log_path: Path):
+    """The runtime's autoscaling hook that wraps each pool's policy in `RecordingPolicy` and has Serve push
+    metrics at the policy's `interval_s` (Serve's default is every 10 s)."""
 
-    from inferd.deploy.ray import RayOptions, deployment_options
-    from inferd.runtime.ray import EngineReplica, OpenAIIngress
+    def hook(pool, auto: dict) -> dict:
+        kwargs = {"log_path": str(log_path), **auto["policy"]["policy_kwargs"]}
+        policy = {"policy_function": f"{__name__}:RecordingPolicy", "policy_kwargs": kwargs}
+        return auto | {"metrics_interval_s": pool.autoscaling.interval_s, "policy": policy}
 
-    engines = {}
-    for m, p in spec.pools():
-        options = deployment_options(m, p, RayOptions())
-        auto = options["autoscaling_config"]
-        auto["metrics_interval_s"] = p.autoscaling.interval_s
-        auto["policy"] = {
-            "policy_function": f"{__name__}:RecordingPolicy",
-            "policy_kwargs": {"log_path": str(log_path), **auto["policy"]["policy_kwargs"]},
-        }
-        options["request_router_config"] = RequestRouterConfig(**options["request_router_config"])
-        options["autoscaling_config"] = AutoscalingConfig(**auto)
-        engines[p.name] = serve.deployment(EngineReplica).options(**options).bind(spec.model_dump(mode="json"), p.name)
-    return OpenAIIngress.bind(spec.model_dump(mode="json"), engines)
-
-
-@dataclass
-class RayRun:
-    """What the lab's Ray instance left behind: its processes, and whether they all ended."""
-
-    pids: list[int] = field(default_factory=list)
-    left: list[int] = field(default_factory=list)
-
-
-def _ray_pids() -> list[int]:
-    """The processes this driver's Ray node started (GCS, raylet, log monitor, ...), and their children."""
-    import psutil
-    import ray
-
-    node = ray._private.worker._global_node
-    roots = [info.process.pid for infos in node.all_processes.values() for info in infos if info.process]
-    pids = set(roots)
-    for pid in roots:
-        with suppress(psutil.NoSuchProcess):
-            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-    return sorted(pids)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    import psutil
-
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-@contextmanager
-def local_ray(run: RayRun, port: int) -> Iterator[None]:
-    """A Ray instance of the lab's own with Serve's HTTP proxy on `port`; Serve and Ray shut down at the end
-    whatever happened, and `run.left` names any process of theirs still alive 20 s later."""
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        raise InferdError("the Ray Serve lab needs Ray: pip install 'inferd[ray]'") from None
-    from inferd.procs import child_env
-
-    env = {"PYTHONPATH": child_env()["PYTHONPATH"], "TOKENIZERS_PARALLELISM": "false"}
-    for attempt in range(2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it once
-        try:
-            ray.init(
-                address="local",
-                num_cpus=4,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                runtime_env={"env_vars": env},
-            )
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt:
-                raise
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield
-    finally:
-        try:
-            with suppress(Exception):  # the node's processes and their children (workers, replicas) now
-                run.pids = _ray_pids()
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            deadline = time.monotonic() + 20
-            while (left := _alive(run.pids)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            run.left = left
+    return hook
 
 
 @contextmanager
@@ -333,8 +244,46 @@ def read_decisions(path: Path, t0: float) -> list[dict]:
 
 
 # -- the lab ------------------------------------------------------------------------------------------------
-def scale_up(ctx: LabContext, url: str, watch: ReplicaWatch) -> dict[str, float]:
-    """Load one replica past its batch until Serve runs two; times in seconds since deploy."""
+@dataclass
+class ScaleUp:
+    """Load on one replica until Serve ran two; times in seconds since deploy."""
+
+    load_start_s: float
+    scaled_up_s: float
+    load_end_s: float
+    load_requests: int
+    load_errors: int
+
+
+@dataclass
+class Routing:
+    """How the router spread distinct prompts, and where prompts sharing a prefix went (replicas' own counters)."""
+
+    spread_requests: int
+    spread_max: float
+    spread_min: float
+    spread_replicas: int
+    affine_requests: int
+    affine_max: float
+    affine_replicas: int
+    affine_max_pct: float
+    routing_errors: int
+    header_mismatch: int
+
+
+@dataclass
+class Decisions:
+    """The policy's first scale-up decision, and its first scale-down once the load stopped (-1: none)."""
+
+    decisions: int
+    up_decision_s: float
+    up_waiting: float
+    up_desired: int
+    down_decision_s: float
+
+
+def scale_up(ctx: LabContext, url: str, watch: ReplicaWatch) -> ScaleUp:
+    """Load one replica past its batch until Serve runs two."""
     prompt_len, out_len = ctx.size((16, 48), (32, 32))  # closed loop: the queue stays; the drain at the end is short
     codes: list[int] = []
     stop = threading.Event()
@@ -346,16 +295,11 @@ def scale_up(ctx: LabContext, url: str, watch: ReplicaWatch) -> dict[str, float]
     finally:
         stop.set()
         loader.join(timeout=180)
-    return {
-        "load_start_s": load_start,
-        "scaled_up_s": scaled_up,
-        "load_end_s": time.time() - watch.t0,
-        "load_requests": len(codes),
-        "load_errors": sum(c != 200 for c in codes),
-    }
+    errors = sum(c != 200 for c in codes)
+    return ScaleUp(load_start, scaled_up, time.time() - watch.t0, len(codes), errors)
 
 
-def routing(url: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+def routing(url: str) -> tuple[Routing, dict[str, dict[str, float]]]:
     """Over the two replicas: distinct prompts (load decides), then prompts sharing a prefix (the cache decides)."""
     distinct = [[16 + (i * 53 + k * 7) % 400 for k in range(32)] for i in range(16)]
     spread, spread_codes, spread_seen = routed(url, distinct, 4)
@@ -363,73 +307,76 @@ def routing(url: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     shared = [head + [16 + (i * 29 + k) % 400 for k in range(8)] for i in range(8)]
     affine, affine_codes, affine_seen = routed(url, shared, 1)
     spread_counts = sorted(spread.values(), reverse=True) + [0.0]
-    n = {
-        "spread_requests": len(distinct),
-        "spread_max": spread_counts[0],
-        "spread_min": spread_counts[1],
-        "spread_replicas": sum(1 for v in spread.values() if v > 0),
-        "affine_requests": len(shared),
-        "affine_max": max(affine.values(), default=0.0),
-        "affine_replicas": sum(1 for v in affine.values() if v > 0),
-        "routing_errors": sum(c != 200 for c in spread_codes + affine_codes),
-        "header_mismatch": _mismatch(spread, spread_seen) + _mismatch(affine, affine_seen),
-    }
-    n["affine_max_pct"] = 100 * n["affine_max"] / n["affine_requests"]
-    return n, {"spread": spread, "affine": affine}
+    affine_max = max(affine.values(), default=0.0)
+    r = Routing(
+        spread_requests=len(distinct),
+        spread_max=spread_counts[0],
+        spread_min=spread_counts[1],
+        spread_replicas=sum(1 for v in spread.values() if v > 0),
+        affine_requests=len(shared),
+        affine_max=affine_max,
+        affine_replicas=sum(1 for v in affine.values() if v > 0),
+        affine_max_pct=100 * affine_max / len(shared),
+        routing_errors=sum(c != 200 for c in spread_codes + affine_codes),
+        header_mismatch=_mismatch(spread, spread_seen) + _mismatch(affine, affine_seen),
+    )
+    return r, {"spread": spread, "affine": affine}
 
 
-def decision_numbers(decisions: list[dict], load_end: float) -> dict[str, float]:
-    """The policy's first scale-up decision, and its first scale-down once the load stopped."""
+def decided(decisions: list[dict], load_end: float) -> Decisions:
     up = next((d for d in decisions if d["desired"] > d["current"]), None)
     down = next((d for d in decisions if d["t"] >= load_end and d["desired"] < d["current"]), None)
-    return {
-        "decisions": len(decisions),
-        "up_decision_s": up["t"] if up else -1.0,
-        "up_waiting": up["waiting"] if up else 0.0,
-        "up_desired": up["desired"] if up else 0,
-        "down_decision_s": down["t"] if down else -1.0,
-    }
+    return Decisions(
+        decisions=len(decisions),
+        up_decision_s=up["t"] if up else -1.0,
+        up_waiting=up["waiting"] if up else 0.0,
+        up_desired=up["desired"] if up else 0,
+        down_decision_s=down["t"] if down else -1.0,
+    )
 
 
 def measure(ctx: LabContext) -> Measurement:
-    from ray import serve
+    try:
+        from ray import serve
 
-    from inferd.procs import free_port
+        from inferd.runtime.ray import build, local_ray
+    except ImportError:
+        raise InferdError("the Ray Serve lab needs Ray: pip install 'inferd[ray]'") from None
+    from inferd.procs import child_env, free_port
 
     # Serve 2.60 still reads metrics_interval_s, and warns (at every parse of the config) that an environment
     # variable will replace it
     warnings.filterwarnings("ignore", message="The `metrics_interval_s` field", category=DeprecationWarning)
     spec = lab_fleet(ctx)
     log = ctx.workdir / f"ray-decisions-{os.getpid()}-{time.time_ns()}.jsonl"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    run = RayRun()
+    env = {"PYTHONPATH": child_env()["PYTHONPATH"], "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()
     n: dict[str, float] = {"max_seqs": MAX_SEQS, "target_waiting": TARGET_WAITING, "load_clients": CLIENTS}
-    with local_ray(run, port), quiet("httpx"):  # hundreds of requests: no line each
+    with local_ray(free_port(), env_vars=env) as ray_run, quiet("httpx"):  # hundreds of requests: no line each
+        url = ray_run.url
         n["ray_start_s"] = time.monotonic() - started
         watch = ReplicaWatch(time.time())
-        serve.run_many([serve.RunTarget(build_lab_app(spec, log), name=APP, route_prefix="/")],
-                       wait_for_applications_running=False)  # fmt: skip
+        app = build(spec, autoscaling=recording(log))
+        serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/")], wait_for_applications_running=False)
         watch.thread.start()
         try:
             n["first_replica_s"] = wait_running(ctx.size(120, 300)) - watch.t0
-            n.update(scale_up(ctx, url, watch))
+            up = scale_up(ctx, url, watch)
             n["routing_start_s"] = time.time() - watch.t0
-            routing_numbers, per_replica = routing(url)
-            n.update(routing_numbers)
+            routes, per_replica = routing(url)
             n["idle_start_s"] = time.time() - watch.t0
             n["scaled_down_s"] = watch.wait_for(1, ctx.size(60, 120))
         finally:
             watch.stop.set()
             watch.thread.join(timeout=5)
         decisions = read_decisions(log, watch.t0)
-    n.update(decision_numbers(decisions, n["load_end_s"]))
+    policy = decided(decisions, up.load_end_s)
+    n |= asdict(up) | asdict(routes) | asdict(policy)
     n["routing_replicas_min"] = min(watch.count_between(n["routing_start_s"], n["idle_start_s"]))
-    n["up_replica_start_s"] = n["scaled_up_s"] - max(n["up_decision_s"], n["load_start_s"])
-    n["errors"] = n["load_errors"] + n["routing_errors"]
-    n["requests"] = n["load_requests"] + n["spread_requests"] + n["affine_requests"]
-    n["ray_processes"], n["ray_left"] = len(run.pids), len(run.left)
+    n["up_replica_start_s"] = up.scaled_up_s - max(policy.up_decision_s, up.load_start_s)
+    n["errors"] = up.load_errors + routes.routing_errors
+    n["requests"] = up.load_requests + routes.spread_requests + routes.affine_requests
+    n["ray_processes"], n["ray_left"] = len(ray_run.pids), len(ray_run.left)
     n["lab_s"] = time.monotonic() - started
     settings = {"model": ctx.model_label, "fleet": spec.model_dump(mode="json"), "clients": CLIENTS}
     series = {"decisions": decisions, "replicas": watch.changes, **per_replica}

@@ -16,9 +16,11 @@
   (replicas = ceil(total signal / target), the largest over targets, step limits); Serve applies the
   min/max bounds and the up/down delays the policy's windows map to.
 
+`build` puts the application together in code (a hook may change a pool's autoscaling config on the way),
 `build_app` is the application builder (`serve run inferd.runtime.ray:build_app config=fleet.yaml`); the
 deployments' options, and the `serve deploy`/`serve run` config file that names this module's builder, router
-and policy, are rendered by `inferd.deploy.ray`, which imports none of this. This module is what runs: it imports Ray,
+and policy, are rendered by `inferd.deploy.ray`, which imports none of this. `local_ray` runs Ray and Serve
+for one process alone and checks that what Ray started has ended. This module is what runs: it imports Ray,
 the gateway's routing and, in each replica, the engine and the server's app.
 """
 
@@ -27,7 +29,8 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from inferd.chat import messages_text
 from inferd.deploy.ray import INGRESS_NAME, RayOptions, check_spec, deployment_options
 from inferd.errors import ConfigError, InvalidRequestError
-from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, load_fleet
+from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec, load_fleet
 from inferd.gateway.config import Scorers
 from inferd.gateway.errors import GatewayError, model_not_found, parse_json_body
 from inferd.gateway.picker import SCORERS, Candidate
@@ -414,7 +417,16 @@ class OpenAIIngress:
 
 
 # -- building the application ---------------------------------------------------------------------------
-def build(spec: FleetSpec, opts: RayOptions | None = None) -> serve.Application:
+# a pool's autoscaling config as `inferd.deploy.ray` renders it (plain JSON) -> the config Serve gets
+AutoscalingHook = Callable[[PoolSpec, dict[str, Any]], dict[str, Any]]
+
+
+def build(
+    spec: FleetSpec, opts: RayOptions | None = None, *, autoscaling: AutoscalingHook | None = None
+) -> serve.Application:
+    """The fleet as a Serve application. `autoscaling`, where given, sees each autoscaled pool's config before
+    Serve does and returns the one to use (another policy function wrapping this one, a shorter
+    `metrics_interval_s`): what a scenario changes without copying the rest."""
     opts = opts or RayOptions()
     check_spec(spec)
     from ray.serve.config import AutoscalingConfig, RequestRouterConfig
@@ -424,7 +436,8 @@ def build(spec: FleetSpec, opts: RayOptions | None = None) -> serve.Application:
         options = deployment_options(m, p, opts)
         options["request_router_config"] = RequestRouterConfig(**options["request_router_config"])
         if "autoscaling_config" in options:
-            options["autoscaling_config"] = AutoscalingConfig(**options["autoscaling_config"])
+            auto = options["autoscaling_config"]
+            options["autoscaling_config"] = AutoscalingConfig(**(autoscaling(p, auto) if autoscaling else auto))
         engines[p.name] = (
             serve.deployment(EngineReplica)
             .options(**options)
@@ -442,3 +455,89 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     else:
         raise ConfigError("build_app needs `config` (a fleet YAML path) or `spec`")
     return build(spec, RayOptions(metrics_names=args.get("metrics_names", "vllm")))
+
+
+# -- a local Ray instance ---------------------------------------------------------------------------------
+@dataclass
+class LocalRay:
+    """A Ray instance of this process's own (`local_ray`): Serve's URL, the processes Ray started (read just
+    before shutdown: GCS, raylet, workers, replicas) and those of them still alive after it."""
+
+    url: str
+    pids: list[int] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@contextmanager
+def local_ray(
+    port: int, *, num_cpus: int = 4, env_vars: dict[str, str] | None = None, linger_s: float = 20.0
+) -> Iterator[LocalRay]:
+    """Ray started for this process alone (`address="local"`: never a cluster already running on the machine)
+    with Serve's HTTP proxy on 127.0.0.1:`port`; Serve and Ray shut down at the end whatever happened, and
+    `left` names any process Ray started that is still alive `linger_s` later. A start a loaded machine can
+    miss once (Ray gives its raylet a fixed 30 s to register; Serve kills an HTTP proxy slow to report
+    healthy) is tried again, Serve's on another free port."""
+    import ray
+
+    from inferd.procs import free_port
+
+    before = _descendants()
+    runtime_env = {"env_vars": env_vars} if env_vars else None
+    for attempt in range(2):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env=runtime_env,
+            )
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
+    run = LocalRay("")
+    try:
+        for attempt in range(2):
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                break
+            except RayActorError:
+                serve.shutdown()
+                if attempt:
+                    raise
+                port = free_port()
+        run.url = f"http://127.0.0.1:{port}"
+        yield run
+    finally:
+        try:
+            with suppress(Exception):  # Ray's processes and their children (workers, replicas), now
+                run.pids = sorted(_descendants() - before)
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            deadline = time.monotonic() + linger_s
+            while (left := _alive(run.pids)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            run.left = left

@@ -1,7 +1,8 @@
 """The KServe and Ray Serve labs beyond what `lab all --quick` checks (tests/labs/test_labs.py runs both): the
 KServe manifests validate with 0 errors and a broken one is caught with its field named; the memory claim turns
-into a warning when a spec asks for too little; the Ray lab's policy is inferd's own, and Ray is shut down, its
-processes gone, when the lab fails half-way; the vLLM lab compares only the levels both servers ran."""
+into a warning when a spec asks for too little; the Ray lab's policy is inferd's own, and Ray (the runtime's
+`local_ray`, which the lab runs in) is shut down, its processes gone, when the lab fails half-way; the vLLM lab
+compares only the levels both servers ran."""
 
 from __future__ import annotations
 
@@ -128,8 +129,9 @@ def test_the_recorded_policy_is_inferds_own(tmp_path):
 def test_ray_is_shut_down_and_its_processes_gone_when_the_lab_fails():
     import ray
 
-    run = rs.RayRun()
-    with pytest.raises(RuntimeError, match="half-way"), rs.local_ray(run, free_port()):
+    from inferd.runtime.ray import local_ray
+
+    with pytest.raises(RuntimeError, match="half-way"), local_ray(free_port()) as run:
         assert ray.is_initialized()
         raise RuntimeError("the lab failed half-way")
     assert not ray.is_initialized()
