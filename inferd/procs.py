@@ -4,7 +4,8 @@ log file that an error quotes.
 
 The tests, the benchmarks and the labs all start real servers; this is the one launcher they share. A child
 imports the same inferd as its parent: the checkout this module lives in goes first on its PYTHONPATH.
-`die_with_parent` is for a supervisor whose children must not outlive it (`inferd up`).
+`die_with_parent` is for a supervisor whose children must not outlive it (`inferd up`); `rss` and
+`rss_samples` read what a process tree holds in memory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,3 +174,46 @@ def metrics(url: str) -> dict[str, float]:
             name = name.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def rss(pid: int) -> float:
+    """Resident bytes of process `pid` and its children."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        with suppress(psutil.NoSuchProcess):
+            total += child.memory_info().rss
+    return float(total)
+
+
+def _high_water(pid: int) -> float:
+    """The kernel's high-water mark of the process's RSS (Linux; 0 elsewhere)."""
+    with suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
+    return 0.0
+
+
+@contextmanager
+def rss_samples(pid: int, every_s: float = 0.05) -> Iterator[list[float]]:
+    """`rss(pid)` sampled every `every_s` while the block runs, into the list it yields; at the end the list
+    also holds the kernel's high-water mark of `pid` itself, so its max is the peak a sample may miss."""
+    seen = [rss(pid)]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every_s):
+            with suppress(Exception):  # the process ending under the sampler
+                seen.append(rss(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join(timeout=5)
+        seen.append(_high_water(pid))

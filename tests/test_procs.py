@@ -1,5 +1,5 @@
-"""inferd.procs.free_port: a port is handed out once per process, so servers started one after another never
-share one while the first is still loading."""
+"""inferd.procs: a port is handed out once per process, so servers started one after another never share one
+while the first is still loading; a process's memory is sampled with its peak."""
 
 from __future__ import annotations
 
@@ -42,3 +42,16 @@ def test_real_ports_are_free_and_distinct():
     assert len(set(ports)) == 50
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))  # free now
+
+
+def test_rss_samples_see_memory_taken_inside_the_block():
+    import os
+
+    before = procs.rss(os.getpid())
+    with procs.rss_samples(os.getpid(), every_s=0.01) as seen:
+        block = bytearray(64 * 2**20)
+        block[::4096] = b"x" * len(block[::4096])  # touch every page
+        while len(seen) < 3:
+            pass
+    assert seen[0] <= before + 32 * 2**20 < max(seen)  # the peak, the kernel's high-water mark included
+    del block

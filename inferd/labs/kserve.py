@@ -11,14 +11,11 @@ No cluster is touched: the lab writes `<out>/kserve.yaml` and says what `kubectl
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 import shutil
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -185,28 +182,6 @@ def table(rows: list[tuple[str, str, str, str]]) -> str:
 
 
 # -- what a replica takes ---------------------------------------------------------------------------------
-def _rss(pid: int) -> float:
-    import psutil
-
-    proc = psutil.Process(pid)
-    total = proc.memory_info().rss
-    for child in proc.children(recursive=True):
-        with suppress(psutil.NoSuchProcess):
-            total += child.memory_info().rss
-    return float(total)
-
-
-def _peak_rss(pid: int) -> float | None:
-    """The kernel's high-water mark of the process's RSS (Linux)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def replica_flags(ctx: LabContext, spec, model, pool) -> list[str]:
     """The pool's `inferd serve` flags, less the model (the run's model is measured) and its name."""
     argv = spec.serve_argv(model, pool)
@@ -223,67 +198,55 @@ def replica_flags(ctx: LabContext, spec, model, pool) -> list[str]:
     return out
 
 
-def replica_memory(ctx: LabContext, flags: list[str], seqs: int, prompt_len: int, out_len: int) -> dict[str, float]:
-    """Start `inferd serve` with the pool's flags, read its RSS idle, then at its peak under `seqs` concurrent
-    requests of `prompt_len` + `out_len` tokens."""
+@dataclass
+class Replica:
+    """An `inferd serve` with the pool's flags, as it reported itself and as it held memory: idle, then at its
+    peak under a burst of `max_num_seqs` concurrent requests."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    prompt_len: int
+    rss_idle: float
+    rss_peak: float
+    burst_errors: int
+
+
+def engine_sizes(url: str) -> dict[str, int]:
+    """What the replica's engine allocated and allows: its KV blocks and their size (`cache_config_info`,
+    vLLM's info gauge), and its max_model_len (`/v1/models`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+    info = next(f for f in families if f.name.endswith("cache_config_info")).samples[0].labels
+    (card,) = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+    return {"num_blocks": int(info["num_gpu_blocks"]), "block_size": int(info["block_size"]),
+            "max_model_len": int(card["max_model_len"])}  # fmt: skip
+
+
+def replica_memory(ctx: LabContext, flags: list[str], seqs: int) -> Replica:
     from inferd.labs.procs import start_replica
-    from inferd.procs import wait_http
+    from inferd.procs import rss_samples, wait_http
 
     proc = start_replica(ctx.model, ctx.workdir, *flags)
     try:
         wait_http(proc, "/health", timeout=600)
-        pid = proc.popen.pid
-        idle = _rss(pid)
-        seen = [idle]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.wait(0.05):
-                seen.append(_rss(pid))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        started = time.monotonic()
-        with ThreadPoolExecutor(seqs) as pool:
-            codes = list(pool.map(lambda i: _complete(proc.url, i, prompt_len, out_len), range(seqs)))
-        burst = time.monotonic() - started
-        done.set()
-        sampler.join(timeout=5)
-        peak = max(max(seen), _peak_rss(pid) or 0.0)
+        sizes = engine_sizes(proc.url)
+        prompt_len = min(ctx.size(128, 512), sizes["max_model_len"] - 16)
+        with rss_samples(proc.popen.pid) as seen, ThreadPoolExecutor(seqs) as pool:
+            codes = list(pool.map(lambda i: _complete(proc.url, i, prompt_len, 16), range(seqs)))
     finally:
         proc.stop()
-    return {"rss_idle": idle, "rss_peak": peak, "burst_s": burst, "burst_errors": sum(c != 200 for c in codes)}
+    errors = sum(c != 200 for c in codes)
+    return Replica(**sizes, max_num_seqs=seqs, prompt_len=prompt_len, rss_idle=seen[0], rss_peak=max(seen),
+                   burst_errors=errors)  # fmt: skip
 
 
 def _complete(url: str, i: int, prompt_len: int, out_len: int) -> int:
     prompt = [16 + (i * 31 + k * 7) % 480 for k in range(prompt_len)]
     body = {"model": "m", "prompt": prompt, "max_tokens": out_len, "ignore_eos": True, "temperature": 0}
     return httpx.post(url + "/v1/completions", json=body, timeout=600).status_code
-
-
-def weight_bytes(ctx: LabContext) -> float:
-    """Bytes of the model's weights: its decoder layers, its embedding and, unless tied to it, its LM head, at
-    the engine's dtype (counted from the shapes: packed CPU layers hold no dense parameter to sum)."""
-    facts = ctx.facts()
-    tied = bool(getattr(ctx.llm().engine.model.config, "tie_word_embeddings", False))
-    embedding = facts.vocab * facts.hidden
-    return float((facts.body_params + embedding + (0 if tied else facts.lm_head_params)) * facts.elem_bytes)
-
-
-def kv_pool_bytes(config, per_token: int) -> int:
-    """The KV pool the engine allocates at start for this config (`CacheConfig.blocks`, the engine's sizing)."""
-    per_block = config.cache.block_size * per_token
-    return config.cache.blocks(per_block) * per_block
-
-
-def max_model_len(config) -> int:
-    """The engine's max_model_len for this config (`EngineConfig.context_len` of the model's own limit)."""
-    from inferd.models import loader
-
-    if config.max_model_len:  # no need to read the model
-        return config.max_model_len
-    folder = loader.resolve_model(config.model)
-    return config.context_len(loader.model_max_len(loader.text_config(loader.load_config(folder))))
 
 
 # -- the lab ------------------------------------------------------------------------------------------------
@@ -299,18 +262,15 @@ def measure(ctx: LabContext) -> Measurement:
     checked = validation(objs)
     llm = next(o for o in objs if o["kind"] == "LLMInferenceService")
     model, pool = next((m, p) for m in spec.models for p in m.pools if f"inferd-{p.name}" == llm["metadata"]["name"])
-    config = dataclasses.replace(model.engine_config(pool), model=ctx.model)  # the model this run measures
     facts = ctx.facts()
-    block = config.cache.block_size
-    pool_bytes = kv_pool_bytes(config, facts.kv_bytes_per_token)
-    max_len = max_model_len(config)
-    seqs = config.scheduler.max_num_seqs
-    prompt_len = min(ctx.size(128, 512), max_len - 16)
-    mem = replica_memory(ctx, replica_flags(ctx, spec, model, pool), seqs, prompt_len, 16)
+    per_token = facts.kv_bytes_per_token
+    r = replica_memory(ctx, replica_flags(ctx, spec, model, pool), model.engine_config(pool).scheduler.max_num_seqs)
+    pool_bytes = r.num_blocks * r.block_size * per_token
+    pool_tokens = r.num_blocks * r.block_size
     on_host = str(ctx.torch_device).startswith("cpu")  # on a GPU, weights and KV live in device memory
-    weights = weight_bytes(ctx)
-    limit = parse_memory(llm["spec"]["template"]["containers"][0]["resources"]["limits"]["memory"])
-    request = parse_memory(llm["spec"]["template"]["containers"][0]["resources"]["requests"]["memory"])
+    weights = facts.resident_params * facts.elem_bytes
+    resources = llm["spec"]["template"]["containers"][0]["resources"]
+    seqs, max_len, burst_tokens = r.max_num_seqs, r.max_model_len, r.max_num_seqs * (r.prompt_len + 16)
     n: dict[str, float] = {
         "objects": len(objs),
         "models": sum(1 for o in objs if o["kind"] == "LLMInferenceService"),
@@ -321,24 +281,24 @@ def measure(ctx: LabContext) -> Measurement:
         "replicas": llm["spec"]["replicas"],
         "max_num_seqs": seqs,
         "max_model_len": max_len,
-        "block_size": block,
-        "kv_bytes_per_token": facts.kv_bytes_per_token,
+        "block_size": r.block_size,
+        "kv_bytes_per_token": per_token,
         "kv_pool_mib": pool_bytes / MIB,
-        "kv_pool_tokens": pool_bytes // facts.kv_bytes_per_token,
+        "kv_pool_tokens": pool_tokens,
         "full_tokens": seqs * max_len,
-        "kv_full_mib": seqs * max_len * facts.kv_bytes_per_token / MIB,
-        "full_seqs_fit": (pool_bytes // facts.kv_bytes_per_token) // max_len,
+        "kv_full_mib": seqs * max_len * per_token / MIB,
+        "full_seqs_fit": pool_tokens // max_len,
         "weights_mib": weights / MIB,
         "burst_seqs": seqs,
-        "burst_tokens": seqs * (prompt_len + 16),
-        "burst_kv_mib": seqs * (prompt_len + 16) * facts.kv_bytes_per_token / MIB,
-        "burst_errors": mem["burst_errors"],
-        "rss_idle_mib": mem["rss_idle"] / MIB,
-        "rss_peak_mib": mem["rss_peak"] / MIB,
+        "burst_tokens": burst_tokens,
+        "burst_kv_mib": burst_tokens * per_token / MIB,
+        "burst_errors": r.burst_errors,
+        "rss_idle_mib": r.rss_idle / MIB,
+        "rss_peak_mib": r.rss_peak / MIB,
         "host_kv_mib": pool_bytes / MIB if on_host else 0.0,
         "host_weights_mib": weights / MIB if on_host else 0.0,
-        "request_mib": request / MIB,
-        "limit_mib": limit / MIB,
+        "request_mib": parse_memory(resources["requests"]["memory"]) / MIB,
+        "limit_mib": parse_memory(resources["limits"]["memory"]) / MIB,
     }
     n["runtime_mib"] = max(0.0, n["rss_peak_mib"] - n["host_kv_mib"] - n["host_weights_mib"])
     n["spare_mib"] = n["limit_mib"] - n["rss_peak_mib"]
@@ -350,7 +310,7 @@ def measure(ctx: LabContext) -> Measurement:
         "pool": pool.name,
         "out_yaml": shown_path(ctx.out / "kserve.yaml"),
         "cluster": _cluster(),
-        "prompt_len": prompt_len,
+        "prompt_len": r.prompt_len,
     }
     series = {
         "objects": [{k: v for k, v in o.items() if k != "errors"} | {"errors": len(o["errors"])} for o in

@@ -45,6 +45,13 @@ class ModelFacts:
     lm_head_params: int
     weight_bytes: int  # what a forward pass reads (`weight_bytes`)
     windows: tuple[int | None, ...]  # sliding window per layer (None: full attention)
+    tied_embeddings: bool = False  # the LM head is the embedding's matrix
+
+    @property
+    def resident_params(self) -> int:
+        """Parameters a replica holds in memory: the decoder layers', the embedding's and, unless tied to it,
+        the LM head's."""
+        return self.body_params + self.vocab * self.hidden + (0 if self.tied_embeddings else self.lm_head_params)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -85,4 +92,5 @@ def model_facts(model: Any, dtype: Any, kv_dtype: Any = None, name: str = "") ->
         lm_head_params=cfg.vocab_size * cfg.hidden_size,
         weight_bytes=weight_bytes(model),
         windows=tuple(getattr(layer.self_attn, "window", None) for layer in layers),
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
