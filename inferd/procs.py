@@ -4,8 +4,9 @@ log file that an error quotes.
 
 The tests, the benchmarks and the labs all start real servers; this is the one launcher they share. A child
 imports the same inferd as its parent: the checkout this module lives in goes first on its PYTHONPATH.
-`die_with_parent` is for a supervisor whose children must not outlive it (`inferd up`); `rss` and
-`rss_samples` read what a process tree holds in memory.
+`die_with_parent` is for a supervisor whose children must not outlive it (`inferd up`); `run_bounded` runs a
+command that starts servers of its own (a benchmark script) with a deadline; `rss` and `rss_samples` read
+what a process tree holds in memory.
 """
 
 from __future__ import annotations
@@ -174,6 +175,35 @@ def metrics(url: str) -> dict[str, float]:
             name = name.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def _interrupt(proc: subprocess.Popen, grace_s: float) -> None:
+    """Ctrl-C to the process group, so the command's own clean-up stops what it started; then a kill."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:  # ended meanwhile
+        proc.wait()
+
+
+def run_bounded(argv: list[str], log: Path, timeout_s: float, grace_s: float, cwd: Path = ROOT) -> int:
+    """Run `argv` in its own process group, its output in `log`; its exit status. Past `timeout_s` (or when
+    this process is interrupted) the group gets SIGINT, then SIGKILL `grace_s` later, and the timeout raises
+    `subprocess.TimeoutExpired`: the command is never left running."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except BaseException:
+        _interrupt(proc, grace_s)
+        raise
 
 
 def rss(pid: int) -> float:

@@ -13,14 +13,12 @@ the CPU, the code and a shared machine's speed change from one run to the next.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from inferd import cpu
+from inferd import cpu, procs
 from inferd.bench import peers, runs
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import InferdError
@@ -121,35 +119,12 @@ def why_not_live(ctx: LabContext, python: Path) -> str | None:
     return importable(python)
 
 
-def _interrupt(proc: subprocess.Popen, grace_s: float) -> None:
-    """Ctrl-C to the script's process group, so its own clean-up stops the servers it started; then a kill."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:  # ended meanwhile
-        proc.wait()
-
-
 def run_bounded(cmd: list[str], log: Path, timeout_s: float, grace_s: float = STOP_GRACE_S) -> int:
-    """Run `cmd` in its own process group, output to `log`; interrupted past `timeout_s` (or when this process
-    is), and never left running."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    """`cmd` run by `inferd.procs.run_bounded` (interrupted past `timeout_s`, never left running)."""
     try:
-        return proc.wait(timeout=timeout_s)
+        return procs.run_bounded(cmd, log, timeout_s, grace_s, cwd=REPO)
     except subprocess.TimeoutExpired:
-        _interrupt(proc, grace_s)
         raise LiveRunFailed(f"no result after {timeout_s:.0f} s (log: {log})") from None
-    except BaseException:
-        _interrupt(proc, grace_s)
-        raise
 
 
 def run_live(ctx: LabContext, timeout_s: float = LIVE_TIMEOUT_S) -> tuple[Path, dict]:
