@@ -30,6 +30,7 @@ from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
 from inferd.labs.context import LabContext
 from inferd.labs.cost import DEFAULT_PRICE
 from inferd.labs.drive import Job, random_prompts, serve
+from inferd.measure.stats import percentile
 
 DEFINITION = (
     "scaling replicas on queue depth, KV cache usage or latency signals instead of CPU/GPU utilisation, "
@@ -62,7 +63,7 @@ def measured_profile(ctx: LabContext) -> Profile:
         prompts = random_prompts(random.Random(100 + b), vocab, b, 16)
         run = serve(llm, [Job(p, 12) for p in prompts], concurrency=b)
         pure = run.pure_decode_steps(b)
-        steps.append(float(np.median(pure)) if pure else run.duration / 12)
+        steps.append(percentile(pure, 50) if pure else run.duration / 12)
     steps = [float(x) for x in np.maximum.accumulate(steps)]  # a profile's step never shrinks with the batch
     return Profile(
         name="measured here",

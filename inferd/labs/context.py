@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferd.bench.results import machine_info
-from inferd.config import DEFAULT_MODEL
+from inferd.config import DEFAULT_MODEL, engine_default
+from inferd.errors import ConfigError
 from inferd.measure.hardware import matmul_peak, memory_bandwidth
 from inferd.measure.model import ModelFacts
 from inferd.measure.model import model_facts as facts_of
@@ -61,20 +62,13 @@ def model_facts(llm: LLM, name: str) -> ModelFacts:
     return facts_of(engine.model, engine.dtype, engine.kv_dtype, name)
 
 
-def _flat_defaults() -> dict:
-    """Every engine setting's default, flat (as LLM(...) takes them): settings equal to these are dropped, so
-    `llm(attention_backend="auto")` is the same model as `llm()`."""
-    from dataclasses import asdict
-
-    from inferd.config import make_engine_config
-
-    config = asdict(make_engine_config())
-    nested = {k: v for k, v in config.items() if isinstance(v, dict)}
-    flat = {k: v for k, v in config.items() if not isinstance(v, dict)}
-    for part in nested.values():
-        flat.update(part)
-    flat.pop("model", None)
-    return flat
+def _is_default(name: str, value: Any) -> bool:
+    """A setting equal to the engine's default (`engine_default`) is dropped, so `llm(attention_backend="auto")`
+    is the same model as `llm()`."""
+    try:
+        return engine_default(name) == value
+    except ConfigError:
+        return False
 
 
 def _scheduler_fields() -> set[str]:
@@ -183,8 +177,7 @@ class LabContext:
         if self.quick:  # one thread: on a shared machine a second one mostly waits for its core
             base["num_threads"] = 1
             base["attention_backend"] = "torch"  # no native-kernel build in a quick run (the TensorRT lab asks)
-        defaults = _flat_defaults()
-        full = {k: v for k, v in {**base, **settings}.items() if k not in defaults or defaults[k] != v}
+        full = {k: v for k, v in {**base, **settings}.items() if not _is_default(k, v)}
         key = tuple(sorted(full.items()))
         if self._llm is not None and self._llm[0] == key:
             return self._llm[1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import httpx
 import numpy as np
@@ -22,6 +22,7 @@ import numpy as np
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
 from inferd.labs.disagg_fleet import Fleet, delta, leases_released, stream, usable_cores
+from inferd.labs.drive import random_prompts
 from inferd.labs.procs import metrics
 from inferd.measure.arrivals import arrivals_within
 from inferd.measure.stats import percentile
@@ -52,20 +53,40 @@ def _ms(seconds: list[float], p: float) -> float:
     return 1000 * (percentile(seconds, p) or 0.0)
 
 
-async def _workload(url: str, load: Load, vocab: int) -> dict:
+@dataclass
+class Traffic:
+    """What the short and long requests of one run saw (milliseconds)."""
+
+    sent: int
+    failed: int
+    shorts: int
+    longs: int
+    itl_p50_ms: float
+    itl_p99_ms: float
+    itl_max_ms: float
+    ttft_p50_ms: float
+    long_ttft_p50_ms: float
+    error: str  # the first failure, "" for none
+    itls_ms: list[float]  # the short requests' gaps, sorted
+
+    @property
+    def spike(self) -> float:
+        """The ITL tail against its median."""
+        return self.itl_p99_ms / max(self.itl_p50_ms, 1e-9)
+
+
+async def _workload(url: str, load: Load, vocab: int) -> Traffic:
     """Poisson short requests plus a long prompt every `long_every` s; every request read to its end."""
     rng = random.Random(load.seed)
-    hi = min(vocab, 50_000)
     shorts, longs, tasks = [], [], []
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def short() -> None:
-            shorts.append(
-                await stream(client, url, [rng.randrange(16, hi) for _ in range(load.short_prompt)], load.short_tokens)
-            )
+            prompt = random_prompts(rng, vocab, 1, load.short_prompt)[0]
+            shorts.append(await stream(client, url, prompt, load.short_tokens))
 
         async def long() -> None:
-            longs.append(await stream(client, url, [rng.randrange(16, hi) for _ in range(load.long_prompt)], 2))
+            longs.append(await stream(client, url, random_prompts(rng, vocab, 1, load.long_prompt)[0], 2))
 
         start, next_long = time.perf_counter(), load.long_every / 2
         for t in arrivals_within(load.seconds, load.rate, 1.0, np.random.default_rng(load.seed)):
@@ -76,13 +97,12 @@ async def _workload(url: str, load: Load, vocab: int) -> dict:
                 next_long += load.long_every
         failures = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(r, BaseException)]
     itl = [g for s in shorts for g in s.itls]
-    return {
-        "sent": len(tasks), "failed": len(failures), "shorts": len(shorts), "longs": len(longs),
-        "itl_p50_ms": _ms(itl, 50), "itl_p99_ms": _ms(itl, 99), "itl_max_ms": 1000 * max(itl, default=0),
-        "ttft_p50_ms": _ms([s.ttft for s in shorts], 50),
-        "long_ttft_p50_ms": _ms([s.ttft for s in longs], 50),
-        "error": repr(failures[0]) if failures else "", "itls_ms": sorted(1000 * g for g in itl),
-    }  # fmt: skip
+    return Traffic(
+        sent=len(tasks), failed=len(failures), shorts=len(shorts), longs=len(longs),
+        itl_p50_ms=_ms(itl, 50), itl_p99_ms=_ms(itl, 99), itl_max_ms=1000 * max(itl, default=0),
+        ttft_p50_ms=_ms([s.ttft for s in shorts], 50), long_ttft_p50_ms=_ms([s.ttft for s in longs], 50),
+        error=repr(failures[0]) if failures else "", itls_ms=sorted(1000 * g for g in itl),
+    )  # fmt: skip
 
 
 def _warm(url: str, load: Load, vocab: int) -> None:
@@ -119,8 +139,8 @@ def measure(ctx: LabContext) -> Measurement:
     finally:
         fleet.stop()
     for run in (colocated, disagg):
-        if run["failed"]:
-            raise RuntimeError(f"{run['failed']} of {run['sent']} requests failed, e.g. {run['error']}")
+        if run.failed:
+            raise RuntimeError(f"{run.failed} of {run.sent} requests failed, e.g. {run.error}")
     transfers = delta(after, before, "inferd:kv_transfer_seconds_count")
     blocks = delta(after, before, "inferd:kv_transfer_blocks_total")
     kv_bytes = delta(after, before, "inferd:kv_transfer_bytes_total")
@@ -129,7 +149,7 @@ def measure(ctx: LabContext) -> Measurement:
     m = Measurement(settings={**load.__dict__, "cores": cores, "colocated_threads": threads})
     n = m.numbers
     for name, run in (("colo", colocated), ("dis", disagg)):
-        n.update({f"{name}_{k}": v for k, v in run.items() if isinstance(v, int | float)})
+        n.update({f"{name}_{k}": v for k, v in asdict(run).items() if isinstance(v, int | float)})
     n.update(
         cores=cores, colo_threads=threads,
         long_prompt=load.long_prompt, short_tokens=load.short_tokens,
@@ -145,10 +165,9 @@ def measure(ctx: LabContext) -> Measurement:
         leases_left=leases_left,
         prefill_wait_ms=1000 * delta(pre_after, pre_before, "inferd:request_queue_time_seconds_sum")
         / max(delta(pre_after, pre_before, "inferd:request_queue_time_seconds_count"), 1.0),
-        colo_spike=colocated["itl_p99_ms"] / max(colocated["itl_p50_ms"], 1e-9),
-        dis_spike=disagg["itl_p99_ms"] / max(disagg["itl_p50_ms"], 1e-9),
+        colo_spike=colocated.spike, dis_spike=disagg.spike,
     )  # fmt: skip
-    m.series = {name: run.pop("itls_ms") for name, run in (("colocated", colocated), ("disaggregated", disagg))}
+    m.series = {"colocated": colocated.itls_ms, "disaggregated": disagg.itls_ms}
     return m
 
 
