@@ -36,7 +36,8 @@ DEFINITION = (
     "Python-native serving on a Ray cluster: deployments of replicas composed in code, with request routing and "
     "autoscaling built in; where LLM serving meets general Python pipelines."
 )
-APP, POOL, MODEL = "inferd", "lab", "m"
+APP, POOL, MODEL = "inferd", "lab", "m"  # the app as `inferd deploy ray` names it
+ENGINE = f"engine-{POOL}"  # the pool's deployment
 MAX_SEQS = 4  # per replica: more concurrent requests than this wait, and waiting is what the policy scales on
 TARGET_WAITING = 1  # per replica
 CLIENTS = 10  # MAX_SEQS run on one replica, MAX_SEQS more wait there (max_ongoing_requests = 2 x), 2 at the ingress
@@ -138,17 +139,12 @@ class ReplicaWatch:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
-    def running(self) -> int:
-        from ray import serve
-
-        app = serve.status().applications.get(APP)
-        dep = app.deployments.get(f"engine-{POOL}") if app else None
-        return int(dep.replica_states.get("RUNNING", 0)) if dep else 0
-
     def _poll(self) -> None:
+        from inferd.runtime.ray import running_replicas
+
         while not self.stop.is_set():
             try:
-                n = self.running()
+                n = running_replicas(ENGINE)
             except Exception:  # Serve shutting down
                 return
             if not self.changes or self.changes[-1][1] != n:
@@ -169,38 +165,6 @@ class ReplicaWatch:
                 return self.changes[-1][0]
             time.sleep(0.1)
         raise InferdError(f"Serve did not reach {count} running replicas within {timeout:.0f} s: {self.changes}")
-
-
-def wait_running(timeout: float) -> float:
-    """Until the app is RUNNING (every deployment healthy); its wall time then. Raises on failure or timeout."""
-    from ray import serve
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(APP)
-        if app is not None and app.status == "RUNNING":
-            return time.time()
-        if app is not None and app.status == "DEPLOY_FAILED":
-            raise InferdError(f"the Ray Serve app failed to deploy: {app.message}")
-        time.sleep(0.2)
-    raise InferdError(f"the Ray Serve app was not running within {timeout:.0f} s")
-
-
-def replica_counters() -> dict[str, dict]:
-    """Each engine replica's own counters, as Serve's request router reads them (record_routing_stats)."""
-    import ray
-
-    out = {}
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name = actor["name"]
-        if name.startswith("SERVE_REPLICA::") and f"engine-{POOL}" in name:
-            try:
-                handle = ray.get_actor(name, namespace=actor["namespace"])
-                stats = ray.get(handle.record_routing_stats.remote(), timeout=10)
-            except Exception:  # a replica going away
-                continue
-            out[stats["replica"]] = stats
-    return out
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
@@ -227,10 +191,12 @@ def load_until(url: str, clients: int, prompt_len: int, out_len: int, until: thr
 
 def routed(url: str, prompts: list[list[int]], concurrency: int) -> tuple[dict[str, float], list[int], Counter]:
     """Send `prompts`; each replica's request counter before and after, the codes, the replicas that answered."""
-    before = replica_counters()
+    from inferd.runtime.ray import replica_stats
+
+    before = replica_stats(ENGINE)
     with ThreadPoolExecutor(concurrency) as pool:
         responses = list(pool.map(lambda p: complete(url, p, 2), prompts))
-    after = replica_counters()
+    after = replica_stats(ENGINE)
     deltas = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0.0) for rid in after}
     seen = Counter(r.headers.get("x-inferd-replica", "?") for r in responses)
     return deltas, [r.status_code for r in responses], seen
@@ -339,7 +305,7 @@ def measure(ctx: LabContext) -> Measurement:
     try:
         from ray import serve
 
-        from inferd.runtime.ray import build, local_ray
+        from inferd.runtime.ray import build, local_ray, wait_app_running
     except ImportError:
         raise InferdError("the Ray Serve lab needs Ray: pip install 'inferd[ray]'") from None
     from inferd.procs import child_env, free_port
@@ -360,7 +326,7 @@ def measure(ctx: LabContext) -> Measurement:
         serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/")], wait_for_applications_running=False)
         watch.thread.start()
         try:
-            n["first_replica_s"] = wait_running(ctx.size(120, 300)) - watch.t0
+            n["first_replica_s"] = wait_app_running(ctx.size(120, 300)) - watch.t0
             up = scale_up(ctx, url, watch)
             n["routing_start_s"] = time.time() - watch.t0
             routes, per_replica = routing(url)

@@ -20,7 +20,8 @@
 `build_app` is the application builder (`serve run inferd.runtime.ray:build_app config=fleet.yaml`); the
 deployments' options, and the `serve deploy`/`serve run` config file that names this module's builder, router
 and policy, are rendered by `inferd.deploy.ray`, which imports none of this. `local_ray` runs Ray and Serve
-for one process alone and checks that what Ray started has ended. This module is what runs: it imports Ray,
+for one process alone and checks that what Ray started has ended; `running_replicas`, `wait_app_running`
+and `replica_stats` watch an app it runs. This module is what runs: it imports Ray,
 the gateway's routing and, in each replica, the engine and the server's app.
 """
 
@@ -42,8 +43,8 @@ from ray.exceptions import RayActorError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from inferd.chat import messages_text
-from inferd.deploy.ray import INGRESS_NAME, RayOptions, check_spec, deployment_options
-from inferd.errors import ConfigError, InvalidRequestError
+from inferd.deploy.ray import APP_NAME, INGRESS_NAME, RayOptions, check_spec, deployment_options
+from inferd.errors import ConfigError, InferdError, InvalidRequestError
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec, load_fleet
 from inferd.gateway.config import Scorers
 from inferd.gateway.errors import GatewayError, model_not_found, parse_json_body
@@ -455,6 +456,45 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     else:
         raise ConfigError("build_app needs `config` (a fleet YAML path) or `spec`")
     return build(spec, RayOptions(metrics_names=args.get("metrics_names", "vllm")))
+
+
+# -- watching a running app -----------------------------------------------------------------------------
+def running_replicas(deployment: str, app: str = APP_NAME) -> int:
+    """Replicas of `deployment` that Serve reports RUNNING (0 while the app or the deployment is not there)."""
+    status = serve.status().applications.get(app)
+    dep = status.deployments.get(deployment) if status else None
+    return int(dep.replica_states.get("RUNNING", 0)) if dep else 0
+
+
+def wait_app_running(timeout_s: float, app: str = APP_NAME) -> float:
+    """Until the app is RUNNING (every deployment healthy); its wall time then. Raises on failure or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return time.time()
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise InferdError(f"the Ray Serve app failed to deploy: {status.message}")
+        time.sleep(0.2)
+    raise InferdError(f"the Ray Serve app was not running within {timeout_s:.0f} s")
+
+
+def replica_stats(deployment: str) -> dict[str, dict]:
+    """Each replica of `deployment` by its id: its own counters, as the request router reads them
+    (`EngineReplica.record_routing_stats`). A replica going away meanwhile is left out."""
+    import ray
+
+    out = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if name.startswith("SERVE_REPLICA::") and deployment in name:
+            try:
+                handle = ray.get_actor(name, namespace=actor["namespace"])
+                stats = ray.get(handle.record_routing_stats.remote(), timeout=10)
+            except Exception:
+                continue
+            out[stats["replica"]] = stats
+    return out
 
 
 # -- a local Ray instance ---------------------------------------------------------------------------------
