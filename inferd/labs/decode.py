@@ -4,12 +4,12 @@ machine's measured memory bandwidth, and prefill and decode on one roofline."""
 from __future__ import annotations
 
 import random
-import statistics
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
 from inferd.labs.drive import Job, random_prompts, serve
 from inferd.labs.prefill import measure_prefill, prefill_flops
+from inferd.measure.stats import percentile
 
 DEFINITION = (
     "the autoregressive loop that generates one token at a time after prefill. Memory-bandwidth-bound: each "
@@ -26,7 +26,7 @@ def decode_step_ms(ctx: LabContext, batch: int, prompt_len: int, steps: int) -> 
     times = run.pure_decode_steps(batch)
     if not times:
         raise RuntimeError(f"no pure decode step at batch {batch}")
-    return statistics.median(times) * 1000
+    return percentile(times, 50) * 1000
 
 
 def measure(ctx: LabContext) -> Measurement:

@@ -8,6 +8,7 @@ shared machine a pinned process waits for its core while another sits idle.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -96,6 +97,22 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tok
     return Streamed(stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)], len(stamps))
 
 
+async def _ttfts(url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def one(p: list[int]) -> float:
+            async with sem:
+                return (await stream(client, url, p, 2)).ttft
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def ttfts(url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
+    """Streamed completions of 2 tokens, `concurrency` at a time: their TTFTs in seconds, in prompt order."""
+    return asyncio.run(_ttfts(url, prompts, concurrency))
+
+
 def leases_released(prefill: Proc, timeout: float = 10.0) -> float:
     """Blocks the prefill instance still lends after the decode side acknowledged (0 once every lease is
     released); waits up to `timeout` for the acknowledgements in flight."""
@@ -109,3 +126,8 @@ def leases_released(prefill: Proc, timeout: float = 10.0) -> float:
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def summed_delta(after: list[dict[str, float]], before: list[dict[str, float]], key: str) -> float:
+    """`key`'s rise summed over servers (their /metrics after and before, in the same order)."""
+    return sum(delta(a, b, key) for a, b in zip(after, before, strict=True))

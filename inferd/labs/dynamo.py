@@ -12,17 +12,15 @@ prompts prefilled on a decode worker directly.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.disagg_fleet import Fleet, delta, leases_released, stream
+from inferd.labs.disagg_fleet import Fleet, delta, leases_released, summed_delta, ttfts
 from inferd.labs.procs import Proc, gateway_config, metrics, start_gateway
 from inferd.labs.sglang import shared_prefix_prompts
+from inferd.measure.stats import percentile
 
 DEFINITION = (
     "NVIDIA's open-source serving framework for disaggregated prefill/decode with KV-cache-aware routing "
@@ -46,31 +44,19 @@ def _snapshot(decodes: list[Proc]) -> list[dict[str, float]]:
 
 
 def _totals(before: list[dict], after: list[dict]) -> dict[str, float]:
-    return {k: sum(delta(a, b, key) for a, b in zip(after, before, strict=True)) for k, key in DECODE_KEYS.items()}
-
-
-async def _send(url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
-    """Streamed completions (2 tokens each), `concurrency` at a time: their TTFTs in seconds."""
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=300) as client:
-
-        async def one(p: list[int]) -> float:
-            async with sem:
-                return (await stream(client, url, p, 2)).ttft
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return {k: summed_delta(after, before, key) for k, key in DECODE_KEYS.items()}
 
 
 def routed(gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> dict[str, float]:
     before = _snapshot(decodes)
-    ttfts = asyncio.run(_send(gateway.url, prompts, 2))
+    times = ttfts(gateway.url, prompts, 2)
     after = _snapshot(decodes)
     t = _totals(before, after)
     n = len(prompts)
     served = [delta(a, b, "inferd:request_success_total") for a, b in zip(after, before, strict=True)]
     return {
         "busiest_pct": 100 * max(served) / max(sum(served), 1.0),
-        "ttft_ms": 1000 * statistics.mean(ttfts), "hit_pct": 100 * t["hits"] / max(t["queries"], 1.0),
+        "ttft_ms": 1000 * statistics.mean(times), "hit_pct": 100 * t["hits"] / max(t["queries"], 1.0),
         "kb_per_req": t["pulled_bytes"] / 1e3 / n, "blocks": t["pulled_blocks"], "remote": t["remote"],
         "local": t["local"], "requests": n,
     }  # fmt: skip
@@ -78,12 +64,12 @@ def routed(gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> dict
 
 def handoff_cost(prompts: list[list[int]], decode: Proc, proxy: Proc) -> dict[str, float]:
     """The same unshared prompts one at a time: prefilled on the decode worker itself, then handed over."""
-    local = asyncio.run(_send(decode.url, prompts[: len(prompts) // 2], 1))
+    local = ttfts(decode.url, prompts[: len(prompts) // 2], 1)
     before = _snapshot([decode])
-    remote = asyncio.run(_send(proxy.url, prompts[len(prompts) // 2 :], 1))
+    remote = ttfts(proxy.url, prompts[len(prompts) // 2 :], 1)
     t = _totals(before, _snapshot([decode]))
     return {
-        "local_ttft_ms": 1000 * statistics.median(local), "remote_ttft_ms": 1000 * statistics.median(remote),
+        "local_ttft_ms": 1000 * percentile(local, 50), "remote_ttft_ms": 1000 * percentile(remote, 50),
         "pull_ms": 1000 * t["transfer_s"] / max(t["transfers"], 1.0),
         "pull_kb": t["pulled_bytes"] / 1e3 / max(t["transfers"], 1.0),
     }  # fmt: skip
@@ -108,7 +94,7 @@ def measure(ctx: LabContext) -> Measurement:
             gateways = dict(zip(PICKERS, pool.map(gateway, PICKERS), strict=True))
         probe = shared_prefix_prompts(9, 8, 1, plen, qlen, vocab)  # unshared prompts: no cache helps
         for proxy, prompt in zip(proxies, probe[6:], strict=True):  # the first request of a path pays extra
-            asyncio.run(_send(proxy.url, [prompt], 1))
+            ttfts(proxy.url, [prompt], 1)
         cost = handoff_cost(probe[:6], decodes[0], proxies[0])
         rr = routed(gateways["round_robin"], decodes, shared_prefix_prompts(1, k, users, plen, qlen, vocab))
         pa = routed(gateways["scored"], decodes, shared_prefix_prompts(2, k, users, plen, qlen, vocab))

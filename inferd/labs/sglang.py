@@ -4,16 +4,13 @@ routed round-robin and prefix-aware, with each replica's cache big enough for ab
 
 from __future__ import annotations
 
-import asyncio
 import random
 import statistics
-import time
-
-import httpx
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import Job, serve
+from inferd.labs.disagg_fleet import summed_delta, ttfts
+from inferd.labs.drive import Job, random_prompts, serve
 from inferd.labs.procs import gateway_config, metrics, start_gateway
 
 DEFINITION = (
@@ -24,9 +21,8 @@ DEFINITION = (
 def shared_prefix_prompts(seed: int, prefixes: int, users: int, prefix_len: int, question_len: int, vocab: int):
     """`prefixes` system prompts, each followed by `users` different questions, in random order."""
     rng = random.Random(seed)
-    hi = min(vocab, 50_000)
-    heads = [[rng.randrange(16, hi) for _ in range(prefix_len)] for _ in range(prefixes)]
-    prompts = [h + [rng.randrange(16, hi) for _ in range(question_len)] for h in heads for _ in range(users)]
+    heads = random_prompts(rng, vocab, prefixes, prefix_len)
+    prompts = [h + random_prompts(rng, vocab, 1, question_len)[0] for h in heads for _ in range(users)]
     rng.shuffle(prompts)
     return prompts
 
@@ -39,40 +35,18 @@ def in_engine(ctx: LabContext, prompts: list[list[int]], caching: bool, concurre
     return {"ttft_ms": run.metrics()["mean_ttft_ms"], "computed": computed}
 
 
-async def _send_all(url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
-    sem = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
-    async with httpx.AsyncClient(timeout=300) as client:
-
-        async def one(p: list[int]) -> None:
-            async with sem:
-                body = {"model": "m", "prompt": p, "max_tokens": 2, "ignore_eos": True, "stream": True}
-                t = time.perf_counter()
-                async with client.stream("POST", url + "/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    first = None
-                    async for _ in r.aiter_raw():
-                        first = first or time.perf_counter()
-                ttfts.append((first or time.perf_counter()) - t)
-
-        await asyncio.gather(*(one(p) for p in prompts))
-    return ttfts
-
-
 def routed(ctx: LabContext, picker: dict, prompts: list[list[int]], replicas, concurrency: int) -> dict:
     gw = start_gateway(gateway_config(replicas, routing=picker), ctx.workdir)
     try:
         before = [metrics(r.url) for r in replicas]
-        ttfts = asyncio.run(_send_all(gw.url, prompts, concurrency))
+        times = ttfts(gw.url, prompts, concurrency)
         after = [metrics(r.url) for r in replicas]
     finally:
         gw.stop()
 
-    def delta(key: str) -> float:
-        return sum(a.get(key, 0.0) - b.get(key, 0.0) for a, b in zip(after, before, strict=True))
-
-    hits, queries = delta("inferd:prefix_cache_hits_total"), delta("inferd:prefix_cache_queries_total")
-    return {"ttft_ms": statistics.mean(ttfts) * 1000, "hit_pct": 100 * hits / max(queries, 1.0)}
+    hits = summed_delta(after, before, "inferd:prefix_cache_hits_total")
+    queries = summed_delta(after, before, "inferd:prefix_cache_queries_total")
+    return {"ttft_ms": statistics.mean(times) * 1000, "hit_pct": 100 * hits / max(queries, 1.0)}
 
 
 def measure(ctx: LabContext) -> Measurement:
