@@ -11,7 +11,7 @@ import httpx
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.procs import gateway_config, start_gateway
+from inferd.labs.procs import complete, gateway_config, start_gateway
 
 DEFINITION = "token-aware rate limiting, model routing, and multi-tenant traffic shaping in front of the engines."
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]  # token ids: the gateway counts them exactly, no tokenizer needed
@@ -25,9 +25,8 @@ def _tenant(name: str, **limits) -> dict:
 
 
 def _post(url: str, tenant: str, **body) -> httpx.Response:
-    payload = {"model": "m", "prompt": PROMPT, "max_tokens": M, "ignore_eos": True, "temperature": 0, **body}
-    headers = {"Authorization": f"Bearer sk-lab-{tenant}"}
-    return httpx.post(url + "/v1/completions", json=payload, headers=headers, timeout=120)
+    auth = {"Authorization": f"Bearer sk-lab-{tenant}"}
+    return complete(url, PROMPT, body.pop("max_tokens", M), headers=auth, **body)
 
 
 def exact_budget(url: str) -> dict:
@@ -51,11 +50,7 @@ def exact_budget(url: str) -> dict:
 def reserve_settle(url: str, replica_url: str) -> dict:
     """A request that reserves 64 output tokens but stops early on a stop string: what is charged?"""
     limit, reserve = 1000, 64
-    greedy = httpx.post(
-        replica_url + "/v1/completions",
-        json={"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
-        timeout=120,
-    ).json()["choices"][0]["text"]
+    greedy = complete(replica_url, PROMPT, 8).json()["choices"][0]["text"]
     r1 = _post(url, "settle", max_tokens=reserve, ignore_eos=True, stop=[greedy] if greedy else None)
     actual = r1.json()["usage"]["completion_tokens"]
     at_admission = int(r1.headers["x-ratelimit-remaining-output-tokens"])

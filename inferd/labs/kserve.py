@@ -24,6 +24,7 @@ import httpx
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
 from inferd.labs.context import LabContext
+from inferd.labs.procs import complete
 
 DEFINITION = (
     "Kubernetes-native model serving: a custom resource (InferenceService, and LLMInferenceService for LLMs) "
@@ -245,8 +246,7 @@ def replica_memory(ctx: LabContext, flags: list[str], seqs: int) -> Replica:
 
 def _complete(url: str, i: int, prompt_len: int, out_len: int) -> int:
     prompt = [16 + (i * 31 + k * 7) % 480 for k in range(prompt_len)]
-    body = {"model": "m", "prompt": prompt, "max_tokens": out_len, "ignore_eos": True, "temperature": 0}
-    return httpx.post(url + "/v1/completions", json=body, timeout=600).status_code
+    return complete(url, prompt, out_len, timeout=600).status_code
 
 
 # -- the lab ------------------------------------------------------------------------------------------------

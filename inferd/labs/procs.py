@@ -2,16 +2,18 @@
 free loopback port, waited for with a deadline, and stopped (SIGTERM, then SIGKILL) when the lab run ends.
 
 The launcher is `inferd/procs.py` (shared with the tests and the benchmarks); here are the labs' replica
-defaults and the gateway config they use.
+defaults, the gateway config they use, and the one completion request they send (`complete`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+
 from inferd.procs import Proc, metrics, start_gateway, start_serve
 
-__all__ = ["Proc", "metrics", "start_gateway", "start_replica", "gateway_config"]
+__all__ = ["Proc", "complete", "metrics", "start_gateway", "start_replica", "gateway_config"]
 
 
 def start_replica(model: str, log_dir: Path, *extra: str) -> Proc:
@@ -29,3 +31,10 @@ def gateway_config(replicas: list[Proc], **extra) -> dict:
         "models": [{"name": "m", "backends": [{"pool": "p"}]}],
         **extra,
     }
+
+
+def complete(url: str, prompt: str | list[int], max_tokens: int, *, timeout: float = 120, headers=None, **body):
+    """A greedy completion from the model "m" of exactly `max_tokens` (eos ignored), not streamed; `body`
+    adds to the request or overrides it."""
+    base = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return httpx.post(url + "/v1/completions", json=base | body, headers=headers, timeout=timeout)

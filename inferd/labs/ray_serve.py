@@ -26,11 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
+from inferd.labs.procs import complete
 
 DEFINITION = (
     "Python-native serving on a Ray cluster: deployments of replicas composed in code, with request routing and "
@@ -165,11 +164,6 @@ class ReplicaWatch:
                 return self.changes[-1][0]
             time.sleep(0.1)
         raise InferdError(f"Serve did not reach {count} running replicas within {timeout:.0f} s: {self.changes}")
-
-
-def complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    return httpx.post(url + "/v1/completions", json=body, timeout=120)
 
 
 def load_until(url: str, clients: int, prompt_len: int, out_len: int, until: threading.Event) -> list[int]:
