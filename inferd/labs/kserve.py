@@ -98,7 +98,24 @@ def broken_copy(llm: dict) -> tuple[dict, int]:
     return bad, 3
 
 
-def validation(objs: list[dict]) -> dict[str, Any]:
+@dataclass
+class Checked:
+    """Each object against KServe's CRD schemas (kind, name, fields, errors), and the broken copy's errors."""
+
+    per_object: list[dict[str, Any]]
+    breaks: int
+    caught: list[str]
+
+    @property
+    def fields(self) -> int:
+        return sum(o["fields"] for o in self.per_object)
+
+    @property
+    def errors(self) -> int:
+        return sum(len(o["errors"]) for o in self.per_object)
+
+
+def validation(objs: list[dict]) -> Checked:
     from inferd.deploy.validate import body, errors, leaf_fields
 
     per_object = [
@@ -106,8 +123,7 @@ def validation(objs: list[dict]) -> dict[str, Any]:
         for o in objs
     ]
     bad, breaks = broken_copy(next(o for o in objs if o["kind"] == "LLMInferenceService"))
-    caught = errors(bad)
-    return {"per_object": per_object, "breaks": breaks, "caught": [str(e) for e in caught]}
+    return Checked(per_object, breaks, [str(e) for e in errors(bad)])
 
 
 # -- the field table ------------------------------------------------------------------------------------------
@@ -274,10 +290,10 @@ def measure(ctx: LabContext) -> Measurement:
     n: dict[str, float] = {
         "objects": len(objs),
         "models": sum(1 for o in objs if o["kind"] == "LLMInferenceService"),
-        "fields_validated": sum(o["fields"] for o in checked["per_object"]),
-        "validation_errors": sum(len(o["errors"]) for o in checked["per_object"]),
-        "broken_edits": checked["breaks"],
-        "broken_errors": len(checked["caught"]),
+        "fields_validated": checked.fields,
+        "validation_errors": checked.errors,
+        "broken_edits": checked.breaks,
+        "broken_errors": len(checked.caught),
         "replicas": llm["spec"]["replicas"],
         "max_num_seqs": seqs,
         "max_model_len": max_len,
@@ -314,8 +330,8 @@ def measure(ctx: LabContext) -> Measurement:
     }
     series = {
         "objects": [{k: v for k, v in o.items() if k != "errors"} | {"errors": len(o["errors"])} for o in
-                    checked["per_object"]],
-        "caught": checked["caught"],
+                    checked.per_object],
+        "caught": checked.caught,
         "fields": field_rows(llm),
     }  # fmt: skip
     return Measurement(numbers=n, series=series, settings=settings)

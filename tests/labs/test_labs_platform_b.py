@@ -45,10 +45,10 @@ def rendered() -> list[dict]:
 def test_the_kserve_objects_validate_and_a_broken_one_is_caught_by_field(rendered):
     assert [o["kind"] for o in rendered] == ["LLMInferenceService", "ServingRuntime", "InferenceService"]
     checked = ks.validation(rendered)
-    assert [len(o["errors"]) for o in checked["per_object"]] == [0, 0, 0]
-    assert sum(o["fields"] for o in checked["per_object"]) > 100
-    caught = checked["caught"]
-    assert len(caught) >= checked["breaks"] == 3
+    assert [len(o["errors"]) for o in checked.per_object] == [0, 0, 0]
+    assert checked.fields > 100 and checked.errors == 0
+    caught = checked.caught
+    assert len(caught) >= checked.breaks == 3
     assert any("spec.template.containers.0" in c and "readinesProbe" in c for c in caught), caught
     assert any("spec.model.uri" in c for c in caught) and any("'replica' was unexpected" in c for c in caught)
     unknown = {"apiVersion": "serving.kserve.io/v9", "kind": "LLMInferenceService", "metadata": {"name": "x"}}
