@@ -508,10 +508,20 @@ class LocalRay:
     left: list[int] = field(default_factory=list)
 
 
-def _descendants() -> set[int]:
+def _children() -> set[int]:
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _with_descendants(roots: set[int]) -> list[int]:
+    import psutil
+
+    pids = set(roots)
+    for pid in roots:
+        with suppress(psutil.NoSuchProcess):
+            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    return sorted(pids)
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -540,7 +550,7 @@ def local_ray(
 
     from inferd.procs import free_port
 
-    before = _descendants()
+    before = _children()
     runtime_env = {"env_vars": env_vars} if env_vars else None
     for attempt in range(2):
         try:
@@ -557,6 +567,7 @@ def local_ray(
             ray.shutdown()
             if attempt:
                 raise
+    roots = _children() - before  # GCS, raylet, monitors: the processes ray.init started
     run = LocalRay("")
     try:
         for attempt in range(2):
@@ -573,7 +584,7 @@ def local_ray(
     finally:
         try:
             with suppress(Exception):  # Ray's processes and their children (workers, replicas), now
-                run.pids = sorted(_descendants() - before)
+                run.pids = _with_descendants(roots)
             serve.shutdown()
         finally:
             ray.shutdown()
