@@ -481,7 +481,8 @@ def wait_app_running(timeout_s: float, app: str = APP_NAME) -> float:
 
 def replica_stats(deployment: str) -> dict[str, dict]:
     """Each replica of `deployment` by its id: its own counters, as the request router reads them
-    (`EngineReplica.record_routing_stats`). A replica going away meanwhile is left out."""
+    (`EngineReplica.record_routing_stats`), with its actor's name under "actor". A replica going away
+    meanwhile is left out."""
     import ray
 
     out = {}
@@ -493,7 +494,7 @@ def replica_stats(deployment: str) -> dict[str, dict]:
                 stats = ray.get(handle.record_routing_stats.remote(), timeout=10)
             except Exception:
                 continue
-            out[stats["replica"]] = stats
+            out[stats["replica"]] = stats | {"actor": name}
     return out
 
 

@@ -187,19 +187,11 @@ def _replica_actors() -> list[str]:
     )
 
 
-def _replica_stats(by: str = "replica") -> dict[str, dict]:
-    """Each engine replica's own counters, as Serve's router reads them (record_routing_stats), keyed by its
-    replica id (`by="replica"`) or by its actor's name (`by="actor"`)."""
-    import ray
+def _replica_stats() -> dict[str, dict]:
+    """Each engine replica's own counters by replica id, as Serve's router reads them."""
+    from inferd.runtime.ray import replica_stats
 
-    out = {}
-    for name in _replica_actors():
-        try:
-            stats = ray.get(ray.get_actor(name, namespace="serve").record_routing_stats.remote(), timeout=10)
-        except Exception:  # a replica going away
-            continue
-        out[stats["replica"] if by == "replica" else name] = stats
-    return out
+    return replica_stats("engine-tiny-both")
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 4, **extra) -> httpx.Response:
@@ -272,7 +264,7 @@ def test_a_killed_replica_is_replaced_without_losing_a_request(ray_app):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(busy.values()):  # the router may keep both idle at first
             time.sleep(0.5)
-            busy = {name: st["running"] + st["waiting"] for name, st in _replica_stats(by="actor").items()}
+            busy = {st["actor"]: st["running"] + st["waiting"] for st in _replica_stats().values()}
         victim = max(busy, key=busy.get)  # a replica with requests on it: the kill must cut some
         assert busy[victim] > 0, busy
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
