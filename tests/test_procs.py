@@ -44,14 +44,58 @@ def test_real_ports_are_free_and_distinct():
         s.bind(("127.0.0.1", ports[-1]))  # free now
 
 
-def test_rss_samples_see_memory_taken_inside_the_block():
-    import os
+_CHILD = """
+import sys, time
+sys.stdin.readline()                                  # the sampler is running
+block = bytearray(64 * 2**20)
+block[::4096] = b"x" * len(block[::4096])             # touch every page
+print("held", flush=True)
+sys.stdin.readline()
+del block
+print("freed", flush=True)
+sys.stdin.readline()                                  # stay alive until the high-water mark is read
+"""
 
-    before = procs.rss(os.getpid())
-    with procs.rss_samples(os.getpid(), every_s=0.01) as seen:
-        block = bytearray(64 * 2**20)
-        block[::4096] = b"x" * len(block[::4096])  # touch every page
-        while len(seen) < 3:
-            pass
-    assert seen[0] <= before + 32 * 2**20 < max(seen)  # the peak, the kernel's high-water mark included
-    del block
+
+def _child():
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def _say(proc, expect=None):
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    if expect:
+        assert proc.stdout.readline().strip() == expect
+
+
+def test_rss_samples_see_memory_taken_inside_the_block():
+    """A fresh process, so the reading is not the test runner's own high-water mark or its other children."""
+    proc = _child()
+    try:
+        with procs.rss_samples(proc.pid, every_s=0.01) as seen:
+            _say(proc, "held")
+            while len(seen) < 3:
+                pass
+            _say(proc, "freed")
+        assert seen[0] + 32 * 2**20 < max(seen[1:-1])  # a sample taken while the block was held
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_peak_a_sample_missed_is_the_high_water_mark():
+    proc = _child()
+    try:
+        with procs.rss_samples(proc.pid, every_s=60) as seen:  # no sample while the block is held
+            _say(proc, "held")
+            _say(proc, "freed")
+        assert len(seen) == 2
+        assert seen[0] + 32 * 2**20 < seen[-1]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
