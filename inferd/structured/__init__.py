@@ -1,0 +1,1 @@
+"""Structured generation: constraints on what a request may sample (schemas, regexes, grammars, tools)."""
