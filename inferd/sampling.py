@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inferd.errors import InvalidRequestError
+from inferd.structured.spec import Constraint
 
 _EPS = 1e-5
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -37,11 +38,16 @@ class SamplingParams:
     # disaggregated prefill/decode (docs/disaggregation.md): {"do_remote_decode": true} on a prefill
     # instance, the prefill's signed lease on a decode instance; checked by the engine's KV connector
     kv_transfer_params: dict | None = None
+    # structured outputs (docs/structured.md): the grammar the output must follow, compiled by the engine
+    structured: Constraint | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's range)
 
     def __post_init__(self) -> None:
         # the one place `stop` is normalised: a string, a list or None becomes a list
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = _token_biases(self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -97,6 +103,11 @@ class SamplingParams:
                 "seed",
                 f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
             ),
+            (
+                not (self.structured and self.ignore_eos),
+                "ignore_eos",
+                "ignore_eos cannot be combined with a structured output: the grammar ends the output",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -107,5 +118,28 @@ class SamplingParams:
         return self.temperature < _EPS
 
     @property
+    def edits_logits(self) -> bool:
+        """Whether sampling changes the model's logits before choosing (penalties, biases, a grammar)."""
+        return self.uses_penalties or bool(self.logit_bias) or self.structured is not None
+
+    @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _token_biases(bias: dict) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON string keys, biases in [-100, 100]) with int keys."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+        if token < 0:
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise InvalidRequestError(
+                f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", param="logit_bias"
+            )
+        out[token] = float(value)
+    return out

@@ -151,6 +151,8 @@ class AsyncEngine:
         """
         self.check_admission(params.n)
         arrival = time.monotonic()
+        if params.structured is not None:  # compiled here, off the event loop and the step loop
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         future = self._loop.create_future()
         stream = RequestStream(request_id)
         self._streams[request_id] = stream

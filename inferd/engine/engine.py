@@ -32,6 +32,7 @@ from inferd.models.quant import check_quantization
 from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestTimes, TokenLogprobs
 from inferd.request import Request, RequestStatus, sub_request_id
 from inferd.sampling import SamplingParams
+from inferd.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class Engine:
             config.seed,
             kv_dtype=self.kv_dtype,
         )
+        # structured outputs: the tokenizer's tables build in the background; requests compile their grammar
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.grammars = self.grammars
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
@@ -252,6 +256,13 @@ class Engine:
                 f"{self.max_model_len - n}",
                 param="max_tokens",
             )
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary [0, {self.vocab_size})",
+                param="logit_bias",
+            )
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # an AsyncEngine compiled it already: a cache hit
         needed = self.kv.blocks_needed(n + params.max_tokens)
         if needed > self.kv.num_blocks:
             raise InvalidRequestError(

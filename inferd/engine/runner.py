@@ -5,11 +5,17 @@ per-request state (block table, sampling state) and never sees the scheduler's o
 lays the batch out flat (one-query chunks first, then multi-token prefill chunks), builds positions,
 the slot mapping and block tables, runs the model, computes logits only for the chunks that sample,
 and samples.
+
+Structured requests carry a grammar matcher (`inferd.structured.grammar`): their rows' token masks are
+filled on a helper thread while the forward pass runs, applied to the logits before sampling, and the
+sampled token advances the matcher. Preemption keeps the matcher with the rest of the sampling state:
+the recompute replays tokens the matcher has already accepted and samples only after them.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +28,7 @@ from inferd.measure.model import kv_bytes_per_token
 from inferd.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from inferd.models.base import CausalLM
 from inferd.sampling import SamplingParams
+from inferd.structured.grammar import GrammarCompiler, Matcher, fill_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,7 @@ class CachedRequest:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled (penalties read it)
     block_ids: list[int] = field(default_factory=list)
+    matcher: Matcher | None = None  # a structured request's place in its grammar
 
 
 @dataclass
@@ -80,6 +88,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.requests: dict[str, CachedRequest] = {}
         self.kv_connector = None  # loads K/V from outside before a step (Engine.attach_kv_connector)
+        self.grammars: GrammarCompiler | None = None  # structured outputs' compiled grammars (the engine's)
+        self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def _pick_decode_kernel(self, backend: str):
         if backend == "torch" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
@@ -127,17 +137,30 @@ class ModelRunner:
         if sched.empty:
             return RunnerOutput()
         step = self.prepare(sched)
+        masks = self._fill_masks(step.sampling)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         if not step.sampling:
             return RunnerOutput()
-        token_ids, logprobs = self.sample(hidden[step.logits_indices], step.sampling)
+        token_ids, logprobs = self.sample(hidden[step.logits_indices], step.sampling, masks and masks.result())
         for state, token_id in zip(step.sampling, token_ids, strict=True):
             state.output_token_ids.append(token_id)
+            if state.matcher is not None and not state.matcher.accept(token_id):
+                logger.warning("request %s: token %d is outside its grammar", state.request_id, token_id)
         return RunnerOutput([s.request_id for s in step.sampling], token_ids, logprobs)
 
-    def sample(self, hidden: torch.Tensor, states: list[CachedRequest]) -> tuple[list[int], list]:
+    def _fill_masks(self, states: list[CachedRequest]) -> Future | None:
+        """The grammar masks of this step's sampled rows, filled on the helper thread (xgrammar releases the
+        GIL) while the forward pass runs; None when no row is constrained."""
+        if not any(s.matcher is not None for s in states):
+            return None
+        return self._masks.submit(fill_bitmasks, [s.matcher for s in states], self.grammars.vocab_size)
+
+    def sample(
+        self, hidden: torch.Tensor, states: list[CachedRequest], bitmask: torch.Tensor | None = None
+    ) -> tuple[list[int], list]:
         """Next tokens for the sampled rows: the argmax-only rows through the tiled LM head's fused argmax,
-        the rest (sampling, logprobs, penalties) through full logits and the sampler."""
+        the rest (sampling, logprobs, penalties, grammars) through full logits and the sampler. `bitmask`
+        has a row per state (`_fill_masks`)."""
         fast = [i for i, s in enumerate(states) if argmax_only(s)]
         if len(fast) == len(states):
             return self.model.greedy_tokens(hidden).tolist(), [None] * len(states)
@@ -148,7 +171,8 @@ class ModelRunner:
                 token_ids[i] = t
         slow = sorted(set(range(len(states))) - set(fast))
         rows = hidden[self._tensor(slow)] if fast else hidden
-        sampled = self.sampler(self.model.compute_logits(rows), [states[i] for i in slow])
+        masks = bitmask[self._tensor(slow)] if bitmask is not None and fast else bitmask
+        sampled = self.sampler(self.model.compute_logits(rows), [states[i] for i in slow], masks)
         for i, t, lp in zip(slow, sampled.token_ids, sampled.logprobs, strict=True):
             token_ids[i], logprobs[i] = t, lp
         return token_ids, logprobs
@@ -168,7 +192,14 @@ class ModelRunner:
         if new.params.seed is not None:  # its own stream, so its tokens do not depend on the batch
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.params.seed)
-        return CachedRequest(new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids, generator)
+        matcher = None
+        if new.params.structured is not None:
+            if self.grammars is None:
+                raise ConfigError("a structured request reached a runner without a grammar compiler")
+            matcher = self.grammars.matcher(new.params.structured)
+        return CachedRequest(
+            new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids, generator, matcher=matcher
+        )
 
     def prepare(self, sched: SchedulerOutput) -> StepInput:
         """The flat batch. One-query chunks (decodes, and one-token prefill chunks, which attend the same

@@ -1,9 +1,13 @@
 """Turn the logits of one step into next tokens, vectorised over the batch.
 
-Order: penalties -> min_tokens mask -> greedy rows take the argmax; the other rows scale by
+Order: penalties -> logit_bias -> min_tokens mask -> the grammar's mask (structured outputs: the
+forbidden tokens' logits become -inf, in place) -> greedy rows take the argmax; the other rows scale by
 temperature, cut by top-k / top-p / min-p and draw with the exponential-race trick, each seeded
 request from its own generator so its tokens do not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution, as vLLM and OpenAI report them.
+
+The grammar has the last word: if min_tokens forbids stopping where the grammar allows nothing else
+(the output is complete), the row keeps the grammar's mask alone and stops.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from inferd.outputs import TokenLogprobs
 from inferd.sampling import SamplingParams
+from inferd.structured.grammar import Matcher, apply_bitmask, fill_bitmasks
 
 
 class SamplingState(Protocol):
@@ -26,13 +31,15 @@ class SamplingState(Protocol):
     output_token_ids: list[int]
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None  # a seeded request's own; None draws from the sampler's
+    matcher: Matcher | None  # a structured request's place in its grammar (inferd.structured.grammar)
 
 
 def argmax_only(state: SamplingState) -> bool:
     """Whether the next token is the plain argmax of the logits: greedy, no logprobs, nothing that edits
-    the logits (penalties, the min_tokens mask). Such rows skip full logits (`CausalLM.greedy_tokens`)."""
+    the logits (penalties, biases, a grammar, the min_tokens mask). Such rows skip full logits
+    (`CausalLM.greedy_tokens`)."""
     p = state.params
-    return p.greedy and p.logprobs is None and not p.uses_penalties and len(state.output_token_ids) >= p.min_tokens
+    return p.greedy and p.logprobs is None and not p.edits_logits and len(state.output_token_ids) >= p.min_tokens
 
 
 @dataclass
@@ -48,12 +55,20 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[SamplingState], bitmask: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """`bitmask` row i is the grammar's mask of request i (rows without a matcher are ignored)."""
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, requests)
         if any(r.params.uses_penalties for r in requests):
             logits = self._apply_penalties(logits.clone(), requests)
+        logits = self._apply_bias(logits, requests)
+        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+        before_min_tokens = logits[constrained].clone() if constrained else None
         logits = self._mask_min_tokens(logits, requests)
+        if constrained:
+            logits = self._apply_grammar(logits, requests, constrained, before_min_tokens, bitmask)
         token_ids = self._pick(logits, requests)
         return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, requests))
 
@@ -74,6 +89,33 @@ class Sampler:
                 penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 logits[i] = torch.where(seen, penalised, row)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+        for i, r in enumerate(requests):
+            bias = r.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        return logits
+
+    @staticmethod
+    def _apply_grammar(
+        logits: torch.Tensor,
+        requests: Sequence[SamplingState],
+        rows: list[int],
+        before_min_tokens: torch.Tensor,
+        bitmask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if bitmask is None:  # the runner fills masks while the model runs; a caller without one fills here
+            bitmask = fill_bitmasks([r.matcher for r in requests], logits.shape[1])
+        apply_bitmask(logits, bitmask, rows)
+        stuck = [i for i in rows if not torch.isfinite(logits[i]).any()]
+        if stuck:  # min_tokens forbade the only tokens the grammar allows (its stop tokens): the grammar wins
+            for i in stuck:
+                logits[i] = before_min_tokens[rows.index(i)]
+            apply_bitmask(logits, bitmask, stuck)
         return logits
 
     def _mask_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:

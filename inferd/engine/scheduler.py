@@ -29,13 +29,16 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int
     """Whether the token just appended ends `request`: (status, stop_reason), or None to go on.
 
     An end-of-sequence or stop token counts once `min_tokens` are out (the sampler masks them before
-    that); a stop token is named as the stop reason, eos is not. Then the length limits: `max_tokens`
-    and the model's context. Stop strings are text, so the engine checks them after detokenizing.
+    that), or at once for a structured request, whose grammar allows eos only where the output is complete
+    (the sampler lets the grammar override min_tokens there); a stop token is named as the stop reason, eos
+    is not. Then the length limits: `max_tokens` and the model's context. Stop strings are text, so the
+    engine checks them after detokenizing.
     """
     params = request.params
     num_output = len(request.output_token_ids)
     last = request.output_token_ids[-1]
-    if num_output >= params.min_tokens:
+    grammar_done = params.structured is not None and last in request.eos_token_ids
+    if num_output >= params.min_tokens or grammar_done:
         if not params.ignore_eos and last in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
         if last in params.stop_token_ids:
