@@ -62,6 +62,7 @@ __all__ = [
     "new_call_id",
     "parse_tools",
     "parser_for",
+    "pythonic_calls_text",
     "resolve_tool_choice",
     "tools_system_prompt",
 ]
@@ -844,24 +845,71 @@ class PythonicParser(ToolParser):
             return off, 0
         return None, 0
 
+    def __init__(self):
+        super().__init__()
+        self._scan: tuple[str, int, int, int] = ("", -1, 0, 0)  # (text scanned, list start, where, depth there)
+
     def _calls(self, tail, final):
         m = self._FENCE.match(tail)
         body_start = m.end() if m else 0
-        j = tail.find("]", body_start)
-        while j >= 0:
-            try:
-                tree = ast.parse(tail[body_start : j + 1], mode="eval")
-            except (SyntaxError, ValueError, RecursionError, MemoryError):
-                j = tail.find("]", j + 1)
+        j = self._list_end(tail, body_start)
+        if j is None or j < 0:
+            return [], tail
+        try:
+            tree = ast.parse(tail[body_start : j + 1], mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return [], tail
+        calls = _pythonic_calls(tree.body)
+        if not calls:
+            return [], tail
+        rest = tail[j + 1 :]
+        if m:
+            rest = re.sub(r"^\s*```", "", rest)
+        return calls, rest
+
+    _PLAIN = re.compile(r"[^\"'#\[\](){}]*")
+    _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'')
+    _TRIPLE = re.compile(r'"""(?:[^\\]|\\.)*?"""|\'\'\'(?:[^\\]|\\.)*?\'\'\'', re.DOTALL)
+    _COMMENT = re.compile(r"#[^\n]*\n")
+
+    def _list_end(self, tail: str, start: int) -> int | None:
+        """The index of the `]` closing the list that opens at `start` (Python strings and comments skipped),
+        -1 if a bracket of another kind closes it, None if it has not closed yet. Streaming resumes where the
+        last call stopped, so a long output is scanned once."""
+        scanned, scanned_start, pos, depth = self._scan
+        if not (scanned_start == start and tail.startswith(scanned)):
+            if not tail.startswith("[", start):
+                return -1
+            pos, depth = start + 1, 1
+        n = len(tail)
+        while True:
+            pos = self._PLAIN.match(tail, pos).end()
+            if pos >= n:
+                break
+            ch = tail[pos]
+            if ch in "[({":
+                depth += 1
+                pos += 1
                 continue
-            calls = _pythonic_calls(tree.body)
-            if not calls:
-                return [], tail
-            rest = tail[j + 1 :]
-            if m:
-                rest = re.sub(r"^\s*```", "", rest)
-            return calls, rest
-        return [], tail if final else ""
+            if ch in "])}":
+                depth -= 1
+                pos += 1
+                if depth == 0:
+                    return pos - 1 if ch == "]" else -1
+                continue
+            if ch == "#":
+                found = self._COMMENT.match(tail, pos)
+            elif tail.startswith(ch * 3, pos):
+                found = self._TRIPLE.match(tail, pos)
+            else:
+                found = self._STRING.match(tail, pos)
+                if found and found.end() == n and found.end() - pos == 2:  # "" may yet be """
+                    found = None
+            if found is None:  # a string or comment still open
+                break
+            pos = found.end()
+        self._scan = (tail[:pos], start, pos, depth)
+        return None
 
 
 def _pythonic_calls(node: ast.AST) -> Calls:

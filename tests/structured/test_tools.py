@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import keyword
 import re
 
 import jsonschema
@@ -29,6 +30,7 @@ from inferd.structured.tools import (
     new_call_id,
     parse_tools,
     parser_for,
+    pythonic_calls_text,
     resolve_tool_choice,
     tools_system_prompt,
 )
@@ -451,6 +453,11 @@ PYTHONIC = [
     "[f(x=1e999)]",
     "  [f(",
     "Hello [f(x=1)]",
+    '[f(x="""a]\n"b)"""), g(y=\'\'\'c\'\'\')]',  # triple quotes
+    "[f(x=1,  # a comment ] )\n y=2)]",
+    "[f(x=\"\", y='')]",  # an empty string may yet turn out to open a triple quote
+    "[f(x=1)}",
+    '[f(x="\\"]")]',
 ]
 CORPUS = [(HermesParser, t) for t in HERMES]
 CORPUS += [(Llama3JsonParser, t) for t in LLAMA]
@@ -468,6 +475,38 @@ def test_stream_char_by_char_matches_parse(cls, text):
 @given(case=st.sampled_from(CORPUS), data=st.data())
 def test_stream_any_cuts_matches_parse(case, data):
     cls, text = case
+    check_stream_matches_parse(cls, text, data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+
+
+identifiers = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True).filter(lambda s: not keyword.iskeyword(s))
+auto_calls = st.lists(st.tuples(identifiers, st.dictionaries(identifiers, json_values, max_size=3)), max_size=3)
+prose = st.lists(st.sampled_from(list('ab <>[](){}\n_:"é') + ["<tool", "_call>", "[TOOL_", "CALLS]"]), max_size=8).map(
+    "".join
+)
+
+
+def write_calls(family: str, calls) -> str:
+    """Calls as each family's model writes them."""
+    if family == "hermes":
+        return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+    if family == "llama3_json":
+        return "<|python_tag|>" + "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    if family == "mistral":
+        return "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    return pythonic_calls_text([{"function": {"name": n, "arguments": a}} for n, a in calls])
+
+
+@FAST
+@given(family=st.sampled_from(sorted(PARSERS)), calls=auto_calls, before=prose, data=st.data())
+def test_auto_parsers_read_what_models_write(family, calls, before, data):
+    cls = PARSERS[family]
+    if family in ("llama3_json", "pythonic"):  # the whole output is the calls
+        before = ""
+    text = before + write_calls(family, calls)
+    content, got = cls().parse(text)
+    if calls and not ("<tool_call>" in before or "[TOOL_CALLS]" in before):  # (prose with a marker: any reading)
+        assert names_args(got) == calls
+        assert content == (before.rstrip() if before.strip() else None)
     check_stream_matches_parse(cls, text, data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
 
 
@@ -556,6 +595,11 @@ def test_pythonic():
     assert PythonicParser().parse(PYTHONIC[3])[0] is None  # the fence is not content
     for text in PYTHONIC[4:13] + ["[f(x=1e999)]", "  [f(", "Hello [f(x=1)]"]:
         assert PythonicParser().parse(text) == (text, []), text
+    assert names_args(PythonicParser().parse(PYTHONIC[17])[1]) == [("f", {"x": 'a]\n"b)'}), ("g", {"y": "c"})]
+    assert names_args(PythonicParser().parse(PYTHONIC[18])[1]) == [("f", {"x": 1, "y": 2})]
+    assert names_args(PythonicParser().parse(PYTHONIC[19])[1]) == [("f", {"x": "", "y": ""})]
+    assert PythonicParser().parse(PYTHONIC[20]) == (PYTHONIC[20], [])
+    assert names_args(PythonicParser().parse(PYTHONIC[21])[1]) == [("f", {"x": '"]'})]
     content, calls = PythonicParser().parse("[f(x=1)] and some words")
     assert content == "and some words" and names_args(calls) == [("f", {"x": 1})]
 
