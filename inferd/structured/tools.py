@@ -1,34 +1,37 @@
 """OpenAI tool calling as pure functions: validate the request, say what the grammar must enforce, read the
 calls back out of the model's text (whole or streamed), and shape chat history for chat templates.
 
-Nothing here touches an engine, a tokenizer or a server, so every rule of OpenAI's tool calling can be tested
-on plain strings. A chat request with `tools` goes through it like this:
+Nothing here touches an engine, a tokenizer or a server, so every rule of OpenAI's tool calling is tested on
+plain strings; the server wires these into a request. Errors in a request raise InvalidRequestError naming
+the field (`tools.0.function.name`, `tool_choice`, `messages.2.tool_calls.0.function.arguments`, ...).
 
-* `parse_tools(tools) -> list[Tool]` and `resolve_tool_choice(tools, tool_choice, parallel_tool_calls) ->
-  ToolChoice` validate the request with OpenAI's defaults (no tools: "none"; tools: "auto"), raising
-  InvalidRequestError that names the field (`tools.0.function.name`, `tool_choice`, ...).
-* `constraint_schema(tools, choice) -> dict | None` is the JSON schema the output must follow when the
-  grammar enforces the choice: for "named" the function's parameters (the output text IS the arguments
-  JSON, as in vLLM); for "required" an array of `{"name": ..., "parameters": ...}` objects. None for
-  "none" and "auto", where the model is free.
-* Constrained output ("named", "required") is read back by `calls_from_constrained(text, choice) ->
-  list[ToolCall]`, or streamed by `ToolCallStream(choice).feed(accumulated_text) -> list[dict]`, which
-  returns OpenAI's `delta.tool_calls` entries. Arguments are the JSON text as the model generated it (not
-  re-serialised, less leading and trailing whitespace), so streamed fragments and the final arguments are
-  the same string; after a "length" stop they may be incomplete JSON, as OpenAI's are.
-* Under "auto" the model writes calls in its own format; `parser_for(model_type) -> ToolParser` picks the
-  reader (hermes/Qwen `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`, pythonic for Gemma 3 and
-  Llama 4). `ToolParser.parse(text) -> (content, calls)`; streaming is `feed(accumulated_text) ->
-  (content_delta, tool_call_deltas)` then `finish()`. Text that is not a well-formed call stays content,
-  nothing raises. Arguments are re-serialised as compact JSON (the model's text is not always JSON).
-* `tools_system_prompt(tools) -> str` tells a model whose chat template ignores `tools` (Gemma 3) how to
-  call them, in the pythonic format.
-* `history_messages(messages)` turns OpenAI history (assistant `tool_calls` with JSON-string arguments,
-  `role: "tool"` results) into what HF chat templates expect (arguments as dicts);
-  `flatten_tool_history(messages)` rewrites it into plain user/assistant turns for templates with no tool
-  roles (Gemma).
-
-Ids are `new_call_id()`: `call_` and 24 random letters and digits.
+The request:
+  `parse_tools(tools) -> list[Tool]`; `Tool(name, description, parameters)`.
+  `resolve_tool_choice(tools, tool_choice, parallel_tool_calls) -> ToolChoice(mode, name, parallel)`, with
+  OpenAI's defaults (no tools: "none"; tools: "auto"; `parallel_tool_calls` true).
+  `constraint_schema(tools, choice, parallel=None) -> dict | None`: the JSON schema the output must follow
+  when the grammar enforces the choice. "named": the function's parameters (the output text IS the
+  arguments JSON, as in vLLM); "required": an array of `{"name": <const>, "parameters": <schema>}`;
+  None for "none" and "auto", where the model is free.
+Constrained output ("named", "required"):
+  `calls_from_constrained(text, choice) -> list[ToolCall]`; `ToolCall(id, name, arguments).to_openai()`;
+  `new_call_id()` (`call_` and 24 random letters and digits).
+  `ToolCallStream(choice).feed(accumulated_text) -> list[dict]`: OpenAI's `delta.tool_calls` entries.
+  Arguments are the JSON text as the model generated it, not re-serialised (less the whitespace around
+  it), so streamed fragments and non-streamed arguments are the same string; after a "length" stop they
+  may be incomplete JSON, as OpenAI's are.
+"auto", where the model writes calls in its own format:
+  `parser_for(model_type) -> ToolParser` (or `PARSERS[name]()`): hermes/Qwen `<tool_call>`, llama3_json,
+  mistral `[TOOL_CALLS]`, pythonic (Gemma 3, Llama 4). `parse(text) -> (content, calls)`; streaming
+  `feed(accumulated_text) -> (content_delta, tool_call_deltas)` and, at the end, `finish()` (same shape).
+  Text that is not a well-formed call stays content; nothing raises. Arguments are re-serialised as
+  compact JSON (the model's text is not always JSON).
+  `tools_system_prompt(tools) -> str` teaches the pythonic format to a model whose chat template ignores
+  `tools` (Gemma 3).
+History:
+  `history_messages(messages) -> list[dict]`: OpenAI history as HF chat templates expect it (a call's
+  arguments as a dict). `flatten_tool_history(messages) -> list[dict]`: the same as plain user/assistant
+  turns for templates with no tool roles (Gemma), calls written by `pythonic_calls_text(calls) -> str`.
 """
 
 from __future__ import annotations
@@ -368,7 +371,7 @@ class ToolCallStream:
         self._value: _Value | None = None
         self._item_name: str | None = None
         self._item_call: ToolCall | None = None
-        self._pending = ""  # argument characters of the current item not yet given to a call or a fragment
+        self._pending: list[str] = []  # argument characters of the current item not yet sent
         self._scalar = ""
 
     def feed(self, text: str) -> list[dict]:
@@ -396,19 +399,20 @@ class ToolCallStream:
     # the required-mode scanner
 
     def _args(self, chars: str) -> None:
-        self._pending += chars
+        self._pending.append(chars)
 
     def _flush(self, out: list[dict]) -> None:
         call = self._item_call
         if call is not None and self._pending:
-            out.append(_fragment(len(self.calls) - 1, self._pending))
-            call.arguments += self._pending
-            self._pending = ""
+            fragment = "".join(self._pending)
+            out.append(_fragment(len(self.calls) - 1, fragment))
+            call.arguments += fragment
+            self._pending = []
 
     def _end_item(self, out: list[dict]) -> None:
         self._flush(out)
         self._item_name = self._item_call = None
-        self._pending = ""
+        self._pending = []
         self._state = "item_sep"
 
     def _read_string(self, ch: str) -> str | None:
