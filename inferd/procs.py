@@ -4,9 +4,10 @@ log file that an error quotes.
 
 The tests, the benchmarks and the labs all start real servers; this is the one launcher they share. A child
 imports the same inferd as its parent: the checkout this module lives in goes first on its PYTHONPATH.
-`die_with_parent` is for a supervisor whose children must not outlive it (`inferd up`); `run_bounded` runs a
-command that starts servers of its own (a benchmark script) with a deadline; `rss` and `rss_samples` read
-what a process tree holds in memory.
+`start_proxy` puts `inferd disagg proxy` in front of prefill and decode servers, `gateway_config` one pool
+behind a gateway, and `complete` sends one completion. `die_with_parent` is for a supervisor whose children
+must not outlive it (`inferd up`); `run_bounded` runs a command that starts servers of its own (a benchmark
+script) with a deadline; `rss` and `rss_samples` read what a process tree holds in memory.
 """
 
 from __future__ import annotations
@@ -164,6 +165,33 @@ def start_gateway(config: dict, log_dir: Path, port: int | None = None, timeout:
     proc.config_path = path
     wait_http(proc, "/metrics", timeout=timeout)
     return proc
+
+
+def start_proxy(log_dir: Path, prefill: list[str], decode: list[str], *extra: str) -> Proc:
+    """`inferd disagg proxy` in front of these prefill and decode servers (the caller waits for /health)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "inferd.cli", "--log-level", "WARNING", "disagg", "proxy", "--port", str(port)]
+    return spawn("proxy", [*argv, "--prefill", *prefill, "--decode", *decode, *extra], port, log_dir)
+
+
+def gateway_config(urls: list[str], model: str = "m", **extra) -> dict:
+    """An `inferd gateway` config: one pool of these servers behind the model name `model`, with fast probes;
+    `extra` adds top-level sections (tenants, routing)."""
+    return {
+        "scrape": {"interval_s": 0.2, "stale_after_s": 2.0},
+        "health": {"interval_s": 0.5, "timeout_s": 1.0},
+        "request_timeout_s": 120,
+        "pools": [{"name": "p", "replicas": list(urls), "model": model}],
+        "models": [{"name": model, "backends": [{"pool": "p"}]}],
+        **extra,
+    }
+
+
+def complete(url: str, prompt: str | list[int], max_tokens: int, *, timeout: float = 120, headers=None, **body):
+    """A greedy completion from the model "m" of exactly `max_tokens` (eos ignored), not streamed; `body` adds
+    to the request or overrides it (`model=` another name)."""
+    base = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return httpx.post(url + "/v1/completions", json=base | body, headers=headers, timeout=timeout)
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inferd.labs import tiny
+from inferd.models import tiny
 
 TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 

@@ -3,7 +3,8 @@
 Always streams with `stream_options.include_usage`, so token counts can come from the server. Never raises
 for a failed request: every failure (connection, HTTP status, error event mid-stream, timeout, cut stream)
 comes back as a `RequestOutput` with `success=False` and an error whose text before the first colon is its
-kind ("HTTP 404", "ConnectError", "Timeout", ...), which the report counts by.
+kind ("HTTP 404", "ConnectError", "Timeout", ...), which the report counts by. `send_all` sends a list of
+requests at a concurrency or on a schedule (the labs' streamed requests).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import enum
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,3 +210,34 @@ class StreamingClient:
         if usage:
             out.usage_prompt_tokens = usage.get("prompt_tokens", out.usage_prompt_tokens)
             out.usage_completion_tokens = usage.get("completion_tokens", out.usage_completion_tokens)
+
+
+def send_all(
+    url: str,
+    requests: Sequence[BenchRequest],
+    *,
+    concurrency: int | None = None,
+    at: Sequence[float] | None = None,
+    model: str = "m",
+) -> list[RequestOutput]:
+    """Stream `requests` (prompts as text or token ids) to `model` at `url`, exactly their output lengths (eos
+    ignored), greedy: at most `concurrency` in flight, or each sent at its time in `at` (seconds from the start),
+    else all at once. The outputs, in request order; a failure is an output with `success` False."""
+    cfg = ClientConfig(url, model, ignore_eos=True, timeout_s=300.0)
+
+    async def go() -> list[RequestOutput]:
+        sem = asyncio.Semaphore(concurrency or len(requests) or 1)
+        async with StreamingClient(cfg) as client:
+
+            async def one(i: int, req: BenchRequest) -> RequestOutput:
+                async with sem:
+                    return await client.send(i, req)
+
+            start, tasks = time.perf_counter(), []
+            for i, req in enumerate(requests):
+                if at is not None:
+                    await asyncio.sleep(max(0.0, start + at[i] - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(i, req)))
+            return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(go())

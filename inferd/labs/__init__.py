@@ -3,8 +3,9 @@
 Each lab (one module here, registered in `LAB_MODULES`) measures its term with the engine, the benchmark's
 metrics or the gateway, prints a plain explanation built from the numbers, and writes JSON and a plot;
 `inferd lab all --report DIR` adds a capstone report ending in cost per million tokens. The framework is
-in `base` (labs, claims), `context` (what labs share), `drive` (timed serving on the engine), `runner`
-(run, write, report) and `cli`.
+in `base` (labs, claims), `context` (what labs share, the servers they start), `runner` (run, write, report)
+and `cli`; what a lab measures with is below it: the engine, timed serving on it (`inferd.bench.drive`),
+the measuring library (`inferd.measure`), the launcher (`inferd.procs`) and the runtimes.
 """
 
 from __future__ import annotations

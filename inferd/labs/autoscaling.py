@@ -25,11 +25,11 @@ from inferd.autoscale.profile import Profile, load_profile
 from inferd.autoscale.signals import Measured
 from inferd.autoscale.sim import SLO, Simulator
 from inferd.autoscale.workload import make_workload
+from inferd.bench.drive import Job, random_prompts, serve
 from inferd.fleet.spec import AutoscalingPolicy
 from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
 from inferd.labs.context import LabContext
 from inferd.labs.cost import DEFAULT_PRICE
-from inferd.labs.drive import Job, random_prompts, serve
 from inferd.measure.stats import percentile
 
 DEFINITION = (

@@ -1,9 +1,10 @@
 """What every lab shares in one run: the model (loaded once per set of engine settings), this machine's
 measured matmul peak and memory bandwidth, the model's shape in bytes and FLOPs (both from the measuring
-library, `inferd.measure`, as the benchmarks take them), and earlier labs' measurements (the cost lab
-reuses the goodput lab's when both run).
+library, `inferd.measure`, as the benchmarks take them), earlier labs' measurements (the cost lab
+reuses the goodput lab's when both run), and the real servers labs start on loopback through `inferd.procs`
+(`inferd serve`, its disaggregated roles, the proxy, the gateway), every one stopped when the run ends.
 
-`--quick` swaps the default model for a tiny random-weight Llama built on the fly (`inferd.labs.tiny`), so
+`--quick` swaps the default model for a tiny random-weight Llama built on the fly (`inferd.models.tiny`), so
 every lab finishes in seconds; its numbers show the mechanics, not a real model's speed, and each lab's
 text says which model it measured.
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 import gc
 import os
 import platform
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,45 +24,31 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from inferd.bench.client import send_all
+from inferd.bench.datasets import BenchRequest
+from inferd.bench.metrics import ttft
 from inferd.bench.results import machine_info
 from inferd.config import DEFAULT_MODEL, engine_default
 from inferd.errors import ConfigError
-from inferd.measure.hardware import matmul_peak, memory_bandwidth
-from inferd.measure.model import ModelFacts
-from inferd.measure.model import model_facts as facts_of
+from inferd.measure.hardware import Hardware, measure_hardware
+from inferd.measure.model import ModelFacts, model_facts
+from inferd.procs import (
+    Proc,
+    free_port,
+    gateway_config,
+    metrics,
+    start_gateway,
+    start_proxy,
+    start_serve,
+    wait_http,
+)
 
 if TYPE_CHECKING:
     from inferd.engine.engine import LLM
     from inferd.labs.base import Measurement
 
-
-@dataclass(frozen=True)
-class Hardware:
-    """This machine's ceilings, measured (`inferd.measure.hardware`), not looked up: a roofline needs both."""
-
-    device: str
-    dtype: str
-    matmul_flops: float  # FLOP/s of a large square matmul in the model's dtype
-    matmul_n: int
-    memory_bandwidth: float  # bytes/s read from memory
-    probe_bytes: int  # of the tensor the bandwidth was read from
-
-    @property
-    def ridge(self) -> float:
-        """FLOPs per byte where the two roofs meet: below it a kernel is bandwidth-bound, above compute-bound."""
-        return self.matmul_flops / self.memory_bandwidth
-
-
-def measure_hardware(device: torch.device, dtype: torch.dtype, quick: bool) -> Hardware:
-    n, nbytes, runs = (512, 64 * 2**20, 3) if quick else (2048, 2**30, 5)
-    flops = matmul_peak(n, dtype, device, runs)["peak"]
-    bandwidth = memory_bandwidth(nbytes, device, runs)
-    return Hardware(device.type, str(dtype).removeprefix("torch."), float(flops), n, bandwidth, nbytes)
-
-
-def model_facts(llm: LLM, name: str) -> ModelFacts:
-    engine = llm.engine
-    return facts_of(engine.model, engine.dtype, engine.kv_dtype, name)
+KV_SECRET = "inferd-lab-kv-secret"  # loopback only, for this run's disaggregated instances
+START_TIMEOUT = 600.0  # a real model on a busy machine can take minutes to load
 
 
 def _is_default(name: str, value: Any) -> bool:
@@ -130,7 +119,7 @@ class LabContext:
     _hardware: Hardware | None = None
     _facts: ModelFacts | None = None
     _closers: list[Callable[[], None]] = field(default_factory=list)
-    _replicas: dict[tuple, list] = field(default_factory=dict)
+    _replicas: dict[tuple, list[Proc]] = field(default_factory=dict)
     date: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
 
     def __post_init__(self) -> None:
@@ -141,7 +130,7 @@ class LabContext:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.model is None:
             if self.quick:
-                from inferd.labs.tiny import tiny_model
+                from inferd.models.tiny import tiny_model
 
                 self.model = str(tiny_model())
             else:
@@ -151,7 +140,7 @@ class LabContext:
     def model_label(self) -> str:
         if self.model == DEFAULT_MODEL:
             return "Gemma 3 270M (gemma3-270m)"
-        from inferd.labs.tiny import is_tiny
+        from inferd.models.tiny import is_tiny
 
         if is_tiny(self.model):
             return "a tiny random-weight Llama (--quick)"
@@ -200,28 +189,55 @@ class LabContext:
 
     def facts(self) -> ModelFacts:
         if self._facts is None:
-            self._facts = model_facts(self.llm(), self.model_label)
+            engine = self.llm().engine
+            self._facts = model_facts(engine.model, engine.dtype, engine.kv_dtype, self.model_label)
         return self._facts
 
     def hardware(self) -> Hardware:
         if self._hardware is None:
-            llm = self.llm()
-            self._hardware = measure_hardware(llm.engine.device, llm.engine.dtype, self.quick)
+            engine = self.llm().engine
+            n, nbytes, runs = self.size((512, 64 * 2**20, 3), (2048, 2**30, 5))
+            self._hardware = measure_hardware(engine.device, engine.dtype, n, nbytes, runs)
         return self._hardware
 
-    def replicas(self, count: int, *extra: str) -> list:
-        """`count` inferd replicas of this run's model (processes), started once per set of flags."""
-        from inferd.labs.procs import start_replica
-        from inferd.procs import wait_http
+    # -- processes: real servers on loopback (`inferd.procs`), each stopped when the run ends ------------------
+    def started(self, proc: Proc) -> Proc:
+        self.on_close(proc.stop)
+        return proc
 
+    def serve(self, *extra: str) -> Proc:
+        """An `inferd serve` of this run's model as "m", one thread unless `extra` says otherwise (later flags
+        win); wait for it with `wait`."""
+        return self.started(start_serve(self.model, self.workdir, "m", *self.replica_flags(), *extra))
+
+    def prefill(self, *extra: str) -> tuple[Proc, str]:
+        """A `--role prefill` instance and its KV channel's host:port (a `decode` instance's peer)."""
+        port = free_port()
+        flags = ("--role", "prefill", "--kv-secret", KV_SECRET, "--kv-port", str(port))
+        return self.serve(*flags, *extra), f"127.0.0.1:{port}"
+
+    def decode(self, peers: list[str], *extra: str) -> Proc:
+        return self.serve("--role", "decode", "--kv-secret", KV_SECRET, *extra, "--kv-peers", *peers)
+
+    def proxy(self, prefill: list[Proc], decode: list[Proc]) -> Proc:
+        """`inferd disagg proxy` in front of these instances."""
+        return self.started(start_proxy(self.workdir, [p.url for p in prefill], [d.url for d in decode]))
+
+    def gateway(self, servers: list[Proc], **config) -> Proc:
+        """`inferd gateway` with one pool of these servers behind "m" (`config`: more sections), ready."""
+        return self.started(start_gateway(gateway_config([s.url for s in servers], **config), self.workdir))
+
+    @staticmethod
+    def wait(*procs: Proc) -> None:
+        for p in procs:
+            wait_http(p, "/health", timeout=START_TIMEOUT)
+
+    def replicas(self, count: int, *extra: str) -> list[Proc]:
+        """`count` inferd replicas of this run's model, started once per set of flags and kept for later labs."""
         key = (count, extra)
         if key not in self._replicas:
-            flags = self.replica_flags()
-            procs = [start_replica(self.model, self.workdir, *flags, *extra) for _ in range(count)]  # later flags win
-            self._replicas[key] = procs
-            self.on_close(lambda: [p.stop() for p in procs])
-            for p in procs:
-                wait_http(p, "/health", timeout=600)
+            self._replicas[key] = [self.serve(*extra) for _ in range(count)]
+            self.wait(*self._replicas[key])
         return self._replicas[key]
 
     def replica_flags(self) -> list[str]:
@@ -233,6 +249,16 @@ class LabContext:
         """Replicas this run already started (any flags), or one new one."""
         return next(iter(self._replicas.values()), None) or self.replicas(1)
 
+    @contextmanager
+    def scoped(self) -> Iterator[None]:
+        """Servers started inside the block are stopped when it ends, on failure too, not at the run's end."""
+        mark = len(self._closers)
+        try:
+            yield
+        finally:
+            while len(self._closers) > mark:
+                self._closers.pop()()
+
     def on_close(self, fn: Callable[[], None]) -> None:
         self._closers.append(fn)
 
@@ -242,3 +268,34 @@ class LabContext:
         self._replicas.clear()
         self._llm = None
         gc.collect()
+
+
+# -- what the process labs read off their servers ------------------------------------------------------------
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def ttfts(url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
+    """Streamed completions of 2 tokens, `concurrency` at a time: their TTFTs in seconds, in prompt order."""
+    outs = send_all(url, [BenchRequest(p, len(p), 2) for p in prompts], concurrency=concurrency)
+    if failed := next((o for o in outs if not o.success), None):
+        raise RuntimeError(f"{url}: {failed.error}")
+    return [ttft(o) for o in outs]
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def summed_delta(after: list[dict[str, float]], before: list[dict[str, float]], key: str) -> float:
+    """`key`'s rise summed over servers (their /metrics after and before, in the same order)."""
+    return sum(delta(a, b, key) for a, b in zip(after, before, strict=True))
+
+
+def leases_released(prefill: Proc, timeout: float = 10.0) -> float:
+    """Blocks the prefill instance still lends after the decode side acknowledged (0 once every lease is
+    released); waits up to `timeout` for the acknowledgements in flight."""
+    deadline = time.monotonic() + timeout
+    while (left := metrics(prefill.url).get("inferd:kv_leases_active", 0.0)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left

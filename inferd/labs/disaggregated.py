@@ -11,21 +11,20 @@ a core each when nothing else runs). The proxy and the client share the cores wi
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 from dataclasses import asdict, dataclass
 
-import httpx
 import numpy as np
 
+from inferd.bench.client import send_all
+from inferd.bench.datasets import BenchRequest
+from inferd.bench.drive import random_prompts
+from inferd.bench.metrics import itls, ttft
 from inferd.labs.base import Explanation, Lab, Measurement, decide
-from inferd.labs.context import LabContext
-from inferd.labs.disagg_fleet import Fleet, delta, leases_released, stream, usable_cores
-from inferd.labs.drive import random_prompts
-from inferd.labs.procs import metrics
+from inferd.labs.context import LabContext, delta, leases_released, usable_cores
 from inferd.measure.arrivals import arrivals_within
 from inferd.measure.stats import percentile
+from inferd.procs import metrics
 
 DEFINITION = (
     "running prefill and decode on separate workers (or GPUs) and moving the KV cache between them, so long "
@@ -75,45 +74,40 @@ class Traffic:
         return self.itl_p99_ms / max(self.itl_p50_ms, 1e-9)
 
 
-async def _workload(url: str, load: Load, vocab: int) -> Traffic:
-    """Poisson short requests plus a long prompt every `long_every` s; every request read to its end."""
+def _workload(url: str, load: Load, vocab: int) -> Traffic:
+    """Poisson short requests plus a long prompt every `long_every` s; every request streamed to its end."""
     rng = random.Random(load.seed)
-    shorts, longs, tasks = [], [], []
-    async with httpx.AsyncClient(timeout=300) as client:
-
-        async def short() -> None:
-            prompt = random_prompts(rng, vocab, 1, load.short_prompt)[0]
-            shorts.append(await stream(client, url, prompt, load.short_tokens))
-
-        async def long() -> None:
-            longs.append(await stream(client, url, random_prompts(rng, vocab, 1, load.long_prompt)[0], 2))
-
-        start, next_long = time.perf_counter(), load.long_every / 2
-        for t in arrivals_within(load.seconds, load.rate, 1.0, np.random.default_rng(load.seed)):
-            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-            tasks.append(asyncio.create_task(short()))
-            if t >= next_long:
-                tasks.append(asyncio.create_task(long()))
-                next_long += load.long_every
-        failures = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(r, BaseException)]
-    itl = [g for s in shorts for g in s.itls]
+    reqs, at, next_long = [], [], load.long_every / 2
+    for t in arrivals_within(load.seconds, load.rate, 1.0, np.random.default_rng(load.seed)):
+        reqs.append(
+            BenchRequest(random_prompts(rng, vocab, 1, load.short_prompt)[0], load.short_prompt, load.short_tokens)
+        )
+        at.append(t)
+        if t >= next_long:
+            reqs.append(BenchRequest(random_prompts(rng, vocab, 1, load.long_prompt)[0], load.long_prompt, 2))
+            at.append(t)
+            next_long += load.long_every
+    outs = send_all(url, reqs, at=at)
+    failures = [o.error for o in outs if not o.success]
+    shorts = [o for o in outs if o.success and o.expected_output_len == load.short_tokens]
+    longs = [o for o in outs if o.success and o.expected_output_len == 2]
+    itl = [g for s in shorts for g in itls(s)]
     return Traffic(
-        sent=len(tasks), failed=len(failures), shorts=len(shorts), longs=len(longs),
+        sent=len(outs), failed=len(failures), shorts=len(shorts), longs=len(longs),
         itl_p50_ms=_ms(itl, 50), itl_p99_ms=_ms(itl, 99), itl_max_ms=1000 * max(itl, default=0),
-        ttft_p50_ms=_ms([s.ttft for s in shorts], 50), long_ttft_p50_ms=_ms([s.ttft for s in longs], 50),
-        error=repr(failures[0]) if failures else "", itls_ms=sorted(1000 * g for g in itl),
+        ttft_p50_ms=_ms([ttft(s) for s in shorts], 50), long_ttft_p50_ms=_ms([ttft(s) for s in longs], 50),
+        error=failures[0] if failures else "", itls_ms=sorted(1000 * g for g in itl),
     )  # fmt: skip
 
 
 def _warm(url: str, load: Load, vocab: int) -> None:
     """One short and one long request first: the first of each shape pays one-time costs."""
-
-    async def go() -> None:
-        async with httpx.AsyncClient(timeout=300) as client:
-            await stream(client, url, list(range(16, 16 + load.short_prompt)), 4)
-            await stream(client, url, [16 + i % (vocab - 16) for i in range(load.long_prompt)], 2)
-
-    asyncio.run(go())
+    short = list(range(16, 16 + load.short_prompt))
+    long = [16 + i % (vocab - 16) for i in range(load.long_prompt)]
+    reqs = [BenchRequest(short, len(short), 4), BenchRequest(long, len(long), 2)]
+    for o in send_all(url, reqs, concurrency=1):
+        if not o.success:
+            raise RuntimeError(f"{url}: {o.error}")
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -121,23 +115,20 @@ def measure(ctx: LabContext) -> Measurement:
     block_size = ctx.llm().engine.kv.block_size
     cores = usable_cores()
     threads = min(2, cores)
-    fleet = Fleet(ctx)
-    try:
-        colo = fleet.serve("--num-threads", str(threads))
-        prefill, kv = fleet.prefill()
-        decode = fleet.decode([kv])
-        proxy = fleet.proxy([prefill], [decode])
-        fleet.wait()
+    with ctx.scoped():
+        colo = ctx.serve("--num-threads", str(threads))
+        prefill, kv = ctx.prefill()
+        decode = ctx.decode([kv])
+        proxy = ctx.proxy([prefill], [decode])
+        ctx.wait(colo, prefill, decode, proxy)
         _warm(colo.url, load, facts.vocab)
-        colocated = asyncio.run(_workload(colo.url, load, facts.vocab))
-        fleet.stop(colo)  # idle, but nothing of it should share the cores with the roles
+        colocated = _workload(colo.url, load, facts.vocab)
+        colo.stop()  # idle, but nothing of it should share the cores with the roles
         _warm(proxy.url, load, facts.vocab)
         before, pre_before = metrics(decode.url), metrics(prefill.url)
-        disagg = asyncio.run(_workload(proxy.url, load, facts.vocab))
+        disagg = _workload(proxy.url, load, facts.vocab)
         after, pre_after = metrics(decode.url), metrics(prefill.url)
         leases_left = leases_released(prefill)
-    finally:
-        fleet.stop()
     for run in (colocated, disagg):
         if run.failed:
             raise RuntimeError(f"{run.failed} of {run.sent} requests failed, e.g. {run.error}")
@@ -295,8 +286,8 @@ def plot(m: Measurement, fig) -> None:
     a.bar([p + 0.2 for p in pos], dis, width=0.4, label="disaggregated")
     a.set(xticks=list(pos), xticklabels=x, ylabel="ms", title="Short requests while long prompts arrive")
     a.legend()
-    for name, itls in m.series.items():
-        b.plot(itls, [(i + 1) / len(itls) for i in range(len(itls))], label=name)
+    for name, gaps in m.series.items():
+        b.plot(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], label=name)
     b.set(xscale="log", xlabel="ITL of the short requests (ms)", ylabel="fraction of gaps at or below", ylim=(0, 1.01))
     b.set_title("Every gap between tokens, sorted")
     b.legend(loc="lower right")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import statistics
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
-from inferd.labs.context import LabContext
-from inferd.labs.disagg_fleet import Fleet, delta, leases_released, summed_delta, ttfts
-from inferd.labs.procs import Proc, gateway_config, metrics, start_gateway
+from inferd.labs.context import LabContext, delta, leases_released, summed_delta, ttfts
 from inferd.labs.sglang import shared_prefix_prompts
 from inferd.measure.stats import percentile
+from inferd.procs import Proc, metrics
 
 DEFINITION = (
     "NVIDIA's open-source serving framework for disaggregated prefill/decode with KV-cache-aware routing "
@@ -39,40 +39,58 @@ DECODE_KEYS = {
 }
 
 
-def _snapshot(decodes: list[Proc]) -> list[dict[str, float]]:
-    return [metrics(d.url) for d in decodes]
+@dataclass
+class Routed:
+    """One gateway's run of the shared-prefix workload, read from the decode workers' own counters."""
+
+    busiest_pct: float  # of the requests, on the busier worker
+    ttft_ms: float  # mean
+    hit_pct: float  # of prompt tokens found in the workers' caches
+    kb_per_req: float  # of KV pulled from the prefill instance
+    blocks: float
+    remote: float  # prefills handed over
+    local: float  # prefills the worker did itself (its cache covered the prompt)
+    requests: int
 
 
-def _totals(before: list[dict], after: list[dict]) -> dict[str, float]:
-    return {k: summed_delta(after, before, key) for k, key in DECODE_KEYS.items()}
+@dataclass
+class Handoff:
+    """The same unshared prompts at idle, prefilled on a decode worker and handed over."""
+
+    local_ttft_ms: float
+    remote_ttft_ms: float
+    pull_ms: float
+    pull_kb: float
 
 
-def routed(gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> dict[str, float]:
-    before = _snapshot(decodes)
+def _totals(decodes: list[Proc], before: list[dict[str, float]]) -> dict[str, float]:
+    after = [metrics(d.url) for d in decodes]
+    return {k: summed_delta(after, before, key) for k, key in DECODE_KEYS.items()} | {"after": after}
+
+
+def routed(gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> Routed:
+    before = [metrics(d.url) for d in decodes]
     times = ttfts(gateway.url, prompts, 2)
-    after = _snapshot(decodes)
-    t = _totals(before, after)
-    n = len(prompts)
-    served = [delta(a, b, "inferd:request_success_total") for a, b in zip(after, before, strict=True)]
-    return {
-        "busiest_pct": 100 * max(served) / max(sum(served), 1.0),
-        "ttft_ms": 1000 * statistics.mean(times), "hit_pct": 100 * t["hits"] / max(t["queries"], 1.0),
-        "kb_per_req": t["pulled_bytes"] / 1e3 / n, "blocks": t["pulled_blocks"], "remote": t["remote"],
-        "local": t["local"], "requests": n,
-    }  # fmt: skip
+    t = _totals(decodes, before)
+    served = [delta(a, b, "inferd:request_success_total") for a, b in zip(t["after"], before, strict=True)]
+    return Routed(
+        busiest_pct=100 * max(served) / max(sum(served), 1.0), ttft_ms=1000 * statistics.mean(times),
+        hit_pct=100 * t["hits"] / max(t["queries"], 1.0), kb_per_req=t["pulled_bytes"] / 1e3 / len(prompts),
+        blocks=t["pulled_blocks"], remote=t["remote"], local=t["local"], requests=len(prompts),
+    )  # fmt: skip
 
 
-def handoff_cost(prompts: list[list[int]], decode: Proc, proxy: Proc) -> dict[str, float]:
+def handoff_cost(prompts: list[list[int]], decode: Proc, proxy: Proc) -> Handoff:
     """The same unshared prompts one at a time: prefilled on the decode worker itself, then handed over."""
     local = ttfts(decode.url, prompts[: len(prompts) // 2], 1)
-    before = _snapshot([decode])
+    before = [metrics(decode.url)]
     remote = ttfts(proxy.url, prompts[len(prompts) // 2 :], 1)
-    t = _totals(before, _snapshot([decode]))
-    return {
-        "local_ttft_ms": 1000 * percentile(local, 50), "remote_ttft_ms": 1000 * percentile(remote, 50),
-        "pull_ms": 1000 * t["transfer_s"] / max(t["transfers"], 1.0),
-        "pull_kb": t["pulled_bytes"] / 1e3 / max(t["transfers"], 1.0),
-    }  # fmt: skip
+    t = _totals([decode], before)
+    return Handoff(
+        1000 * percentile(local, 50), 1000 * percentile(remote, 50),
+        pull_ms=1000 * t["transfer_s"] / max(t["transfers"], 1.0),
+        pull_kb=t["pulled_bytes"] / 1e3 / max(t["transfers"], 1.0),
+    )  # fmt: skip
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -80,18 +98,14 @@ def measure(ctx: LabContext) -> Measurement:
     k, users, plen, qlen = ctx.size((6, 4, 128, 16), (8, 4, 512, 32))
     max_len = 16 * (2 + (plen + qlen) // 16)
     blocks = max(int(0.6 * k * plen / 16), 2 * max_len // 16)  # about half the prefixes per decode worker
-    fleet = Fleet(ctx)
-    try:
-        prefill, kv = fleet.prefill("--max-model-len", str(max_len))
-        decodes = [fleet.decode([kv], "--max-model-len", str(max_len), "--num-blocks", str(blocks)) for _ in "ab"]
-        proxies = [fleet.proxy([prefill], [d]) for d in decodes]
-        fleet.wait()
+    with ctx.scoped():
+        prefill, kv = ctx.prefill("--max-model-len", str(max_len))
+        decodes = [ctx.decode([kv], "--max-model-len", str(max_len), "--num-blocks", str(blocks)) for _ in "ab"]
+        proxies = [ctx.proxy([prefill], [d]) for d in decodes]
+        ctx.wait(prefill, *decodes, *proxies)
         with ThreadPoolExecutor(2) as pool:  # both gateways start at once
-
-            def gateway(picker: str) -> Proc:
-                return fleet.add(start_gateway(gateway_config(proxies, routing={"picker": picker}), ctx.workdir))
-
-            gateways = dict(zip(PICKERS, pool.map(gateway, PICKERS), strict=True))
+            started = pool.map(lambda picker: ctx.gateway(proxies, routing={"picker": picker}), PICKERS)
+            gateways = dict(zip(PICKERS, started, strict=True))
         probe = shared_prefix_prompts(9, 8, 1, plen, qlen, vocab)  # unshared prompts: no cache helps
         for proxy, prompt in zip(proxies, probe[6:], strict=True):  # the first request of a path pays extra
             ttfts(proxy.url, [prompt], 1)
@@ -99,17 +113,15 @@ def measure(ctx: LabContext) -> Measurement:
         rr = routed(gateways["round_robin"], decodes, shared_prefix_prompts(1, k, users, plen, qlen, vocab))
         pa = routed(gateways["scored"], decodes, shared_prefix_prompts(2, k, users, plen, qlen, vocab))
         leases_left = leases_released(prefill)
-    finally:
-        fleet.stop()
     m = Measurement(settings={"prefixes": k, "users": users, "prefix_len": plen, "question_len": qlen,
                               "decode_blocks": blocks})  # fmt: skip
     n = m.numbers
-    n.update(prefixes=k, users=users, prefix_len=plen, question_len=qlen, decode_blocks=blocks, **cost)
-    n.update({f"rr_{key}": v for key, v in rr.items()} | {f"pa_{key}": v for key, v in pa.items()})
+    n.update(prefixes=k, users=users, prefix_len=plen, question_len=qlen, decode_blocks=blocks, **asdict(cost))
+    n.update({f"rr_{key}": v for key, v in asdict(rr).items()} | {f"pa_{key}": v for key, v in asdict(pa).items()})
     n["prompt_len"] = plen + qlen
-    n["handoff_ms"] = n["remote_ttft_ms"] - n["local_ttft_ms"]
-    n["requests"] = rr["requests"] + pa["requests"]
-    n["accounted"] = rr["remote"] + rr["local"] + pa["remote"] + pa["local"]
+    n["handoff_ms"] = cost.remote_ttft_ms - cost.local_ttft_ms
+    n["requests"] = rr.requests + pa.requests
+    n["accounted"] = rr.remote + rr.local + pa.remote + pa.local
     n["leases_left"] = leases_left
     return m
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
 import httpx
 
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.procs import complete, gateway_config, start_gateway
+from inferd.procs import complete
 
 DEFINITION = "token-aware rate limiting, model routing, and multi-tenant traffic shaping in front of the engines."
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]  # token ids: the gateway counts them exactly, no tokenizer needed
@@ -29,7 +30,20 @@ def _post(url: str, tenant: str, **body) -> httpx.Response:
     return complete(url, PROMPT, body.pop("max_tokens", M), headers=auth, **body)
 
 
-def exact_budget(url: str) -> dict:
+@dataclass
+class Exact:
+    """Tenant 'exact': requests until one is refused, then one asking for exactly what remains."""
+
+    limit: int
+    cost: int
+    admitted: int
+    used_at_refusal: int
+    remaining_at_refusal: int
+    refused_status: int
+    exact_fit_ok: float
+
+
+def exact_budget(url: str) -> Exact:
     limit = 3 * COST + (COST - 1)  # three requests fit, and one token short of a fourth
     statuses, used = [], 0
     for _ in range(4):
@@ -40,31 +54,47 @@ def exact_budget(url: str) -> dict:
         else:
             remaining = int(r.headers["x-ratelimit-remaining-tokens"])
     fit = _post(url, "exact", max_tokens=M - 1)  # asks for exactly what remains
-    fit_ok = float(fit.status_code == 200)
-    return {
-        "limit": limit, "cost": COST, "admitted": statuses.count(200), "used_at_refusal": used,
-        "remaining_at_refusal": remaining, "refused_status": statuses[-1], "exact_fit_ok": fit_ok,
-    }  # fmt: skip
+    return Exact(limit, COST, statuses.count(200), used, remaining, statuses[-1], float(fit.status_code == 200))
 
 
-def reserve_settle(url: str, replica_url: str) -> dict:
+@dataclass
+class Settled:
     """A request that reserves 64 output tokens but stops early on a stop string: what is charged?"""
+
+    out_limit: int
+    reserved: int
+    reserved_seen: int  # at admission, from the remaining-tokens header
+    actual: int
+    charged: int
+    settle_error: int
+
+
+def reserve_settle(url: str, replica_url: str) -> Settled:
     limit, reserve = 1000, 64
     greedy = complete(replica_url, PROMPT, 8).json()["choices"][0]["text"]
     r1 = _post(url, "settle", max_tokens=reserve, ignore_eos=True, stop=[greedy] if greedy else None)
     actual = r1.json()["usage"]["completion_tokens"]
     at_admission = int(r1.headers["x-ratelimit-remaining-output-tokens"])
-    r2 = _post(url, "settle", max_tokens=1)
-    after = int(r2.headers["x-ratelimit-remaining-output-tokens"])
+    after = int(_post(url, "settle", max_tokens=1).headers["x-ratelimit-remaining-output-tokens"])
     charged = limit - 1 - after
-    return {
-        "out_limit": limit, "reserved": reserve, "reserved_seen": limit - at_admission, "actual": actual,
-        "charged": charged, "settle_error": abs(charged - actual),
-    }  # fmt: skip
+    return Settled(limit, reserve, limit - at_admission, actual, charged, abs(charged - actual))
 
 
-def fairness(url: str) -> dict:
-    budget = 10 * COST
+@dataclass
+class Fairness:
+    """Tenant 'heavy' floods while 'light' keeps within the same budget."""
+
+    budget: int
+    heavy_sent: int
+    heavy_ok: int
+    heavy_429: int
+    heavy_tokens: int
+    light_sent: int
+    light_ok: int
+    light_ok_pct: float
+
+
+def fairness(url: str) -> Fairness:
     heavy, light = [], []
     with ThreadPoolExecutor(8) as pool:  # interleaved: light's requests arrive in the middle of heavy's flood
         for i in range(30):
@@ -74,11 +104,9 @@ def fairness(url: str) -> dict:
         light += [pool.submit(_post, url, "light") for _ in range(8 - len(light))]
         heavy_codes = [f.result().status_code for f in heavy]
         light_codes = [f.result().status_code for f in light]
-    return {
-        "budget": budget, "heavy_sent": 30, "heavy_ok": heavy_codes.count(200), "heavy_429": heavy_codes.count(429),
-        "heavy_tokens": heavy_codes.count(200) * COST, "light_sent": 8, "light_ok": light_codes.count(200),
-        "light_ok_pct": 100 * light_codes.count(200) / 8,
-    }  # fmt: skip
+    ok = heavy_codes.count(200)
+    light_ok = light_codes.count(200)
+    return Fairness(10 * COST, 30, ok, heavy_codes.count(429), ok * COST, 8, light_ok, 100 * light_ok / 8)
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -89,17 +117,12 @@ def measure(ctx: LabContext) -> Measurement:
         _tenant("heavy", tokens={"total": 10 * COST}),
         _tenant("light", tokens={"total": 10 * COST}),
     ]
-    gw = start_gateway(gateway_config(replicas[:1], tenants=tenants), ctx.workdir)
-    try:
-        m = Measurement(settings={"prompt_tokens": len(PROMPT), "max_tokens": M})
-        m.numbers.update(exact_budget(gw.url))
-        m.numbers.update(reserve_settle(gw.url, replicas[0].url))
-        m.numbers.update(fairness(gw.url))
-    finally:
-        gw.stop()
-    n = m.numbers
-    n["used_plus_cost"] = n["used_at_refusal"] + COST
-    return m
+    with ctx.scoped():
+        gw = ctx.gateway(replicas[:1], tenants=tenants)
+        exact, settled, fair = exact_budget(gw.url), reserve_settle(gw.url, replicas[0].url), fairness(gw.url)
+    n = asdict(exact) | asdict(settled) | asdict(fair)
+    n["used_plus_cost"] = exact.used_at_refusal + COST
+    return Measurement(numbers=n, settings={"prompt_tokens": len(PROMPT), "max_tokens": M})
 
 
 def explain(m: Measurement) -> Explanation:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import random
 
+from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import Job, random_prompts, serve
 from inferd.labs.ttft import capacity_rps
 from inferd.measure.arrivals import arrival_offsets
 

@@ -24,7 +24,7 @@ import httpx
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
 from inferd.labs.context import LabContext
-from inferd.labs.procs import complete
+from inferd.procs import complete
 
 DEFINITION = (
     "Kubernetes-native model serving: a custom resource (InferenceService, and LLMInferenceService for LLMs) "
@@ -243,18 +243,15 @@ def engine_sizes(url: str) -> dict[str, int]:
 
 
 def replica_memory(ctx: LabContext, flags: list[str], seqs: int) -> Replica:
-    from inferd.labs.procs import start_replica
-    from inferd.procs import rss_samples, wait_http
+    from inferd.procs import rss_samples, start_serve
 
-    proc = start_replica(ctx.model, ctx.workdir, *flags)
-    try:
-        wait_http(proc, "/health", timeout=600)
+    with ctx.scoped():
+        proc = ctx.started(start_serve(ctx.model, ctx.workdir, "m", *flags))
+        ctx.wait(proc)
         sizes = engine_sizes(proc.url)
         prompt_len = min(ctx.size(128, 512), sizes["max_model_len"] - 16)
         with rss_samples(proc.popen.pid) as seen, ThreadPoolExecutor(seqs) as pool:
             codes = list(pool.map(lambda i: _complete(proc.url, i, prompt_len, 16), range(seqs)))
-    finally:
-        proc.stop()
     errors = sum(c != 200 for c in codes)
     return Replica(**sizes, max_num_seqs=seqs, prompt_len=prompt_len, rss_idle=seen[0], rss_peak=max(seen),
                    burst_errors=errors)  # fmt: skip

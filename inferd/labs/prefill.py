@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
+from inferd.bench.drive import random_prompts
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import random_prompts
 from inferd.measure.hardware import best_time
 from inferd.sampling import SamplingParams
 

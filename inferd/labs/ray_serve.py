@@ -29,7 +29,7 @@ from typing import Any
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.procs import complete
+from inferd.procs import complete
 
 DEFINITION = (
     "Python-native serving on a Ray cluster: deployments of replicas composed in code, with request routing and "

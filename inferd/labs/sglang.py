@@ -7,11 +7,10 @@ from __future__ import annotations
 import random
 import statistics
 
+from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, decide
-from inferd.labs.context import LabContext
-from inferd.labs.disagg_fleet import summed_delta, ttfts
-from inferd.labs.drive import Job, random_prompts, serve
-from inferd.labs.procs import gateway_config, metrics, start_gateway
+from inferd.labs.context import LabContext, summed_delta, ttfts
+from inferd.procs import metrics
 
 DEFINITION = (
     "engine with RadixAttention (prefix-cache reuse), strong for structured generation and high-concurrency workloads."
@@ -27,55 +26,45 @@ def shared_prefix_prompts(seed: int, prefixes: int, users: int, prefix_len: int,
     return prompts
 
 
-def in_engine(ctx: LabContext, prompts: list[list[int]], caching: bool, concurrency: int) -> dict:
+def in_engine(ctx: LabContext, prompts: list[list[int]], caching: bool, concurrency: int) -> tuple[float, int]:
+    """(mean TTFT in ms, prompt tokens computed) of the workload on one engine, prefix caching off or on."""
     llm = ctx.llm(enable_prefix_caching=caching)
     llm.engine.kv.reset_prefix_cache()
     run = serve(llm, [Job(p, 2) for p in prompts], concurrency=concurrency)
-    computed = sum(s.input_tokens - s.cached_tokens for s in run.served)
-    return {"ttft_ms": run.metrics()["mean_ttft_ms"], "computed": computed}
+    return run.metrics()["mean_ttft_ms"], sum(s.input_tokens - s.cached_tokens for s in run.served)
 
 
-def routed(ctx: LabContext, picker: dict, prompts: list[list[int]], replicas, concurrency: int) -> dict:
-    gw = start_gateway(gateway_config(replicas, routing=picker), ctx.workdir)
-    try:
+def routed(ctx: LabContext, picker: str, prompts: list[list[int]], replicas, concurrency: int) -> tuple[float, float]:
+    """(mean TTFT in ms, % of prompt tokens the replicas found cached) through a gateway with this picker."""
+    with ctx.scoped():
+        gw = ctx.gateway(replicas, routing={"picker": picker})
         before = [metrics(r.url) for r in replicas]
         times = ttfts(gw.url, prompts, concurrency)
         after = [metrics(r.url) for r in replicas]
-    finally:
-        gw.stop()
-
     hits = summed_delta(after, before, "inferd:prefix_cache_hits_total")
     queries = summed_delta(after, before, "inferd:prefix_cache_queries_total")
-    return {"ttft_ms": statistics.mean(times) * 1000, "hit_pct": 100 * hits / max(queries, 1.0)}
+    return statistics.mean(times) * 1000, 100 * hits / max(queries, 1.0)
 
 
 def measure(ctx: LabContext) -> Measurement:
     vocab = ctx.facts().vocab
     k, users, plen, qlen = ctx.size((6, 4, 128, 16), (8, 4, 512, 32))
     prompts = shared_prefix_prompts(0, k, users, plen, qlen, vocab)
-    on = in_engine(ctx, prompts, True, 4)
-    off = in_engine(ctx, prompts, False, 4)
-    m = Measurement(settings={"prefixes": k, "users": users, "prefix_len": plen, "question_len": qlen})
-    n = m.numbers
-    n.update(
-        prefixes=k, users=users, prefix_len=plen, requests=len(prompts),
-        computed_off=off["computed"], computed_on=on["computed"],
-        ttft_off_ms=off["ttft_ms"], ttft_on_ms=on["ttft_ms"],
-        saved_pct=100 * (1 - on["computed"] / off["computed"]),
-    )  # fmt: skip
+    ttft_on, computed_on = in_engine(ctx, prompts, True, 4)
+    ttft_off, computed_off = in_engine(ctx, prompts, False, 4)
     # two replicas whose caches hold ~60% of all prefix blocks: enough for half the prefixes each, not for all
     max_len = 16 * (2 + (plen + qlen) // 16)
     blocks = max(int(0.6 * k * plen / 16), 2 * max_len // 16)
     replicas = ctx.replicas(2, "--num-blocks", str(blocks), "--max-model-len", str(max_len))
-    rr = routed(ctx, {"picker": "round_robin"}, shared_prefix_prompts(1, k, users, plen, qlen, vocab), replicas, 2)
-    pa = routed(ctx, {"picker": "scored"}, shared_prefix_prompts(2, k, users, plen, qlen, vocab), replicas, 2)
-    n.update(
-        replica_blocks=blocks,
-        rr_hit_pct=rr["hit_pct"], pa_hit_pct=pa["hit_pct"],
-        rr_ttft_ms=rr["ttft_ms"], pa_ttft_ms=pa["ttft_ms"],
-    )  # fmt: skip
-    m.settings["replica_blocks"] = blocks
-    return m
+    rr_ttft, rr_hit = routed(ctx, "round_robin", shared_prefix_prompts(1, k, users, plen, qlen, vocab), replicas, 2)
+    pa_ttft, pa_hit = routed(ctx, "scored", shared_prefix_prompts(2, k, users, plen, qlen, vocab), replicas, 2)
+    settings = {"prefixes": k, "users": users, "prefix_len": plen, "question_len": qlen, "replica_blocks": blocks}
+    return Measurement(settings=settings, numbers=dict(
+        prefixes=k, users=users, prefix_len=plen, requests=len(prompts), computed_off=computed_off,
+        computed_on=computed_on, ttft_off_ms=ttft_off, ttft_on_ms=ttft_on,
+        saved_pct=100 * (1 - computed_on / computed_off),
+        replica_blocks=blocks, rr_hit_pct=rr_hit, pa_hit_pct=pa_hit, rr_ttft_ms=rr_ttft, pa_ttft_ms=pa_ttft,
+    ))  # fmt: skip
 
 
 def explain(m: Measurement) -> Explanation:

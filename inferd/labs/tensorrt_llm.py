@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
+from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import Job, random_prompts, serve
 
 DEFINITION = (
     "NVIDIA's compiled-kernel engine for peak throughput and latency on NVIDIA hardware. More setup, highest "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
+from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.drive import Job, random_prompts, serve
 
 DEFINITION = (
     "tokens per second (and requests per second) the system sustains across all concurrent requests. Trades off "

@@ -10,12 +10,14 @@ prefill's share of the peak), so the labs and the benchmarks take them from here
   and on a CPU its write-allocate reads go uncounted.
 
 Each probe keeps the fastest of its timed runs: a ceiling is what the least disturbed run reached.
+`measure_hardware` takes both at once (`Hardware`, with the ridge point where the roofs meet).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -63,3 +65,28 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, device: torch.device | str = "cp
     """Bytes/s read from memory: a float32 tensor of `nbytes` (far past the last-level cache) summed."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=torch.device(device))
     return x.numel() * 4 / best_time(x.sum, device, runs)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """This machine's two roofs, measured: the matmul peak and the memory bandwidth, and where they meet."""
+
+    device: str
+    dtype: str
+    matmul_flops: float  # FLOP/s of a large square matmul in the dtype
+    matmul_n: int
+    memory_bandwidth: float  # bytes/s read from memory
+    probe_bytes: int  # of the tensor the bandwidth was read from
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte where the two roofs meet: below it a kernel is bandwidth-bound, above compute-bound."""
+        return self.matmul_flops / self.memory_bandwidth
+
+
+def measure_hardware(device: torch.device, dtype: torch.dtype, n: int, nbytes: int, runs: int) -> Hardware:
+    """Both roofs on `device`: an n x n matmul in `dtype`, a read of `nbytes`, each the fastest of `runs`."""
+    flops = float(matmul_peak(n, dtype, device, runs)["peak"])
+    return Hardware(
+        device.type, str(dtype).removeprefix("torch."), flops, n, memory_bandwidth(nbytes, device, runs), nbytes
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from inferd.cli import main
-from inferd.labs.tiny import tiny_model
+from inferd.models.tiny import tiny_model
 
 PRICE = 2.5
 

@@ -15,7 +15,7 @@ from inferd.labs import LAB_MODULES, all_labs, find_lab
 from inferd.labs.base import Measurement
 from inferd.labs.context import machine_line
 from inferd.labs.runner import LabResult, check_result, write_glossary_page
-from inferd.labs.tiny import tiny_model
+from inferd.models.tiny import tiny_model
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -142,3 +142,25 @@ def test_tiny_model_is_reused(tmp_path):
     stamp = (first / "config.json").stat().st_mtime_ns
     assert tiny_model(tmp_path) == first and (first / "config.json").stat().st_mtime_ns == stamp
     assert Path(first).name.startswith("tiny-llama")
+
+
+def test_lab_all_goes_on_past_a_lab_that_cannot_run(tmp_path, monkeypatch, capsys):
+    """A lab that needs a package the reader lacks (jsonschema, ray) is reported; the other labs still run."""
+    import dataclasses
+
+    import inferd.labs as labs
+    from inferd.errors import InferdError
+
+    def needs_a_package(ctx):
+        raise InferdError("this lab needs somepackage: pip install somepackage")
+
+    kv = labs.find_lab("kv-cache")
+    broken = dataclasses.replace(kv, name="broken", measure=needs_a_package)
+    monkeypatch.setattr(labs, "all_labs", lambda: [broken, kv])
+    model = tiny_model(tmp_path)
+    argv = ["lab", "all", "--quick", "--model", str(model), "--report", str(tmp_path / "r"), "--price-per-hour", "1"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "lab broken did not run: this lab needs somepackage" in err
+    assert (tmp_path / "r" / "kv-cache.json").exists() and (tmp_path / "r" / "report.md").exists()

@@ -94,7 +94,7 @@ def test_a_failing_lab_still_stops_its_processes(tmp_path, monkeypatch):
     """The disaggregated lab dies in the middle of its run: every process it started is gone afterwards."""
     from inferd.labs import disaggregated
     from inferd.labs.context import LabContext
-    from inferd.labs.tiny import tiny_model
+    from inferd.models.tiny import tiny_model
 
     def boom(*args, **kwargs):
         raise RuntimeError("the client broke")

@@ -1,6 +1,6 @@
 """One definition per measured concept: the source holds one percentile, one arrival-process generator, one
 hardware probe of each kind, one count of weight and KV bytes and one tiny-model builder, all in the
-measuring library (`inferd/measure`, and `inferd/labs/tiny.py` for the builder). A second copy fails here
+measuring library (`inferd/measure`, and `inferd/models/tiny.py` for the builder). A second copy fails here
 with where it is.
 
 Read from the source (AST, not text), so a comment or a docstring naming a percentile is not a definition.
@@ -27,7 +27,6 @@ NOT_A_COPY = {
     ("benchmarks/report.py", "pct"),  # formats a fraction as a percent
     ("inferd/models/layers.py", "weight_bytes"),  # a layer's own storage, which the library sums
     ("inferd/models/quant.py", "weight_bytes"),
-    ("inferd/labs/context.py", "model_facts"),  # the labs' call of the library's
     ("inferd/labs/kserve.py", "weight_bytes"),  # the resident weights, embedding included: another quantity
 }
 
@@ -61,7 +60,7 @@ CONCEPTS = [
     ),
     Concept(
         "tiny-model builder",
-        "inferd/labs/tiny.py",
+        "inferd/models/tiny.py",
         calls=frozenset({"from_config", "train_from_iterator"}),
         tops=(*SOURCES, "tests"),
     ),

@@ -1,9 +1,10 @@
-"""When the lab driver lets requests in: open loop at their times, closed loop under a concurrency, after a
-number of steps, and static batches that start only when full (or overdue, or when nothing more will come)."""
+"""When the engine driver (`inferd.bench.drive`) lets requests in: open loop at their times, closed loop under a
+concurrency, after a number of steps, and static batches that start only when full (or overdue, or when nothing
+more will come)."""
 
 from __future__ import annotations
 
-from inferd.labs.drive import Job, _Feeder
+from inferd.bench.drive import Job, _Feeder
 
 
 def _jobs(times: list[float]) -> list[Job]:
@@ -41,27 +42,3 @@ def test_a_step_triggered_job_arrives_after_that_many_steps_or_when_nothing_else
     assert [i for i, _ in f.arrivals(0.2, 3, 1)] == [1]
     stalled = _Feeder([Job([6], 2, at_step=3)], None, None, 0.5)
     assert [i for i, _ in stalled.arrivals(0.0, 0, 0)] == [0]  # no step would ever come
-
-
-def test_lab_all_goes_on_past_a_lab_that_cannot_run(tmp_path, monkeypatch, capsys):
-    """A lab that needs a package the reader lacks (jsonschema, ray) is reported; the other labs still run."""
-    import dataclasses
-
-    import inferd.labs as labs
-    from inferd.cli import main
-    from inferd.errors import InferdError
-    from inferd.labs.tiny import tiny_model
-
-    def needs_a_package(ctx):
-        raise InferdError("this lab needs somepackage: pip install somepackage")
-
-    kv = labs.find_lab("kv-cache")
-    broken = dataclasses.replace(kv, name="broken", measure=needs_a_package)
-    monkeypatch.setattr(labs, "all_labs", lambda: [broken, kv])
-    model = tiny_model(tmp_path)
-    argv = ["lab", "all", "--quick", "--model", str(model), "--report", str(tmp_path / "r"), "--price-per-hour", "1"]
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 1
-    assert "lab broken did not run: this lab needs somepackage" in err
-    assert (tmp_path / "r" / "kv-cache.json").exists() and (tmp_path / "r" / "report.md").exists()

@@ -1,4 +1,7 @@
-"""Serve a workload on the in-process engine with real arrival times, as a server would, and time it.
+"""Serve a workload on an in-process engine with real arrival times, as a server would, and time it.
+
+The labs' timed runs go through here. The engine is handed in (`LLM`, or anything with its `engine`); this
+module imports none of it, so it sits with the benchmark's metrics it converts its times to.
 
 `serve` feeds requests into `Engine` when they arrive (open loop: at their arrival time; closed loop: as soon
 as fewer than `concurrency` are in flight; or after a number of steps), steps the engine, and records every

@@ -1,5 +1,6 @@
 """Tiny random-weight models built from a config, no download: the one builder the labs' `--quick` model,
-the benchmarks' random models and the tests' models of every architecture come from.
+the benchmarks' random models and the tests' models of every architecture come from (it sits beside the
+models, so none of them imports another's package for it).
 
 `write_random_model` saves a Hugging Face folder (config, safetensors, tokenizer) that both inferd and
 transformers load; `build_tokenizer` trains the byte-level BPE tokenizer it carries; `llama_config` is
