@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -55,6 +56,7 @@ def _run_labs(labs, args: argparse.Namespace) -> int:
     from inferd.labs.context import LabContext
     from inferd.labs.runner import check_result, run_lab, write_glossary_page, write_report
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # labs send hundreds of requests: no line each
     out = args.report if (args.report is not None and args.target == "all") else args.out
     ctx = LabContext(
         quick=args.quick,

@@ -1,9 +1,10 @@
 """Ray Serve: the fleet's Ray Serve application (`inferd/runtime/ray.py`) run on a local Ray instance and scaled
 by load from one engine replica to two and back. The lab records the autoscaling policy's decisions with
-their times and the signals they rest on (the policy runs inside Serve's controller; `RecordingPolicy` wraps
-inferd's `PoolAutoscalingPolicy` and writes each decision to a file), Serve's replica count as it followed
-them, and how the request router spread requests over the two replicas, read from each replica's own
-request counter: by load for distinct prompts, by prefix for prompts that share one.
+their times and the signals they rest on (the policy runs inside Serve's controller; the runtime's `recording`
+hook has inferd's `PoolAutoscalingPolicy` write each decision to a file), Serve's replica count as it
+followed them (the runtime's `ReplicaWatch`), and how the request router spread requests over the two
+replicas, read from each replica's own request counter: by load for distinct prompts, by prefix for prompts
+that share one.
 
 Ray is started for the lab alone and stopped when the lab ends, on failure too, by the runtime's `local_ray`
 (`address="local"`: never a cluster already running on the machine), which then checks that every process
@@ -12,18 +13,13 @@ Ray started is gone.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from inferd.errors import InferdError
@@ -42,42 +38,6 @@ TARGET_WAITING = 1  # per replica
 CLIENTS = 10  # MAX_SEQS run on one replica, MAX_SEQS more wait there (max_ongoing_requests = 2 x), 2 at the ingress
 
 
-# -- the policy, recorded ---------------------------------------------------------------------------------
-class RecordingPolicy:
-    """inferd's `PoolAutoscalingPolicy`, unchanged, plus a log. Serve calls it every control-loop tick (0.1 s);
-    a call whose outcome changed, or the first in half a second, is one JSON line: wall time, Serve's current
-    and target replicas, the signals summed over replicas, the policy's desired count (before Serve's bounds)."""
-
-    def __init__(self, log_path: str, **policy: Any):
-        from inferd.runtime.ray import PoolAutoscalingPolicy
-
-        self.inner = PoolAutoscalingPolicy(**policy)
-        self.log_path = log_path
-        self.last: tuple | None = None
-        self.last_t = 0.0
-
-    def __call__(self, ctx) -> tuple[int, dict]:
-        desired, state = self.inner(ctx)
-        metrics = ctx.aggregated_metrics or {}
-        totals = {name: round(sum(v.values()), 2) for name, v in metrics.items()}
-        key = (desired, ctx.current_num_replicas, ctx.target_num_replicas)
-        now = time.time()
-        if key != self.last or now - self.last_t >= 0.5:
-            self.last, self.last_t = key, now
-            line = {
-                "t": now,
-                "current": ctx.current_num_replicas,
-                "target": ctx.target_num_replicas,
-                "desired": desired,
-                "waiting": totals.get("waiting", 0.0),
-                "running": totals.get("running", 0.0),
-            }
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        return desired, state
-
-
-# -- the fleet and the app --------------------------------------------------------------------------------
 def lab_fleet(ctx: LabContext):
     """One model, one pool of 1 to 2 replicas, scaled on waiting requests with short windows (seconds, not a
     production policy's minutes, so the lab sees both directions)."""
@@ -102,68 +62,6 @@ def lab_fleet(ctx: LabContext):
     return FleetSpec.model_validate(
         {"models": [{"name": MODEL, "model": ctx.model, "engine": engine, "pools": [pool]}]}
     )
-
-
-def recording(log_path: Path):
-    """The runtime's autoscaling hook that wraps each pool's policy in `RecordingPolicy` and has Serve push
-    metrics at the policy's `interval_s` (Serve's default is every 10 s)."""
-
-    def hook(pool, auto: dict) -> dict:
-        kwargs = {"log_path": str(log_path), **auto["policy"]["policy_kwargs"]}
-        policy = {"policy_function": f"{__name__}:RecordingPolicy", "policy_kwargs": kwargs}
-        return auto | {"metrics_interval_s": pool.autoscaling.interval_s, "policy": policy}
-
-    return hook
-
-
-@contextmanager
-def quiet(logger: str) -> Iterator[None]:
-    """`logger` at WARNING for the block (and back to its level after)."""
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-# -- watching and driving ---------------------------------------------------------------------------------
-class ReplicaWatch:
-    """Serve's count of running engine replicas, polled from its status, as a list of (time, count) changes."""
-
-    def __init__(self, t0: float):
-        self.t0 = t0
-        self.changes: list[tuple[float, int]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        from inferd.runtime.ray import running_replicas
-
-        while not self.stop.is_set():
-            try:
-                n = running_replicas(ENGINE)
-            except Exception:  # Serve shutting down
-                return
-            if not self.changes or self.changes[-1][1] != n:
-                self.changes.append((time.time() - self.t0, n))
-            self.stop.wait(0.25)
-
-    def count_between(self, start: float, end: float) -> list[int]:
-        """The running counts seen from `start` to `end` (seconds since t0): the one in force at `start`, and
-        every change up to `end`."""
-        before = [c for t, c in self.changes if t <= start][-1:]
-        return before + [c for t, c in self.changes if start < t <= end] or [0]
-
-    def wait_for(self, count: int, timeout: float) -> float:
-        """Seconds since t0 when `count` replicas were first seen running; raises after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.changes and self.changes[-1][1] == count:
-                return self.changes[-1][0]
-            time.sleep(0.1)
-        raise InferdError(f"Serve did not reach {count} running replicas within {timeout:.0f} s: {self.changes}")
 
 
 def load_until(url: str, clients: int, prompt_len: int, out_len: int, until: threading.Event) -> list[int]:
@@ -194,13 +92,6 @@ def routed(url: str, prompts: list[list[int]], concurrency: int) -> tuple[dict[s
     deltas = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0.0) for rid in after}
     seen = Counter(r.headers.get("x-inferd-replica", "?") for r in responses)
     return deltas, [r.status_code for r in responses], seen
-
-
-def read_decisions(path: Path, t0: float) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r | {"t": r["t"] - t0} for r in rows]
 
 
 # -- the lab ------------------------------------------------------------------------------------------------
@@ -242,7 +133,7 @@ class Decisions:
     down_decision_s: float
 
 
-def scale_up(ctx: LabContext, url: str, watch: ReplicaWatch) -> ScaleUp:
+def scale_up(ctx: LabContext, url: str, watch) -> ScaleUp:
     """Load one replica past its batch until Serve runs two."""
     prompt_len, out_len = ctx.size((16, 48), (32, 32))  # closed loop: the queue stays; the drain at the end is short
     codes: list[int] = []
@@ -299,7 +190,7 @@ def measure(ctx: LabContext) -> Measurement:
     try:
         from ray import serve
 
-        from inferd.runtime.ray import build, local_ray, wait_app_running
+        from inferd.runtime.ray import ReplicaWatch, build, local_ray, read_decisions, recording, wait_app_running
     except ImportError:
         raise InferdError("the Ray Serve lab needs Ray: pip install 'inferd[ray]'") from None
     from inferd.procs import child_env, free_port
@@ -312,23 +203,18 @@ def measure(ctx: LabContext) -> Measurement:
     env = {"PYTHONPATH": child_env()["PYTHONPATH"], "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()
     n: dict[str, float] = {"max_seqs": MAX_SEQS, "target_waiting": TARGET_WAITING, "load_clients": CLIENTS}
-    with local_ray(free_port(), env_vars=env) as ray_run, quiet("httpx"):  # hundreds of requests: no line each
+    with local_ray(free_port(), env_vars=env) as ray_run:
         url = ray_run.url
         n["ray_start_s"] = time.monotonic() - started
-        watch = ReplicaWatch(time.time())
         app = build(spec, autoscaling=recording(log))
-        serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/")], wait_for_applications_running=False)
-        watch.thread.start()
-        try:
+        with ReplicaWatch(ENGINE, time.time(), APP) as watch:
+            serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/")], wait_for_applications_running=False)
             n["first_replica_s"] = wait_app_running(ctx.size(120, 300)) - watch.t0
             up = scale_up(ctx, url, watch)
             n["routing_start_s"] = time.time() - watch.t0
             routes, per_replica = routing(url)
             n["idle_start_s"] = time.time() - watch.t0
             n["scaled_down_s"] = watch.wait_for(1, ctx.size(60, 120))
-        finally:
-            watch.stop.set()
-            watch.thread.join(timeout=5)
         decisions = read_decisions(log, watch.t0)
     policy = decided(decisions, up.load_end_s)
     n |= asdict(up) | asdict(routes) | asdict(policy)

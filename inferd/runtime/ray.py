@@ -20,15 +20,18 @@
 `build_app` is the application builder (`serve run inferd.runtime.ray:build_app config=fleet.yaml`); the
 deployments' options, and the `serve deploy`/`serve run` config file that names this module's builder, router
 and policy, are rendered by `inferd.deploy.ray`, which imports none of this. `local_ray` runs Ray and Serve
-for one process alone and checks that what Ray started has ended; `running_replicas`, `wait_app_running`
-and `replica_stats` watch an app it runs. This module is what runs: it imports Ray,
+for one process alone and checks that what Ray started has ended; `running_replicas`, `wait_app_running`,
+`ReplicaWatch` and `replica_stats` watch an app it runs, and the `recording` hook has each pool's policy log its
+decisions (`read_decisions`). This module is what runs: it imports Ray,
 the gateway's routing and, in each replica, the engine and the server's app.
 """
 
 import asyncio
+import json
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -276,17 +279,44 @@ def desired_replicas(policy: AutoscalingPolicy, current: int, totals: dict[str, 
 
 
 class PoolAutoscalingPolicy:
-    """Serve's custom autoscaling policy for one pool (Serve builds it with `policy_kwargs`)."""
+    """Serve's custom autoscaling policy for one pool (Serve builds it with `policy_kwargs`). With
+    `decisions_log` (a file) it also records itself: Serve calls it every control-loop tick (0.1 s), and a call
+    whose outcome changed, or the first in half a second, is one JSON line there: wall time `t`, Serve's
+    `current` and `target` replicas, the policy's `desired` count (before Serve's bounds), and the `waiting`
+    and `running` requests summed over replicas."""
 
-    def __init__(self, **policy: Any):
+    def __init__(self, decisions_log: str | None = None, **policy: Any):
         self.policy = AutoscalingPolicy.model_validate(policy)
+        self.log, self.last, self.last_t = decisions_log, None, 0.0
 
     def __call__(self, ctx) -> tuple[int, dict]:
         metrics = ctx.aggregated_metrics or {}
         totals = {name: sum(per_replica.values()) for name, per_replica in metrics.items()}
         if ctx.current_num_replicas == 0:  # nothing reports: demand is what waits at the handles
-            return (1 if ctx.total_num_requests > 0 else 0), {}
-        return desired_replicas(self.policy, ctx.current_num_replicas, totals), {}
+            desired = 1 if ctx.total_num_requests > 0 else 0
+        else:
+            desired = desired_replicas(self.policy, ctx.current_num_replicas, totals)
+        if self.log is not None:
+            self._record(desired, ctx.current_num_replicas, ctx.target_num_replicas, totals)
+        return desired, {}
+
+    def _record(self, desired: int, current: int, target: int, totals: dict[str, float]) -> None:
+        now = time.time()
+        if (desired, current, target) == self.last and now - self.last_t < 0.5:
+            return
+        self.last, self.last_t = (desired, current, target), now
+        line = {"t": now, "current": current, "target": target, "desired": desired}
+        line |= {k: round(totals.get(k, 0.0), 2) for k in ("waiting", "running")}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def read_decisions(path: Path, t0: float) -> list[dict]:
+    """A `decisions_log`'s lines, their times in seconds since `t0`."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r | {"t": r["t"] - t0} for r in rows]
 
 
 # -- the ingress -------------------------------------------------------------------------------------
@@ -447,6 +477,18 @@ def build(
     return OpenAIIngress.bind(spec.model_dump(mode="json"), engines)
 
 
+def recording(decisions_log: Path) -> AutoscalingHook:
+    """A `build` hook: every pool's policy also writes its decisions to `decisions_log`, and Serve pushes the
+    replicas' metrics at the policy's `interval_s` (Serve's default is every 10 s)."""
+
+    def hook(pool: PoolSpec, auto: dict[str, Any]) -> dict[str, Any]:
+        kwargs = auto["policy"]["policy_kwargs"] | {"decisions_log": str(decisions_log)}
+        policy = auto["policy"] | {"policy_kwargs": kwargs}
+        return auto | {"metrics_interval_s": pool.autoscaling.interval_s, "policy": policy}
+
+    return hook
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder: `config` (a fleet YAML path) or `spec` (the fleet as a dict)."""
     if "spec" in args:
@@ -477,6 +519,50 @@ def wait_app_running(timeout_s: float, app: str = APP_NAME) -> float:
             raise InferdError(f"the Ray Serve app failed to deploy: {status.message}")
         time.sleep(0.2)
     raise InferdError(f"the Ray Serve app was not running within {timeout_s:.0f} s")
+
+
+class ReplicaWatch:
+    """Serve's count of running replicas of `deployment`, polled from its status in a thread while the block
+    runs (`with ReplicaWatch(...) as watch:`), as a list of (seconds since t0, count) changes."""
+
+    def __init__(self, deployment: str, t0: float, app: str = APP_NAME):
+        self.deployment, self.app, self.t0 = deployment, app, t0
+        self.changes: list[tuple[float, int]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> "ReplicaWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            try:
+                n = running_replicas(self.deployment, self.app)
+            except Exception:  # Serve shutting down
+                return
+            if not self.changes or self.changes[-1][1] != n:
+                self.changes.append((time.time() - self.t0, n))
+            self.stop.wait(0.25)
+
+    def count_between(self, start: float, end: float) -> list[int]:
+        """The running counts seen from `start` to `end` (seconds since t0): the one in force at `start`, and
+        every change up to `end`."""
+        before = [c for t, c in self.changes if t <= start][-1:]
+        return before + [c for t, c in self.changes if start < t <= end] or [0]
+
+    def wait_for(self, count: int, timeout: float) -> float:
+        """Seconds since t0 when `count` replicas were first seen running; raises after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.changes and self.changes[-1][1] == count:
+                return self.changes[-1][0]
+            time.sleep(0.1)
+        raise InferdError(f"Serve did not reach {count} running replicas within {timeout:.0f} s: {self.changes}")
 
 
 def replica_stats(deployment: str) -> dict[str, dict]:

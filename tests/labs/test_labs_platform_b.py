@@ -16,7 +16,6 @@ from inferd.deploy.validate import errors
 from inferd.fleet.spec import AutoscalingPolicy, parse_fleet
 from inferd.labs import find_lab
 from inferd.labs import kserve as ks
-from inferd.labs import ray_serve as rs
 from inferd.labs.context import LabContext
 from inferd.procs import free_port
 
@@ -105,11 +104,11 @@ def test_the_fleet_option_is_what_the_lab_renders(tmp_path):
 
 
 def test_the_recorded_policy_is_inferds_own(tmp_path):
-    from inferd.runtime.ray import desired_replicas
+    from inferd.runtime.ray import PoolAutoscalingPolicy, desired_replicas, read_decisions
 
     policy = {"min_replicas": 1, "max_replicas": 2, "targets": {"waiting": 1}}
     log = tmp_path / "decisions.jsonl"
-    recording = rs.RecordingPolicy(str(log), **policy)
+    recording = PoolAutoscalingPolicy(str(log), **policy)
     for waiting in (0.0, 0.5, 3.2, 3.2):
         ctx = SimpleNamespace(
             aggregated_metrics={"waiting": {"r1": waiting}, "running": {"r1": 4.0}},
@@ -123,6 +122,7 @@ def test_the_recorded_policy_is_inferds_own(tmp_path):
     # a line per change (or per half second); 4 = ceil(3.2 / 1): the policy's wish, which Serve bounds to max 2
     assert [line["desired"] for line in lines] == [0, 1, 4]
     assert lines[-1]["waiting"] == 3.2 and lines[-1]["running"] == 4.0 and lines[-1]["t"] <= time.time()
+    assert [d["t"] for d in read_decisions(log, lines[0]["t"])][0] == 0.0
 
 
 @pytest.mark.timeout(180)
