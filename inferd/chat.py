@@ -8,8 +8,16 @@ from inferd.errors import InvalidRequestError
 _MAX_QUOTED = 200  # characters of a template's own error message quoted back
 
 
-def message_dict(role: str, content: str | list | None, name: str | None, index: int) -> dict:
-    """One OpenAI chat message as the template gets it: text parts joined by newlines, other parts refused."""
+def message_dict(
+    role: str,
+    content: str | list | None,
+    name: str | None,
+    index: int,
+    tool_calls: list | None = None,
+    tool_call_id: str | None = None,
+) -> dict:
+    """One OpenAI chat message as the template gets it: text parts joined by newlines, other parts refused;
+    an assistant's `tool_calls` and a tool result's `tool_call_id` kept for `inferd.structured.tool_plan`."""
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -22,6 +30,10 @@ def message_dict(role: str, content: str | list | None, name: str | None, index:
     out = {"role": role, "content": content or ""}
     if name:
         out["name"] = name
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    if tool_call_id is not None:
+        out["tool_call_id"] = tool_call_id
     return out
 
 

@@ -98,6 +98,7 @@ class Engine:
             folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, config.quantization
         )
         self.vocab_size = hf_config.vocab_size
+        self.model_type = getattr(hf_config, "model_type", "")  # the family's formats (tool calls) follow it
         self.eos_token_ids = self._eos_ids(folder, hf_config)
         num_blocks, block_size = self._num_blocks(), config.cache.block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)

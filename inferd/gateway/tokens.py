@@ -25,6 +25,7 @@ import httpx
 
 from inferd.chat import chat_text, message_dict, messages_text
 from inferd.prompts import INT64_MAX, prompt_items
+from inferd.structured.tool_plan import tool_plan
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class LocalChat:
             return None
         try:
             conversation = [_message(m, i) for i, m in enumerate(body["messages"])]
+            # tools reach the template (or a system prompt) as the server puts them there
+            plan = tool_plan(body.get("tools"), body.get("tool_choice"), None, self.tokenizer, "")
+            conversation, tool_kwargs = plan.conversation(conversation)
+            kwargs = {**tool_kwargs, **(kwargs or {})}
             text = chat_text(self.tokenizer, conversation, template_kwargs=kwargs, **options)
         except Exception:  # InvalidRequestError, or a message of the wrong shape
             return None
@@ -77,9 +82,12 @@ class LocalChat:
 
 def _message(m: dict, i: int) -> dict:
     role, content, name = m.get("role"), m.get("content"), m.get("name")
+    calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
     if not isinstance(role, str) or not isinstance(content, str | list | None) or not isinstance(name, str | None):
         raise ValueError("not a message the server reads")
-    return message_dict(role, content, name, i)
+    if not isinstance(calls, list | None) or not isinstance(call_id, str | None):
+        raise ValueError("not a message the server reads")
+    return message_dict(role, content, name, i, calls, call_id)
 
 
 def _load(mode: str) -> tuple[object | None, LocalChat | None]:
@@ -133,8 +141,9 @@ class PoolTokenizer:
                 return PromptTokens(len(ids), ids)
         if self.mode != "estimate" and replica_url:
             payload = {"model": model, "messages": messages}
-            if "add_generation_prompt" in body:
-                payload["add_generation_prompt"] = body["add_generation_prompt"]
+            for key in ("add_generation_prompt", "tools", "tool_choice"):
+                if key in body:
+                    payload[key] = body[key]
             ids = await self._ask(replica_url, payload)
             if ids is not None:
                 return PromptTokens(len(ids), ids)

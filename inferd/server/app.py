@@ -95,7 +95,15 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     exposed = exposition_registry(metrics.registry, settings.metrics_names)
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
-    state = ServerState(async_engine, settings, metrics, engine.tokenizer, engine.max_model_len, engine.vocab_size)
+    state = ServerState(
+        async_engine,
+        settings,
+        metrics,
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.vocab_size,
+        model_type=engine.model_type,
+    )
     dashboard = DashboardHub(engine, async_engine, settings.served_model_names[0]) if settings.dashboard else None
     created = int(time.time())
     root = public_root(settings.model_root)
@@ -185,7 +193,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = await st.apply_chat_template(body.messages, body.add_generation_prompt)
+            tools = st.tool_plan(body.tools, body.tool_choice)
+            tokens = await st.apply_chat_template(body.messages, body.add_generation_prompt, tools=tools)
         else:
             tokens = await st.encode_async(body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=st.max_model_len, tokens=tokens)

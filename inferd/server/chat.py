@@ -25,25 +25,27 @@ from inferd.server.protocol import (
 from inferd.server.sse import DONE, SSEResponse, event
 from inferd.server.state import ServerState, new_id
 from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit, unless_disconnected
+from inferd.structured.tool_plan import ToolPlan
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
-    params = chat_params(req)
+    tools = state.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    params = chat_params(req, tools)
     prompt = await state.chat_prompt(
-        req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools=tools
     )
     request_id = new_id("chatcmpl")
     streams = await submit(state.async_engine, request_id, [prompt], params, req.cache_salt)
     headers = {"X-Request-Id": request_id}
     if req.stream:
-        body = _stream(state, req, request_id, streams, len(prompt))
+        body = _stream(state, req, tools, request_id, streams, len(prompt))
         return SSEResponse(body, on_close=lambda: state.async_engine.abort(request_id), headers=headers)
     try:
         (final,) = await unless_disconnected(raw, final_outputs(state.async_engine, streams))
     except ClientDisconnected:
         return Response(status_code=499)
-    body = _response(state, req, request_id, final)
+    body = _response(state, req, tools, request_id, final)
     return JSONResponse(
         body.model_dump(exclude=None if body.kv_transfer_params else {"kv_transfer_params"}), headers=headers
     )
@@ -54,17 +56,18 @@ def _top_k(req: ChatCompletionRequest) -> int:
 
 
 def _response(
-    state: ServerState, req: ChatCompletionRequest, request_id: str, out: RequestOutput
+    state: ServerState, req: ChatCompletionRequest, tools: ToolPlan, request_id: str, out: RequestOutput
 ) -> ChatCompletionResponse:
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
         logprobs = chat_logprobs(c.logprobs or [], state.token_text, _top_k(req)) if req.logprobs else None
+        content, calls, finish_reason = tools.message(c.text, c.finish_reason)
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=c.text),
+                message=AssistantMessage(content=content, tool_calls=calls),
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
         )
@@ -76,7 +79,7 @@ def _response(
 
 
 async def _stream(
-    state: ServerState, req: ChatCompletionRequest, request_id: str, streams, prompt_len: int
+    state: ServerState, req: ChatCompletionRequest, tools: ToolPlan, request_id: str, streams, prompt_len: int
 ) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage, continuous = usage_options(req)
@@ -98,22 +101,29 @@ async def _stream(
         for index in range(req.n):
             yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
         usage = UsageInfo()
+        choice_streams = [tools.stream() for _ in range(req.n)]
         async for _, out in iterate(state.async_engine, streams):
             for c in out.outputs:
                 generated[c.index] = len(c.token_ids)
-                if c.delta_text or (req.logprobs and c.delta_logprobs):
+                reader = choice_streams[c.index]
+                content, calls = reader.feed(c.delta_text or "")
+                if c.finish_reason is not None:  # a call a parser can only close once the text has ended
+                    rest, more = reader.finish()
+                    content, calls = content + rest, calls + more
+                if content or calls or (req.logprobs and c.delta_logprobs):
                     logprobs = (
                         chat_logprobs(c.delta_logprobs or [], state.token_text, _top_k(req)) if req.logprobs else None
                     )
-                    yield chunk(
-                        ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.delta_text), logprobs=logprobs)
-                    )
+                    delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+                    if not (content or calls):  # logprobs alone: OpenAI still sends the (empty) content
+                        delta = DeltaMessage(content="")
+                    yield chunk(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs))
                 if c.finish_reason is not None:
                     yield chunk(
                         ChatChunkChoice(
                             index=c.index,
                             delta=DeltaMessage(),
-                            finish_reason=c.finish_reason,
+                            finish_reason=tools.finish_reason(c.finish_reason, reader.called),
                             stop_reason=c.stop_reason,
                         )
                     )

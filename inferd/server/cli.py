@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 def register(subparsers) -> None:
     from inferd.config import add_engine_args
     from inferd.disagg.cli import add_serve_args
+    from inferd.structured.tool_plan import TOOL_PARSERS
 
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API (default: the default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -69,6 +70,13 @@ def register(subparsers) -> None:
         choices=["inferd", "vllm"],
         default="inferd",
         help="vllm: /metrics also exposes every metric under vLLM's vllm: names (llm-d's picker, KEDA, dashboards)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default="auto",
+        help="how tool_choice auto reads calls from the text (docs/structured.md); auto: the model family's "
+        "format where its chat template renders tools, else the pythonic format inferd teaches in a system prompt",
     )
     p.add_argument(
         "--no-dashboard",
@@ -168,6 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
         itl_buckets=args.itl_buckets,
         metrics_names=args.metrics_names,
         dashboard=args.dashboard,
+        tool_call_parser=args.tool_call_parser,
     )
     app = create_app(engine, settings)
     if connector is not None:  # the handoff's metrics on /metrics

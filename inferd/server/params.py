@@ -5,6 +5,8 @@ from __future__ import annotations
 from inferd.sampling import SamplingParams
 from inferd.server.errors import APIError
 from inferd.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from inferd.structured.spec import Constraint, constraint_from_request
+from inferd.structured.tool_plan import ToolPlan
 
 
 def usage_options(req: SamplingFields) -> tuple[bool, bool]:
@@ -27,10 +29,23 @@ def _check_stream_options(req: SamplingFields) -> None:
         )
 
 
-def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _constraint(req: SamplingFields) -> Constraint | None:
+    """The output constraint of response_format, structured_outputs or the guided_* fields (one at most)."""
+    return constraint_from_request(
+        req.response_format,
+        req.structured_outputs.model_dump(exclude_none=True, by_alias=True) if req.structured_outputs else None,
+        guided_json=req.guided_json,
+        guided_regex=req.guided_regex,
+        guided_choice=req.guided_choice,
+        guided_grammar=req.guided_grammar,
+        guided_json_object=req.guided_json_object,
+    )
+
+
+def _common(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, structured: Constraint | None
+) -> SamplingParams:
     _check_stream_options(req)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     return SamplingParams(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -50,6 +65,8 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         kv_transfer_params=req.kv_transfer_params,
+        structured=structured,
+        logit_bias=req.logit_bias or None,
     )
 
 
@@ -60,16 +77,20 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo")
-    return _common(req, req.max_tokens, req.logprobs)
+    return _common(req, req.max_tokens, req.logprobs, _constraint(req))
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.tools and req.tool_choice != "none":
-        raise APIError(400, "tool calling is not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+def chat_params(req: ChatCompletionRequest, tools: ToolPlan) -> SamplingParams:
+    """`tools`: the request's tool plan, whose "required" or named choice is a constraint of its own."""
+    structured, forced = _constraint(req), tools.constraint()
+    if structured is not None and forced is not None:
+        raise APIError(
+            400,
+            f"tool_choice {tools.mode!r} and {structured.param} each constrain the output; send only one",
+            param="tool_choice",
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _common(req, max_tokens, logprobs)
+    return _common(req, max_tokens, logprobs, structured or forced)

@@ -11,6 +11,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic.json_schema import SkipJsonSchema
 
 from inferd.prompts import INT64_MAX, INT64_MIN, Prompt, TokenId
 
@@ -30,6 +31,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
     #: usage on every chunk, as vLLM sends it (needs include_usage)
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one of the constraint fields."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    structural_tag: str | None = Field(None, min_length=1)
+    #: false: JSON may take any whitespace between tokens (default: compact)
+    disable_any_whitespace: bool | None = None
 
 
 class SamplingFields(_Request):
@@ -59,6 +73,16 @@ class SamplingFields(_Request):
     cache_salt: str | None = None
     #: disaggregated prefill/decode (docs/disaggregation.md), as vLLM names it
     kv_transfer_params: dict[str, Any] | None = None
+    # structured outputs (docs/structured.md): OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* names (accepted, left out of the published schema as vLLM deprecates them);
+    # inferd.structured.spec reads whichever is set (more than one is a 400)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: SkipJsonSchema[dict[str, Any] | bool | str | None] = None
+    guided_regex: SkipJsonSchema[str | None] = None
+    guided_choice: SkipJsonSchema[list[str] | None] = None
+    guided_grammar: SkipJsonSchema[str | None] = None
+    guided_json_object: SkipJsonSchema[bool | None] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -79,6 +103,9 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: an assistant turn's calls, and a tool turn's answer to one (docs/structured.md)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -89,7 +116,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -102,6 +129,9 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    #: a chat's tools, rendered as /v1/chat/completions renders them (as vLLM's /tokenize takes them)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -191,11 +221,13 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
-    def _only_set(self) -> dict[str, str]:
+    def _only_set(self) -> dict[str, Any]:
         # OpenAI leaves absent fields out of a delta: {"role": ..., "content": ""} first, then {"content": ...}, then {}
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

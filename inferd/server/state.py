@@ -23,6 +23,7 @@ from inferd.errors import DrainTimeoutError, InvalidRequestError
 from inferd.server.errors import APIError, model_not_found
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import ChatMessage
+from inferd.structured.tool_plan import ToolPlan, tool_plan
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class ServerSettings:
     metrics_names: str = "inferd"
     #: serve /dashboard and record the engine's step events for it (docs/dashboard.md)
     dashboard: bool = True
+    #: how tool_choice "auto" reads calls out of the text (inferd.structured.tool_plan.TOOL_PARSERS)
+    tool_call_parser: str = "auto"
 
 
 def public_root(model: str | None) -> str | None:
@@ -81,6 +84,7 @@ class ServerState:
     tokenizer: Any  # the engine's Hugging Face tokenizer
     max_model_len: int
     vocab_size: int
+    model_type: str = ""  # the Hugging Face model_type: which format tool calls are written in
     ready: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it runs
     _token_text: object = field(init=False, repr=False)
@@ -173,33 +177,43 @@ class ServerState:
             return self.decode(token_ids)
         return await asyncio.to_thread(self.decode, token_ids)
 
+    def tool_plan(self, tools=None, tool_choice=None, parallel_tool_calls: bool | None = None) -> ToolPlan:
+        """A chat request's tools as this model's template and tool call format take them."""
+        return tool_plan(
+            tools, tool_choice, parallel_tool_calls, self.tokenizer, self.model_type, self.settings.tool_call_parser
+        )
+
     async def apply_chat_template(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         kwargs: dict | None = None,
+        tools: ToolPlan | None = None,
     ) -> list[int]:
-        """Render the conversation with the model's template (`inferd.chat`) and tokenize it."""
+        """Render the conversation with the model's template (`inferd.chat`) and tokenize it; `tools` says
+        how tool definitions, calls and results reach the template (no tools: calls and results in history)."""
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         # the template only adds text: contents already too long need no rendering to be refused
         self.check_length("".join(m["content"] for m in conversation), "messages")
+        conversation, tool_kwargs = (tools or self.tool_plan()).conversation(conversation)
+        kwargs = {**tool_kwargs, **(kwargs or {})}
         render = functools.partial(
             chat_text, self.tokenizer, conversation, add_generation_prompt, continue_final_message, kwargs
         )
-        big = sum(len(m["content"]) for m in conversation) >= _THREAD_CHARS
+        big = sum(len(m.get("content") or "") for m in conversation) >= _THREAD_CHARS
         text = await asyncio.to_thread(render) if big else render()
         return await self.encode_async(text, add_special_tokens=False, param="messages")
 
-    async def chat_prompt(self, messages: list[ChatMessage], *args) -> list[int]:
+    async def chat_prompt(self, messages: list[ChatMessage], *args, **kwargs) -> list[int]:
         """apply_chat_template, refused here already when it cannot fit the context."""
-        ids = await self.apply_chat_template(messages, *args)
+        ids = await self.apply_chat_template(messages, *args, **kwargs)
         self.check_prompt_tokens(ids, "messages")
         return ids
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict:
-    return message_dict(m.role, m.content, m.name, i)
+    return message_dict(m.role, m.content, m.name, i, m.tool_calls, m.tool_call_id)
 
 
 def new_id(prefix: str) -> str:

@@ -21,9 +21,10 @@ Constrained output ("named", "required"):
   it), so streamed fragments and non-streamed arguments are the same string; after a "length" stop they
   may be incomplete JSON, as OpenAI's are.
 "auto", where the model writes calls in its own format:
-  `parser_for(model_type) -> ToolParser` (or `PARSERS[name]()`): hermes/Qwen `<tool_call>`, llama3_json,
-  mistral `[TOOL_CALLS]`, pythonic (Gemma 3, Llama 4). `parse(text) -> (content, calls)`; streaming
-  `feed(accumulated_text) -> (content_delta, tool_call_deltas)` and, at the end, `finish()` (same shape).
+  `parser_for(model_type) -> ToolParser` (or `PARSERS[parser_name(model_type)]()`): hermes/Qwen
+  `<tool_call>`, llama3_json, mistral `[TOOL_CALLS]`, pythonic (Gemma 3, Llama 4).
+  `parse(text) -> (content, calls)`; streaming `feed(accumulated_text) -> (content_delta, tool_call_deltas)`
+  and, at the end, `finish()` (same shape).
   Text that is not a well-formed call stays content; nothing raises. Arguments are re-serialised as
   compact JSON (the model's text is not always JSON).
   `tools_system_prompt(tools) -> str` teaches the pythonic format to a model whose chat template ignores
@@ -65,6 +66,7 @@ __all__ = [
     "new_call_id",
     "parse_tools",
     "parser_for",
+    "parser_name",
     "pythonic_calls_text",
     "resolve_tool_choice",
     "tools_system_prompt",
@@ -991,9 +993,14 @@ _BY_MODEL_TYPE = {
 }
 
 
+def parser_name(model_type: str) -> str:
+    """The `PARSERS` entry for a Hugging Face `model_type` (hermes for types it does not know)."""
+    return _BY_MODEL_TYPE.get(model_type, "hermes")
+
+
 def parser_for(model_type: str) -> ToolParser:
     """A new parser for a Hugging Face `model_type` (hermes for types it does not know)."""
-    return PARSERS[_BY_MODEL_TYPE.get(model_type, "hermes")]()
+    return PARSERS[parser_name(model_type)]()
 
 
 def tools_system_prompt(tools: list[Tool]) -> str:
@@ -1010,7 +1017,7 @@ def tools_system_prompt(tools: list[Tool]) -> str:
         "Use keyword arguments with literal values only (quoted strings, numbers, True, False, None, lists, "
         "dicts): no variables and no markdown. If no function fits, answer in plain text; if an argument a "
         "function requires is missing, ask for it.\n"
-        "The functions, in JSON:\n" + json.dumps(listing, indent=2, ensure_ascii=False)
+        "The functions, in JSON:\n" + json.dumps(listing, ensure_ascii=False)
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -160,6 +161,21 @@ def test_streaming_and_chat_through_the_proxy(cluster: Cluster):
     r = httpx.post(cluster.proxy.url + "/v1/chat/completions", json={"model": "tiny", **chat}, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want_chat
     assert _stream_text(cluster.proxy.url, "/v1/chat/completions", chat) == want_chat
+
+
+def test_a_constraint_holds_on_both_sides_of_the_handoff(cluster: Cluster):
+    """The decode side samples under the request's grammar: the output follows it and is the token-for-token
+    output of a `both` instance with the same seed, for a prompt long enough to be prefilled remotely."""
+    before = _metric(cluster.decode, "inferd:remote_prefills_total")
+    pattern = r"(red|green|blue)-[0-9]{3}"
+    for seed in (1, 2, 3):
+        body = {"prompt": _prompt(48, seed), "max_tokens": 20, "seed": seed, "structured_outputs": {"regex": pattern}}
+        got = _completion(cluster.proxy.url, body)["choices"][0]
+        assert got["finish_reason"] == "stop" and re.fullmatch(pattern, got["text"]), got
+        assert got["text"] == _completion(cluster.both.url, body)["choices"][0]["text"]
+    assert _metric(cluster.decode, "inferd:remote_prefills_total") - before == 3
+    _wait_idle(cluster.decode)
+    _wait_idle(cluster.prefill)
 
 
 def test_concurrent_requests_through_the_proxy(cluster: Cluster):

@@ -231,6 +231,19 @@ _CHATS = [
         ],
         "add_generation_prompt": False,
     },
+    {  # tools, a call and its result: the server teaches this template (which ignores tools) in a system prompt
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"c": 1}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}],
+        "tool_choice": "auto",
+    },
 ]
 
 

@@ -658,7 +658,7 @@ def test_parser_for(model_type, cls):
 def test_tools_system_prompt_lists_the_functions_and_the_format():
     prompt = tools_system_prompt(tools())
     assert "Python list of calls" in prompt and "[function_name(" in prompt
-    listing = json.loads(prompt[prompt.index("[\n") :])
+    listing = json.loads(prompt[prompt.index("in JSON:\n") + len("in JSON:\n") :])
     assert listing == [
         {"name": "get_weather", "description": WEATHER["function"]["description"], "parameters": WEATHER_PARAMS},
         {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
