@@ -75,7 +75,7 @@ from inferd.procs import free_port  # noqa: E402
 RESULTS_DIR = ROOT / "results" / "vs_peers"  # raw bench JSON, paths made portable (not committed)
 # the servers' own logs name this machine's paths, so they stay out of benchmarks/results
 LOG_DIR = Path(tempfile.gettempdir()) / "inferd-vs-peers"
-PEERS_DIR = Path(os.environ.get("INFERD_PEERS_DIR", Path.home() / ".cache" / "inferd-peers"))
+PEERS_DIR = peer_runs.peers_dir()
 SERVED_NAME = "m"  # one request model name for the peers; inferd serves under its own alias
 GEMMA_EOS_IDS = "1,106"  # <eos> and <end_of_turn>
 SUMMARY_KEYS = (

@@ -9,11 +9,16 @@ A file written before each invocation was kept apart holds one record into which
 have merged their servers, dated by its last write. It reads as a single run marked `converted`, keeping
 what the file says of itself (its date, machine and note) and leaving unknown what it does not (commit,
 CPU flags, command line); the next invocation that writes the file appends its own run after it.
+
+`newest_pair_file` picks the file to show a pair of servers from; `peer_python` and `importable` find a peer's
+own environment and whether it runs.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 from inferd import cpu
@@ -106,3 +111,55 @@ def latest_pair(data: dict, a: str, others: tuple[str, ...]) -> tuple[int, str, 
             if levels:
                 return i, b, workload, levels
     return None
+
+
+def newest_pair_file(results: Path, kind: str, a: str, others: tuple[str, ...]) -> Path:
+    """The summary file to show a pair from: this CPU kind's where it holds a run in which `a` and one of
+    `others` share a level, else the file whose newest such run is the newest (this kind's file, missing,
+    where no file has one)."""
+    own = results / runs.file_name("vs_peers", kind)
+    newest: tuple[str, Path] | None = None
+    for path in [own, *sorted(p for p in results.glob("vs_peers-*.json") if p != own)]:
+        data = load(path)
+        found = latest_pair(data, a, others)
+        if found is None:
+            continue
+        if path == own:
+            return own
+        date = data["runs"][found[0]].get("date") or ""
+        if newest is None or date > newest[0]:
+            newest = (date, path)
+    return newest[1] if newest else own
+
+
+def peers_dir() -> Path:
+    """Where `benchmarks/vs_peers.py --setup <peer>` gives each peer its own virtual environment:
+    ~/.cache/inferd-peers, or $INFERD_PEERS_DIR."""
+    return Path(os.environ.get("INFERD_PEERS_DIR", Path.home() / ".cache" / "inferd-peers"))
+
+
+def peer_python(peer: str) -> Path:
+    """The interpreter of a peer's own virtual environment."""
+    return peers_dir() / peer / "bin" / "python"
+
+
+def importable(python: Path, module: str, name: str, timeout_s: float) -> str | None:
+    """None when `python` imports `module` (`name` in the text); else why not, in a sentence."""
+    try:
+        done = subprocess.run(
+            [str(python), "-c", f"import {module}"], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return f"importing {name} with {home_path(python)} took over {timeout_s:.0f} s"
+    except OSError as e:
+        return f"{home_path(python)} does not run ({e})"
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    return f"{home_path(python)} cannot import {name} ({last})"
+
+
+def home_path(path: Path) -> str:
+    """A path as text shows it: the home folder as ~, so a page written from the text names no user."""
+    home = Path.home()
+    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)

@@ -27,6 +27,7 @@ import torch
 from inferd.bench.client import send_all
 from inferd.bench.datasets import BenchRequest
 from inferd.bench.metrics import ttft
+from inferd.bench.peers import home_path
 from inferd.bench.results import machine_info
 from inferd.config import DEFAULT_MODEL, engine_default
 from inferd.errors import ConfigError
@@ -268,6 +269,13 @@ class LabContext:
         self._replicas.clear()
         self._llm = None
         gc.collect()
+
+
+def shown_path(path: Path) -> str:
+    """A path as a lab's text shows it: relative to the working directory when inside it (a checkout's
+    benchmarks/results/...), else with the home folder as ~, so a page written from the text names no user."""
+    path = Path(path).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else home_path(path)
 
 
 # -- what the process labs read off their servers ------------------------------------------------------------

@@ -23,7 +23,7 @@ import httpx
 
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
-from inferd.labs.context import LabContext
+from inferd.labs.context import LabContext, shown_path
 from inferd.procs import complete
 
 DEFINITION = (
@@ -68,15 +68,6 @@ def read_fleet(ctx: LabContext):
     return "a one-pool fleet of the run's model", FleetSpec.model_validate(
         {"models": [{"name": "m", "model": ctx.model, "engine": {"max_num_seqs": 16}, "pools": [pool]}]}
     )
-
-
-def shown_path(path: Path) -> str:
-    """A path as the text shows it: relative to the working directory when it is inside it."""
-    path = Path(path).resolve()
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
 
 
 def render_kserve(spec) -> list[dict]:

@@ -13,7 +13,6 @@ the CPU, the code and a shared machine's speed change from one run to the next.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from inferd.bench import peers, runs
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, decide
-from inferd.labs.context import LabContext
+from inferd.labs.context import LabContext, shown_path
 
 DEFINITION = (
     "open-source, PagedAttention plus continuous batching, OpenAI-compatible server. The fast path to a running "
@@ -39,7 +38,7 @@ HOW_TO_RUN = (
 # benchmarks/vs_peers.py's names for vLLM in bf16 and in fp32, the faster first where both ran
 VLLM_SERVERS = ("vllm", "vllm-fp32")
 # the live run: the two servers side by side, one run per level, the levels the claims compare
-LIVE_ARGS = ["--workloads", "mixed", "--concurrency", "1,16", "--runs", "1"]
+LIVE_ARGS = ["--workloads", "mixed", "--concurrency", "1,16", "--runs", "1", "--interleave", "--fresh"]
 LIVE_TIMEOUT_S = 1800.0  # vLLM's start-up alone may take up to 15 minutes (torch.compile warm-up)
 IMPORT_TIMEOUT_S = 300.0
 STOP_GRACE_S = 150.0  # the script stops each server it started (up to 60 s each) once interrupted
@@ -49,74 +48,23 @@ class LiveRunFailed(Exception):
     pass
 
 
-def peer_python() -> Path:
-    """The interpreter of vLLM's own environment, where benchmarks/vs_peers.py installs and starts it."""
-    root = Path(os.environ.get("INFERD_PEERS_DIR", Path.home() / ".cache" / "inferd-peers"))
-    return root / "vllm" / "bin" / "python"
-
-
-def importable(python: Path, timeout_s: float = IMPORT_TIMEOUT_S) -> str | None:
-    """None when `python` imports vLLM's OpenAI server module (what the script starts); else why not."""
-    try:
-        done = subprocess.run(
-            [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        return f"importing vLLM's server with {_home(python)} took over {timeout_s:.0f} s"
-    except OSError as e:
-        return f"{_home(python)} does not run ({e})"
-    if done.returncode == 0:
-        return None
-    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-    return f"{_home(python)} cannot import vLLM's server ({last})"
-
-
 def live_vllm() -> str:
     """vLLM in bf16 where the CPU computes bf16 natively (1.5-1.8x its fp32 there), else in fp32 (bf16 without
     native support crawls): the faster of its two modes, as inferd's auto dtype picks between the same two."""
-    from inferd.models.dtypes import cpu_flags
-
-    return "vllm" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "vllm-fp32"
-
-
-def stored_file(results: Path = RESULTS, kind: str | None = None) -> Path:
-    """The stored file the lab shows a run of: this CPU kind's where it holds a run with both servers, else
-    the file whose newest such run is the newest (this kind's file, missing, where no file has one)."""
-    own = results / runs.file_name("vs_peers", kind or cpu.cpu_kind())
-    newest: tuple[str, Path] | None = None
-    for path in [own, *sorted(p for p in results.glob("vs_peers-*.json") if p != own)]:
-        data = peers.load(path)
-        found = peers.latest_pair(data, "inferd", VLLM_SERVERS)
-        if found is None:
-            continue
-        if path == own:
-            return own
-        date = data["runs"][found[0]].get("date") or ""
-        if newest is None or date > newest[0]:
-            newest = (date, path)
-    return newest[1] if newest else own
-
-
-def _home(path: Path) -> str:
-    """A path as the text shows it: the home folder as ~, so a page written from the text names no user."""
-    home = Path.home()
-    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
+    return "vllm" if {"avx512_bf16", "amx_bf16"} & cpu.cpu_flags() else "vllm-fp32"
 
 
 def why_not_live(ctx: LabContext, python: Path) -> str | None:
     """None when the lab can run vLLM here now; else the reason it shows a stored run instead."""
     if not python.exists():
-        return f"vLLM is not installed here ({_home(python)} does not exist)"
+        return f"vLLM is not installed here ({peers.home_path(python)} does not exist)"
     if not VS_PEERS.exists():
         return f"{VS_PEERS} is not in this installation"
     if ctx.quick:
         return "vLLM is installed here, but --quick leaves no time for its start-up (minutes)"
     if ctx.model != DEFAULT_MODEL:
         return f"the side-by-side run serves the default model ({DEFAULT_MODEL}), not {ctx.model}"
-    return importable(python)
+    return peers.importable(python, "vllm.entrypoints.openai.api_server", "vLLM's server", IMPORT_TIMEOUT_S)
 
 
 def run_bounded(cmd: list[str], log: Path, timeout_s: float, grace_s: float = STOP_GRACE_S) -> int:
@@ -130,37 +78,17 @@ def run_bounded(cmd: list[str], log: Path, timeout_s: float, grace_s: float = ST
 def run_live(ctx: LabContext, timeout_s: float = LIVE_TIMEOUT_S) -> tuple[Path, dict]:
     """benchmarks/vs_peers.py with inferd and vLLM up at once, its run file in ctx.out; that run."""
     ctx.out.mkdir(parents=True, exist_ok=True)
-    out = (ctx.out / "vllm-vs_peers.json").resolve()
-    log = ctx.workdir / "vllm-vs_peers.log"
-    servers = f"inferd,{live_vllm()}"
-    cmd = [
-        sys.executable,
-        str(VS_PEERS),
-        "--servers",
-        servers,
-        *LIVE_ARGS,
-        "--interleave",
-        "--fresh",
-        "--out",
-        str(out),
-    ]
+    out, log = (ctx.out / "vllm-vs_peers.json").resolve(), ctx.workdir / "vllm-vs_peers.log"
+    cmd = [sys.executable, str(VS_PEERS), "--servers", f"inferd,{live_vllm()}", *LIVE_ARGS, "--out", str(out)]
     rc = run_bounded(cmd, log, timeout_s)
     if rc != 0:
         written = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-        last = (written or ["no output"])[-1]
-        raise LiveRunFailed(f"benchmarks/vs_peers.py exited with {rc}: {last} (log: {log})")
-    runs = peers.load(out)["runs"]
-    if not runs:
+        raise LiveRunFailed(f"benchmarks/vs_peers.py exited with {rc}: {(written or ['no output'])[-1]} (log: {log})")
+    if not (found := peers.load(out)["runs"]):
         raise LiveRunFailed(f"benchmarks/vs_peers.py wrote no run to {out} (log: {log})")
-    run = runs[-1]
-    errors = [f"{name}: {e['error']}" for name, e in run["servers"].items() if e.get("error")]
-    if errors:
+    if errors := [f"{name}: {e['error']}" for name, e in found[-1]["servers"].items() if e.get("error")]:
         raise LiveRunFailed("; ".join(errors))
-    return out, run
-
-
-def _shown_path(path: Path) -> str:
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    return out, found[-1]
 
 
 def _workload_text(run: dict, workload: str | None) -> str:
@@ -215,7 +143,7 @@ def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str
 
 
 def measure(ctx: LabContext, stored: Path | None = None) -> Measurement:
-    python = peer_python()
+    python = peers.peer_python("vllm")
     reason = why_not_live(ctx, python)
     if reason is None:
         try:
@@ -226,12 +154,12 @@ def measure(ctx: LabContext, stored: Path | None = None) -> Measurement:
             found = peers.latest_pair({"runs": [run]}, "inferd", VLLM_SERVERS)
             if found:
                 _, vllm_server, workload, levels = found
-                m = from_run(run, vllm_server, workload, levels, _shown_path(out))
+                m = from_run(run, vllm_server, workload, levels, shown_path(out))
                 m.measured_here = True
-                m.settings.update(live=True, vllm_python=_home(python))
+                m.settings.update(live=True, vllm_python=peers.home_path(python))
                 return m
             reason = f"the side-by-side run left no level with figures from both servers ({out})"
-    m = stored_measurement(stored or stored_file())
+    m = stored_measurement(stored or peers.newest_pair_file(RESULTS, cpu.cpu_kind(), "inferd", VLLM_SERVERS))
     m.settings["why_not_live"] = reason
     return m
 
@@ -247,7 +175,7 @@ def stored_measurement(stored: Path) -> Measurement:
             f"no concurrency level measured for both inferd and vLLM in one run of {stored}; run: {HOW_TO_RUN}"
         )
     index, vllm_server, workload, levels = found
-    m = from_run(data["runs"][index], vllm_server, workload, levels, _shown_path(stored))
+    m = from_run(data["runs"][index], vllm_server, workload, levels, shown_path(stored))
     m.measured_here = False
     from inferd.bench.results import machine_info
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from inferd.bench import peers
 from inferd.labs import vllm
 from inferd.labs.context import LabContext
 from inferd.labs.runner import check_result, run_lab, write_glossary_page, write_report
@@ -144,9 +145,9 @@ def _fake_python(tmp_path: Path, code: int, message: str = "") -> Path:
 def test_vllm_runs_live_only_when_its_server_imports(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERD_PEERS_DIR", str(tmp_path / "peers"))
     real = LabContext(quick=False, workdir=tmp_path / "w")  # the default model (not loaded by this lab)
-    assert "not installed" in vllm.why_not_live(real, vllm.peer_python())
+    assert "not installed" in vllm.why_not_live(real, peers.peer_python("vllm"))
     python = _fake_python(tmp_path, 1, "ModuleNotFoundError: No module named vllm")
-    assert vllm.peer_python() == python
+    assert peers.peer_python("vllm") == python
     assert "cannot import vLLM's server (ModuleNotFoundError: No module named vllm)" in vllm.why_not_live(real, python)
     python.write_text("#!/bin/sh\nexit 0\n")
     assert vllm.why_not_live(real, python) is None
@@ -170,7 +171,7 @@ def test_an_installed_vllm_is_measured_live_beside_inferd(tmp_path, monkeypatch)
 
     monkeypatch.setattr(vllm, "why_not_live", lambda ctx, python: None)
     monkeypatch.setattr(vllm, "run_bounded", fake_script)
-    monkeypatch.setattr("inferd.models.dtypes.cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no native bf16
+    monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no native bf16
     ctx = LabContext(quick=False, workdir=tmp_path / "w", out=tmp_path / "out")
     result = run_lab(vllm.LAB, ctx)
     cmd = seen["cmd"]
@@ -255,9 +256,9 @@ def test_the_live_run_file_goes_beside_the_labs_results(tmp_path, monkeypatch):
 
 
 def test_the_live_run_starts_vllm_in_its_faster_dtype_for_this_cpu(monkeypatch):
-    monkeypatch.setattr("inferd.models.dtypes.cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     assert vllm.live_vllm() == "vllm"  # bf16
-    monkeypatch.setattr("inferd.models.dtypes.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert vllm.live_vllm() == "vllm-fp32"
 
 
@@ -269,9 +270,13 @@ def test_the_stored_run_comes_from_this_cpu_kinds_file_else_the_newest_pair(no_p
     alone = _run("2026-12-09 10:00 UTC", "Zen 5", {"inferd": _entry({16: 70.0})})  # no vLLM: no pair
     for kind, run in (("xeon-amx", old), ("zen3", new), ("zen5", alone)):
         (results / f"vs_peers-{kind}.json").write_text(json.dumps({"format": "runs", "runs": [run]}))
-    assert vllm.stored_file(results, "xeon-amx") == results / "vs_peers-xeon-amx.json"  # its own kind's
-    assert vllm.stored_file(results, "zen5") == results / "vs_peers-zen3.json"  # the newest pair elsewhere
-    assert vllm.stored_file(tmp_path / "none", "zen5") == tmp_path / "none" / "vs_peers-zen5.json"
+
+    def stored_file(results, kind):
+        return peers.newest_pair_file(results, kind, "inferd", vllm.VLLM_SERVERS)
+
+    assert stored_file(results, "xeon-amx") == results / "vs_peers-xeon-amx.json"  # its own kind's
+    assert stored_file(results, "zen5") == results / "vs_peers-zen3.json"  # the newest pair elsewhere
+    assert stored_file(tmp_path / "none", "zen5") == tmp_path / "none" / "vs_peers-zen5.json"
 
 
 def test_a_record_of_unknown_workload_and_commit_says_where_it_comes_from(no_peer, tmp_path):
