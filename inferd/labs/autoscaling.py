@@ -207,7 +207,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Inference-aware autoscaling, in the glossary's words: {DEFINITION}",
         f"The replica here: {m.settings['profile_from']} (prefill {fmt(n['prefill_tok_s'])} tokens/s, a decode "
         f"step {fmt(n['step_ms_b1'])} ms at batch 1 and {fmt(n['step_ms_bmax'])} ms at batch "
         f"{fmt(n['max_num_seqs'])}); one replica carries {fmt(n['per_replica'])} requests/s within the TTFT SLO "

@@ -96,7 +96,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Continuous batching, in the glossary's words: {DEFINITION}",
         f"This lab sent the same {m.settings['requests']} requests (Poisson arrivals at twice what the engine "
         f"serves, output lengths that differ a lot) through the same engine twice, with room for "
         f"{m.settings['batch']} requests at once: as static batches (a batch starts when full, nobody joins until "

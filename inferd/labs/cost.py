@@ -83,7 +83,6 @@ def explain(m: Measurement) -> Explanation:
         "the price you gave" if m.settings["price_given"] else "an example price; pass --price-per-hour for yours"
     )
     intro = [
-        f"Cost per million tokens, in the glossary's words: {DEFINITION}",
         f"cost = price per hour / (tokens per second x 3600) x 1,000,000, with ${n['price_per_hour']:g} an hour "
         f"({price_note}) and the tokens per second measured by the goodput and decode labs on this machine.",
     ]

@@ -126,7 +126,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Decode, in the glossary's words: {DEFINITION}",
         f"This lab ran batches of {', '.join(map(str, m.settings['batches']))} requests "
         f"({m.settings['prompt_len']}-token prompts, {m.settings['output_len']} tokens out) and timed the steps "
         "in which every request of the batch decoded one token and nothing else ran.",

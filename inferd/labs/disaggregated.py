@@ -211,7 +211,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Disaggregated prefill/decode, in the glossary's words: {DEFINITION}",
         "The lab sent the same arrivals twice: short prompts streaming their answers, and every so often a "
         "long prompt. First to one colocated `inferd serve`, then through `inferd disagg proxy` to a "
         "`--role prefill` instance that computes each prompt and lends its KV blocks under a signed lease, "

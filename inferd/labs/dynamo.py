@@ -190,7 +190,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"NVIDIA Dynamo, in the glossary's words: {DEFINITION}",
         "Dynamo's two ideas are disaggregation (prefill workers hand the KV cache to decode workers) and a "
         "KV-aware router that sends each request to the worker whose cache already holds most of its prompt. "
         "This lab builds both from inferd's parts on this machine: one `--role prefill` instance, two `--role "

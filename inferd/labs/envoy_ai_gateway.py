@@ -178,7 +178,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Envoy AI Gateway, in the glossary's words: {DEFINITION}",
         "inferd's gateway does the same job in one Python process: it counts each request's prompt tokens "
         "exactly, reserves prompt + max_tokens against the tenant's budget at admission (refusing with 429 and "
         "OpenAI's x-ratelimit-* headers when it does not fit), and settles to the real usage when the response "

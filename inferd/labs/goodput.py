@@ -83,7 +83,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Goodput, in the glossary's words: {DEFINITION}",
         f"The SLOs here come from this machine: TTFT at most {n['ttft_slo_ms']:.1f} ms ({TTFT_FACTOR:g}x a "
         f"request alone) and TPOT at most {n['tpot_slo_ms']:.1f} ms ({TPOT_FACTOR:g}x). The lab offered Poisson "
         f"arrivals at {', '.join(f'{x:g}' for x in m.settings['loads'])} times the engine's measured capacity and "

@@ -107,7 +107,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"GPU economics, in the glossary's words: {DEFINITION}",
         "Utilisation here is the FLOP/s a decode step achieves over the FLOP/s a large matmul reaches on the "
         "same hardware (measured in the decode lab). The GPU figures are roofline projections from datasheet "
         "numbers, ideal kernels and no overheads: an upper bound, labelled as such.",

@@ -93,7 +93,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"ITL / TPOT, in the glossary's words: {DEFINITION}",
         "ITL is every gap between two tokens of a stream; TPOT is a request's (end-to-end latency - TTFT) / "
         "(output tokens - 1), vLLM's definitions, used by `inferd bench` too. This lab collected every gap at "
         f"batch sizes {', '.join(map(str, m.settings['batches']))}, then let one long prompt join requests that "

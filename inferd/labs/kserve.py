@@ -396,7 +396,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"KServe, in the glossary's words: {DEFINITION}",
         f"This lab rendered the fleet spec ({s['fleet']}) the way `inferd deploy k8s` writes kserve.yaml: "
         f"{kinds}. It validated them offline against KServe's CRD schemas (shipped in inferd/deploy/crds) and "
         f"wrote them to {s['out_yaml']}. The memory numbers come from `inferd serve` started with pool "

@@ -124,7 +124,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"KV cache, in the glossary's words: {DEFINITION}",
         f"This lab read the model's shape, the engine's cache tensors ({m.settings['num_blocks']} blocks of "
         f"{m.settings['block_size']} tokens, {m.settings['dtype']}), and allocated requests of several lengths and "
         "batch sizes with the engine's own block allocator.",

@@ -80,7 +80,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"PagedAttention, in the glossary's words: {DEFINITION}",
         "This lab drew request lengths the way chat traffic has them (mostly short, a long tail) and packed them "
         "into the engine's cache twice: with its real block allocator, and the way servers did before vLLM, "
         "reserving the whole context for each request because its final length is unknown.",

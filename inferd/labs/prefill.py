@@ -102,7 +102,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Prefill, in the glossary's words: {DEFINITION}",
         f"This lab sent single prompts of {', '.join(map(str, m.settings['lengths']))} tokens to "
         f"{m.settings['model']} and timed the pass that reads the prompt and writes the first token.",
     ]

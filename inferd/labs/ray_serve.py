@@ -294,7 +294,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Ray Serve, in the glossary's words: {DEFINITION}",
         "`inferd deploy ray` turns the fleet spec into a Serve application: an engine deployment per pool whose "
         "replicas run inferd's engine and OpenAI server in-process, an OpenAI ingress, a request router that "
         "scores replicas with the gateway's scorers (queue, KV cache, prefix), and a custom autoscaling policy "

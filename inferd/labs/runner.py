@@ -25,6 +25,7 @@ def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
         m = lab.measure(ctx)
         ctx.measurements[lab.name] = m
     explanation = lab.explain(m)
+    explanation.intro.insert(0, f"{lab.term}, in the glossary's words: {lab.definition}")
     machine = describe_machine(str(ctx.torch_device))
     here = lab.measured_here if m.measured_here is None else m.measured_here
     if here and lab.timed and (caveat := busy_caveat(machine)):

@@ -105,7 +105,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"SGLang, in the glossary's words: {DEFINITION}",
         "RadixAttention keeps computed KV blocks in a tree keyed by their tokens, so any request that starts "
         "with a cached prefix skips that part of prefill. inferd's prefix cache does the same with a hash chain "
         "over full blocks; its gateway carries the idea across replicas (the llm-d and SGLang-router idea) by "

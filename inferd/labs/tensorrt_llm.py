@@ -70,7 +70,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"TensorRT-LLM, in the glossary's words: {DEFINITION}",
         "TensorRT-LLM itself needs an NVIDIA GPU. What it sells is compiled, fused kernels instead of chains of "
         "framework ops; inferd has the same contrast in miniature: its PyTorch reference attention against a "
         "compiled C++ kernel that reads the paged KV blocks in place. This lab ran the same workload on both.",

@@ -73,7 +73,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"Throughput, in the glossary's words: {DEFINITION}",
         "This lab kept a fixed number of requests in flight (a new one as soon as one finished: a closed loop, "
         f"like `inferd bench --max-concurrency`) at {', '.join(map(str, m.settings['levels']))} and measured "
         "tokens/s with the latencies each level cost.",

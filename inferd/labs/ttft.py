@@ -87,7 +87,6 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        f"TTFT, in the glossary's words: {DEFINITION}",
         f"This lab measured what the engine completes per second when {m.settings['max_num_seqs']} requests run "
         f"at once ({n['capacity_rps']:.2f} requests/s), then sent Poisson arrivals at "
         f"{', '.join(f'{x:g}' for x in m.settings['loads'])} times that rate and split each request's TTFT into "

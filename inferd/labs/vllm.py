@@ -254,7 +254,7 @@ def explain(m: Measurement) -> Explanation:
             "({ratio_hi} of it): vLLM is ahead there.",
         )
     )
-    intro = [f"vLLM, in the glossary's words: {DEFINITION}"]
+    intro: list[str] = []
     if s.get("live"):
         intro.append(
             f"Measured now on this machine ({s['cpu_model']}, {s['cores']} cores): `{s['command']}` started "
