@@ -8,7 +8,7 @@ import random
 from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, decide
 from inferd.labs.context import LabContext
-from inferd.labs.prefill import measure_prefill, prefill_flops
+from inferd.labs.prefill import measure_prefill
 from inferd.measure.stats import percentile
 
 DEFINITION = (
@@ -74,10 +74,8 @@ def measure(ctx: LabContext) -> Measurement:
         lengths = ctx.size([32, 128], [128, 1024])
         times = measure_prefill(ctx, lengths)
         secs = [times[n] for n in lengths]
-    series["prefill_intensity"] = [
-        prefill_flops(facts, n) / (facts.weight_bytes + n * facts.kv_bytes_per_token) for n in lengths
-    ]
-    series["prefill_tflops"] = [prefill_flops(facts, n) / t / 1e12 for n, t in zip(lengths, secs, strict=True)]
+    series["prefill_intensity"] = [facts.prefill_intensity(n) for n in lengths]
+    series["prefill_tflops"] = [facts.prefill_flops(n) / t / 1e12 for n, t in zip(lengths, secs, strict=True)]
     series["prefill_lengths"] = lengths
     m.series = series
     m.settings["bandwidth_gb_s"] = hw.memory_bandwidth / 1e9

@@ -29,14 +29,6 @@ def precision_modes() -> list[str]:
     return [c for c in meta["choices"] if c != "auto"]
 
 
-def projected_step_ms(facts, batch: int, context: int, flops: float, bandwidth: float, elem_bytes: int) -> float:
-    """Roofline time of one decode step, weights and KV in a dtype of `elem_bytes`: the larger of reading the
-    bytes and doing the FLOPs; no overheads."""
-    weights = (facts.body_params + facts.lm_head_params) * elem_bytes
-    nbytes = weights + batch * facts.kv_bytes_read(context) * elem_bytes / facts.kv_elem_bytes
-    return max(nbytes / bandwidth, batch * facts.flops_per_token(context) / flops) * 1000
-
-
 def measure(ctx: LabContext) -> Measurement:
     from inferd.labs import decode
 
@@ -50,8 +42,8 @@ def measure(ctx: LabContext) -> Measurement:
     m = Measurement(settings={"modes": precision_modes(), "profiles": GPU_PROFILES, "context": context})
     m.series = {"batch": batches, "util_pct": util, "tok_s": dm.series["tok_s"]}
     for name, p in GPU_PROFILES.items():
-        steps = [projected_step_ms(facts, b, context, p["flops"], p["bandwidth"], 2) for b in batches]
-        m.series[f"{name} tok_s"] = [b / s * 1000 for b, s in zip(batches, steps, strict=True)]
+        steps = [facts.roofline_step_s(b, context, p["flops"], p["bandwidth"], 2) for b in batches]  # bf16
+        m.series[f"{name} tok_s"] = [b / s for b, s in zip(batches, steps, strict=True)]
     g = GPU_PROFILES[HEADLINE]
     lo, hi = batches[0], batches[-1]
     bytes_tok = facts.kv_bytes_read(context) * 2 / facts.kv_elem_bytes

@@ -17,11 +17,6 @@ DEFINITION = (
 )
 
 
-def prefill_flops(facts, length: int) -> int:
-    """FLOPs of one prefill of `length` tokens: every token through the body, the LM head once."""
-    return sum(facts.flops_per_token(i + 1, sampled=False) for i in range(length)) + 2 * facts.lm_head_params
-
-
 def measure_prefill(ctx: LabContext, lengths: list[int]) -> dict[int, float]:
     """Seconds for one prefill (prompt in, first token out) at each length: the fastest of a few runs."""
     llm = ctx.llm()
@@ -41,7 +36,7 @@ def measure(ctx: LabContext) -> Measurement:
     m = Measurement(settings={"lengths": lengths, "model": ctx.model_label})
     for n, t in times.items():
         m.numbers[f"prefill_ms_{n}"] = t * 1000
-        m.numbers[f"tflops_{n}"] = prefill_flops(facts, n) / t / 1e12
+        m.numbers[f"tflops_{n}"] = facts.prefill_flops(n) / t / 1e12
     short, long = lengths[0], lengths[-1]
     m.numbers.update(
         short=short,
@@ -50,10 +45,10 @@ def measure(ctx: LabContext) -> Measurement:
         prefill_ms_long=times[long] * 1000,
         per_token_ms_short=times[short] * 1000 / short,
         per_token_ms_long=times[long] * 1000 / long,
-        tflops_long=prefill_flops(facts, long) / times[long] / 1e12,
+        tflops_long=facts.prefill_flops(long) / times[long] / 1e12,
         peak_tflops=hw.matmul_flops / 1e12,
-        peak_pct_long=100 * prefill_flops(facts, long) / times[long] / hw.matmul_flops,
-        intensity_long=prefill_flops(facts, long) / (facts.weight_bytes + long * facts.kv_bytes_per_token),
+        peak_pct_long=100 * facts.prefill_flops(long) / times[long] / hw.matmul_flops,
+        intensity_long=facts.prefill_intensity(long),
         ridge=hw.ridge,
         length_ratio=long / short,
     )

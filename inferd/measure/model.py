@@ -69,6 +69,22 @@ class ModelFacts:
         attention = 4 * self.seen(context) * self.num_heads * self.head_dim
         return 2 * self.body_params + attention + (2 * self.lm_head_params if sampled else 0)
 
+    def prefill_flops(self, length: int) -> int:
+        """FLOPs of one prefill of `length` tokens: every token through the body, the LM head once."""
+        return sum(self.flops_per_token(i + 1, sampled=False) for i in range(length)) + 2 * self.lm_head_params
+
+    def roofline_step_s(self, batch: int, context: int, flops: float, bandwidth: float, elem_bytes: int) -> float:
+        """Seconds of one decode step of `batch` at this context on a machine of `flops` FLOP/s and `bandwidth`
+        bytes/s, weights and KV in a dtype of `elem_bytes`: the larger of reading the bytes and doing the
+        FLOPs, no overheads (a projection, not a measurement)."""
+        weights = (self.body_params + self.lm_head_params) * elem_bytes
+        nbytes = weights + batch * self.kv_bytes_read(context) * elem_bytes / self.kv_elem_bytes
+        return max(nbytes / bandwidth, batch * self.flops_per_token(context) / flops)
+
+    def prefill_intensity(self, length: int) -> float:
+        """FLOPs per byte of that prefill, reading the weights once and writing each token's K and V."""
+        return self.prefill_flops(length) / (self.weight_bytes + length * self.kv_bytes_per_token)
+
 
 def model_facts(model: Any, dtype: Any, kv_dtype: Any = None, name: str = "") -> ModelFacts:
     """The facts of inferd's loaded `model` with weights in `dtype` and the KV cache in `kv_dtype` (torch

@@ -31,6 +31,10 @@ def test_facts_match_the_engines_allocation_and_weights(tiny_llama):
     assert facts.kv_bytes_read(10) == 10 * facts.kv_bytes_per_token  # no sliding layers: every key is read
     sampled, unsampled = facts.flops_per_token(10), facts.flops_per_token(10, sampled=False)
     assert sampled - unsampled == 2 * 384 * 64
+    assert facts.prefill_flops(2) == facts.flops_per_token(1, False) + facts.flops_per_token(2, False) + 2 * 384 * 64
+    weights = (facts.body_params + facts.lm_head_params) * 2
+    assert facts.roofline_step_s(1, 10, 1e30, 1e9, 2) == (weights + facts.kv_bytes_read(10) // 2) / 1e9  # fp32 KV
+    assert facts.prefill_intensity(2) == facts.prefill_flops(2) / (facts.weight_bytes + 2 * facts.kv_bytes_per_token)
 
 
 def test_quantized_weights_count_as_stored(tiny_llama):
