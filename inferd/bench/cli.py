@@ -40,8 +40,21 @@ def _add_serve(sub) -> None:
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt"], default="random")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (for --dataset sharegpt)")
+    d.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt", "json-schema"], default="random")
+    d.add_argument(
+        "--dataset-path",
+        default=None,
+        help="ShareGPT-format JSON file (--dataset sharegpt); for json-schema, a list of {name, schema} "
+        "(default: the 143 real schemas shipped in inferd/bench/schemas)",
+    )
+    d.add_argument(
+        "--structured-output-ratio",
+        type=float,
+        default=1.0,
+        help="json-schema: the share of requests that send their schema as response_format (the rest only "
+        "ask for it in the prompt); outputs are checked against it either way (schema_valid_rate)",
+    )
+    d.add_argument("--max-schema-chars", type=int, default=1500, help="json-schema: leave out longer schemas")
     d.add_argument(
         "--num-prompts", type=int, default=None, help="requests per level (default 1000; shared-prefix: N x M)"
     )
@@ -133,7 +146,17 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _make_dataset(args, tok):
-    from inferd.bench.datasets import RandomDataset, SharedPrefixDataset, ShareGPTDataset
+    from inferd.bench.datasets import JsonSchemaDataset, RandomDataset, SharedPrefixDataset, ShareGPTDataset
+
+    if args.dataset == "json-schema":
+        return JsonSchemaDataset(
+            tok,
+            args.random_output_len,
+            args.structured_output_ratio,
+            args.seed,
+            args.max_schema_chars,
+            args.dataset_path,
+        )
 
     if args.dataset == "random":
         return RandomDataset(tok, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed)

@@ -89,6 +89,7 @@ def build_body(cfg: ClientConfig, req: BenchRequest) -> dict[str, Any]:
     if cfg.eos_logit_bias:
         body["logit_bias"] = {str(i): -100 for i in cfg.eos_logit_bias}
     body.update(cfg.extra_body)
+    body.update(req.extra_body or {})
     return body
 
 

@@ -27,6 +27,8 @@ class BenchRequest:
     prompt: str
     prompt_len: int  # tokens of the prompt text, by the benchmark's tokenizer (the server's usage may add a BOS)
     output_len: int  # max_tokens asked for
+    extra_body: dict | None = None  # fields of this request's own (a response_format), over the run's
+    schema: dict | bool | None = None  # the JSON schema its output should follow, counted in schema_valid_rate
 
 
 class Dataset(Protocol):
@@ -198,6 +200,58 @@ class SharedPrefixDataset:
         _draw(self._distinct, count, draw)
         order = self.rng.permutation(len(out))
         return [out[i] for i in order]
+
+
+class JsonSchemaDataset:
+    """Extraction requests over real JSON schemas (`inferd.bench.schemas`, 143 with their provenance): each
+    asks for one JSON object following a schema, as text in the prompt, and a `structured_output_ratio` share
+    of them also sends the schema as `response_format` (vLLM's benchmark names the ratio so), so a run
+    measures what the constraint costs and how often outputs are valid with and without it. Schemas whose
+    compact text exceeds `max_schema_chars` are left out (Kubernetes types run to 40 KB)."""
+
+    name = "json-schema"
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        output_len: int,
+        structured_output_ratio: float = 1.0,
+        seed: int = 0,
+        max_schema_chars: int = 1500,
+        path: str | None = None,
+    ):
+        from inferd.bench.schemas import load_schemas
+
+        if not 0.0 <= structured_output_ratio <= 1.0:
+            raise InferdError("--structured-output-ratio must be in [0, 1]")
+        entries = json.loads(Path(path).read_text()) if path else load_schemas()
+        texts = [(e.get("name", str(i)), json.dumps(e["schema"], separators=(",", ":"))) for i, e in enumerate(entries)]
+        self.schemas = [(name, json.loads(t), t) for name, t in texts if len(t) <= max_schema_chars]
+        if not self.schemas:
+            raise InferdError(f"no schema of {path or 'the corpus'} is at most {max_schema_chars} characters")
+        self.tok, self.output_len, self.ratio = tok, output_len, structured_output_ratio
+        self.default_count = len(self.schemas)
+        self.rng = np.random.default_rng(seed)
+        self._special = tok.num_special_tokens()
+        self._drawn = 0
+        self._distinct = _Distinct("lower --num-prompts")
+
+    def take(self, count: int) -> list[BenchRequest]:
+        return _draw(self._distinct, count, self._draw_one)
+
+    def _draw_one(self) -> BenchRequest | None:
+        name, schema, text = self.schemas[int(self.rng.integers(len(self.schemas)))]
+        self._drawn += 1
+        # a number of its own in each prompt: no two requests share a prompt (nor a prefix-cache hit beyond it)
+        tag = f"Request {self._drawn}-{int(self.rng.integers(1 << 30))}."
+        prompt = f"{tag} Write one JSON object that follows this JSON schema.\nSchema: {text}\nJSON:"
+        if not self._distinct.add(prompt):
+            return None
+        extra = None
+        if self.rng.random() < self.ratio:
+            extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
+        n = len(self.tok.encode(prompt)) + self._special
+        return BenchRequest(prompt, n, self.output_len, extra, schema)
 
 
 # vLLM's ShareGPT filter: drop very short pairs and those that do not fit a 2048-token context

@@ -57,6 +57,12 @@ def run_table(run: dict, title: str = "Serving Benchmark Result") -> Table:
         t.add_row("Request goodput (req/s)", _fmt(run["request_goodput"]))
         t.add_row("Output token goodput (tok/s)", _fmt(run["output_goodput"]))
         t.add_row("Requests meeting every SLO (%)", _fmt(100.0 * run["slo_attainment"]))
+    if run.get("schema_checked"):
+        t.add_section()
+        t.add_row(f"[bold]JSON schemas ({run['schema_checked']} outputs checked)", "")
+        for key, label in (("", "all"), ("_constrained", "with response_format"), ("_free", "asked in the prompt")):
+            rate = run.get(f"schema_valid_rate{key}")
+            t.add_row(f"Valid, {label} (%)", _fmt(None if rate is None else 100.0 * rate))
     for name, heading, short in _SECTIONS:
         t.add_section()
         t.add_row(f"[bold]{heading}", "")

@@ -211,9 +211,37 @@ def _source_label(counts: Counter) -> str:
     return "mixed (" + ", ".join(f"{k} {v}" for k, v in counts.most_common()) + ")"
 
 
-def summarize_level(cfg: BenchConfig, level: Level, outputs, start, end, tok) -> tuple[dict, list[RequestTiming]]:
+def schema_validity(requests: Sequence[BenchRequest], outputs: Sequence[RequestOutput]) -> dict:
+    """Of the completed requests that name a schema, the share whose output is JSON the schema accepts: all of
+    them, those that sent it as a constraint, and those that did not (None where there are none)."""
+    from inferd.bench.schemas import is_valid
+
+    groups: dict[str, list[bool]] = {"all": [], "constrained": [], "free": []}
+    for req, out in zip(requests, outputs, strict=True):
+        if req.schema is None or not out.success:
+            continue
+        valid = is_valid(req.schema, out.text)[0]
+        groups["all"].append(valid)
+        groups["constrained" if req.extra_body else "free"].append(valid)
+    if not groups["all"]:
+        return {}
+    rate = {k: (sum(v) / len(v) if v else None) for k, v in groups.items()}
+    return {
+        "schema_checked": len(groups["all"]),
+        "schema_constrained": len(groups["constrained"]),
+        "schema_valid_rate": rate["all"],
+        "schema_valid_rate_constrained": rate["constrained"],
+        "schema_valid_rate_free": rate["free"],
+    }
+
+
+def summarize_level(
+    cfg: BenchConfig, level: Level, outputs, start, end, tok, requests: Sequence[BenchRequest] = ()
+) -> tuple[dict, list[RequestTiming]]:
     timings, sources = to_timings(outputs, tok)
     metrics = compute_run_metrics(timings, start, end, cfg.slos, cfg.percentiles).as_dict()
+    if requests:
+        metrics.update(schema_validity(requests, outputs))
     metrics["token_count_source"] = sources
     metrics["num_prompts"] = len(outputs)
     metrics["request_rate"] = level.request_rate if math.isfinite(level.request_rate) else "inf"
@@ -249,7 +277,7 @@ async def _run_async(cfg: BenchConfig, dataset: Dataset, tok: Tokenizer | None, 
                 desc = f"rate {level.request_rate:g}, concurrency {level.max_concurrency or 'unlimited'}"
                 seed = cfg.seed + i
                 outs, start, end = await run_requests(client, batch, level, cfg.burstiness, seed, progress, desc)
-                summary, timings = summarize_level(cfg, level, outs, start, end, tok)
+                summary, timings = summarize_level(cfg, level, outs, start, end, tok, batch)
                 results.append(LevelResult(level, outs, timings, start, end, summary))
     return results
 

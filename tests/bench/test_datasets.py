@@ -161,3 +161,41 @@ def test_redraw_budget_is_bounded():
     with pytest.raises(InferdError):
         RandomDataset(Counting(), input_len=2, output_len=4).take(1000)
     assert Counting.calls < 10 * (2 * 1000 + 100)  # a few encodes per draw, within the draw budget
+
+
+def test_json_schema_requests_carry_their_schema_and_the_constraint_at_the_ratio():
+    from inferd.bench.datasets import JsonSchemaDataset
+
+    half = JsonSchemaDataset(CharTokenizer(), output_len=50, structured_output_ratio=0.5, seed=3)
+    reqs = half.take(200)
+    assert len({r.prompt for r in reqs}) == 200 and all(r.output_len == 50 for r in reqs)
+    assert all(json.dumps(r.schema, separators=(",", ":")) in r.prompt for r in reqs)
+    constrained = [r for r in reqs if r.extra_body]
+    assert 70 < len(constrained) < 130  # about half, seeded
+    assert all(r.extra_body["response_format"]["json_schema"]["schema"] == r.schema for r in constrained)
+    assert not any(r.extra_body for r in JsonSchemaDataset(CharTokenizer(), 50, 0.0).take(20))
+    small = JsonSchemaDataset(CharTokenizer(), 50, max_schema_chars=300)
+    assert 0 < len(small.schemas) < len(half.schemas) and all(len(text) <= 300 for _, _, text in small.schemas)
+    with pytest.raises(InferdError, match="structured-output-ratio"):
+        JsonSchemaDataset(CharTokenizer(), 50, structured_output_ratio=1.5)
+
+
+def test_schema_validity_counts_valid_outputs_per_group():
+    from inferd.bench.client import RequestOutput
+    from inferd.bench.datasets import BenchRequest
+    from inferd.bench.runner import schema_validity
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = {"response_format": {"type": "json_schema"}}
+    cases = [(rf, '{"a": 1}', True), (rf, '{"a": "x"}', True), (None, '{"a": 2}', True), (None, "nope", True),
+             (None, '{"a": 3}', False), (None, "", True)]  # fmt: skip
+    reqs = [BenchRequest("p", 1, 5, extra, schema) for extra, _, _ in cases]
+    outs = [RequestOutput(i, 1, 5, success=ok, text=text) for i, (_, text, ok) in enumerate(cases)]
+    assert schema_validity(reqs, outs) == {
+        "schema_checked": 5,
+        "schema_constrained": 2,
+        "schema_valid_rate": 2 / 5,
+        "schema_valid_rate_constrained": 1 / 2,
+        "schema_valid_rate_free": 1 / 3,
+    }
+    assert schema_validity([BenchRequest("p", 1, 5)], outs[:1]) == {}

@@ -84,3 +84,19 @@ def test_wrong_model_name_against_inferd(inferd_server, capsys):
 
 def model_hint(err: str) -> bool:
     return "not 'no-such-model'" in err
+
+
+def test_bench_json_schema_dataset_counts_valid_outputs(inferd_server, tmp_path):
+    """Real schemas, half sent as response_format: the tiny random model writes valid JSON only under the
+    constraint, so the constrained outputs that finished are valid and the free ones are not."""
+    url, model = inferd_server
+    argv = ["bench", "serve", "--base-url", url, "--model", model, "--dataset", "json-schema", "--num-prompts", "12",
+            "--max-schema-chars", "300", "--structured-output-ratio", "0.5", "--random-output-len", "120",
+            "--max-concurrency", "4", "--no-progress", "--seed", "1", "--save-result",
+            "--result-dir", str(tmp_path), "--result-filename", "schemas.json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "schemas.json").read_text())
+    assert result["completed"] == 12 and result["schema_checked"] == 12
+    assert 0 < result["schema_constrained"] < 12
+    assert result["schema_valid_rate_free"] == 0.0
+    assert result["schema_valid_rate_constrained"] > 0.0

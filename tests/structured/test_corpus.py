@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
+from inferd.bench.schemas import checked_formats, is_valid, load_schemas
 from tests.conftest import build_tokenizer
-from tests.structured.corpus import checked_formats, is_valid, load_schemas
 
 SCHEMAS = load_schemas()
 BY_NAME = {e["name"]: e["schema"] for e in SCHEMAS}

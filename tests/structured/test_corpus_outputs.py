@@ -1,4 +1,4 @@
-"""Every schema of the corpus (tests/structured/data/README.md says where each came from) constrains a
+"""Every schema of the corpus (inferd/bench/schemas/README.md says where each came from) constrains a
 random-weight model: its outputs are JSON the schema accepts, though nothing but the mask makes them so.
 
 xgrammar approximates a few keywords (it treats `oneOf` as `anyOf`, and ignores `allOf` over `required`,
@@ -14,10 +14,10 @@ import logging
 import pytest
 
 from inferd import LLM, SamplingParams
+from inferd.bench.schemas import is_valid, load_schemas
 from inferd.structured.spec import Constraint
 from tests.conftest import VOCAB, assert_idle
 from tests.engine.hf_reference import prompt_set
-from tests.structured.corpus import is_valid, load_schemas
 
 APPROXIMATED = {"oneOf", "allOf", "not", "dependencies", "dependentRequired", "dependentSchemas", "if"}
 
