@@ -27,7 +27,7 @@ from inferd.autoscale.sim import SLO, Simulator
 from inferd.autoscale.workload import make_workload
 from inferd.bench.drive import Job, random_prompts, serve
 from inferd.fleet.spec import AutoscalingPolicy
-from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
+from inferd.labs.base import Explanation, Lab, Measurement, fmt
 from inferd.labs.context import LabContext
 from inferd.labs.cost import DEFAULT_PRICE
 from inferd.measure.stats import percentile
@@ -160,8 +160,7 @@ def _in_flight_per_replica(sim: Simulator, report: dict) -> float:
 def explain(m: Measurement) -> Explanation:
     n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "queue_replica_hours < util_replica_hours",
             yes="Over the same simulated {hours}-hour day ({requests} requests, {mean_rate} per second on average, "
             "{peak_rate} at the busiest moment), the utilisation policy (target {util_target_pct}% busy) paid for "
@@ -170,8 +169,7 @@ def explain(m: Measurement) -> Explanation:
             no="Over the same simulated {hours}-hour day ({requests} requests), the queue/TTFT policy used "
             "{queue_replica_hours} replica-hours, not fewer than the utilisation policy's {util_replica_hours}.",
         ),
-        decide(
-            n,
+        m.decide(
             "util_in_flight < queue_in_flight",
             yes="The utilisation fleet averaged {util_mean_replicas} replicas (up to {util_max_replicas} of "
             "{max_allowed} allowed) with {util_in_flight} requests in flight per replica; the queue/TTFT fleet "
@@ -180,16 +178,14 @@ def explain(m: Measurement) -> Explanation:
             no="The utilisation fleet averaged {util_in_flight} requests in flight per replica and the queue/TTFT "
             "fleet {queue_in_flight}: here utilisation did not leave batches emptier.",
         ),
-        decide(
-            n,
+        m.decide(
             "unfinished <= 0.0",
             must=True,
             yes="Both fleets served every one of the {requests} requests ({unfinished} left unfinished): a "
             "scale-down drains a replica before it leaves.",
             no="{unfinished} requests were never finished.",
         ),
-        decide(
-            n,
+        m.decide(
             "queue_slo_pct >= 90.0",
             yes="The queue/TTFT policy still met the SLOs (TTFT {ttft_slo_s} s, TPOT {tpot_slo_ms} ms) for "
             "{queue_slo_pct}% of requests (utilisation policy: {util_slo_pct}%).",
@@ -197,8 +193,7 @@ def explain(m: Measurement) -> Explanation:
             "{queue_slo_pct}% of requests (utilisation policy: {util_slo_pct}%): the bursts outran its "
             "scale-ups and cold starts.",
         ),
-        decide(
-            n,
+        m.decide(
             "queue_usd_per_m <= util_usd_per_m",
             yes="At ${price_per_hour} per replica-hour that is ${queue_usd_per_m} per million tokens against "
             "${util_usd_per_m}.",

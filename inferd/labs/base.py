@@ -117,6 +117,10 @@ class Measurement:
     settings: dict[str, Any] = field(default_factory=dict)
     measured_here: bool | None = None  # None: as the lab says; False: these numbers are a stored result's
 
+    def decide(self, relation: str, **told) -> Claim:
+        """`decide` over this measurement's numbers."""
+        return decide(self.numbers, relation, **told)
+
 
 @dataclass
 class Explanation:

@@ -7,7 +7,7 @@ import random
 import statistics
 
 from inferd.bench.drive import Job, Run, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.labs.ttft import capacity_rps
 from inferd.measure.arrivals import arrival_offsets
@@ -61,8 +61,7 @@ def measure(ctx: LabContext) -> Measurement:
 def explain(m: Measurement) -> Explanation:
     n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "continuous_slots_pct > static_slots_pct",
             # not `must`: it holds while requests queue; if the engine ran faster than its calibration (a busy
             # machine freeing up mid-run), arrivals thin out and empty slots mean no requests, not batching
@@ -73,22 +72,19 @@ def explain(m: Measurement) -> Explanation:
             "here requests arrived more slowly than the engine served them (it ran faster than its calibration "
             "said), so slots sat empty for want of requests, which no batching policy can fill.",
         ),
-        decide(
-            n,
+        m.decide(
             "continuous_steps < static_steps",
             yes="The same requests took {continuous_steps} engine steps instead of {static_steps}.",
             no="The same requests took {continuous_steps} engine steps continuous, {static_steps} static.",
         ),
-        decide(
-            n,
+        m.decide(
             "continuous_tok_s > static_tok_s",
             yes="Output throughput: {continuous_tok_s} tokens/s continuous against {static_tok_s} static "
             "({speedup} times).",
             no="Output throughput: {continuous_tok_s} tokens/s continuous against {static_tok_s} static: no gain "
             "here, because on this machine a step's cost grows with the batch almost as fast as its tokens do.",
         ),
-        decide(
-            n,
+        m.decide(
             "continuous_ttft_ms < static_ttft_ms",
             yes="Mean TTFT: {continuous_ttft_ms} ms continuous against {static_ttft_ms} ms static, since a new "
             "request joins at the next step instead of waiting for the running batch to finish.",

@@ -4,7 +4,7 @@ goodput lab, at raw throughput, without batching, and at low utilisation."""
 from __future__ import annotations
 
 from inferd.bench.cost import cost_per_million
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 
 DEFINITION = (
@@ -52,8 +52,7 @@ def measure(ctx: LabContext) -> Measurement:
 def explain(m: Measurement) -> Explanation:
     n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "cost_goodput >= cost_throughput",
             must=True,
             yes="At ${price_per_hour} an hour, the best goodput ({goodput_tok_s} output tokens/s that met the SLOs) "
@@ -61,16 +60,14 @@ def explain(m: Measurement) -> Explanation:
             "tokens/s) it would look like ${cost_throughput}, but those extra tokens missed their SLOs.",
             no="Goodput cost ${cost_goodput} per million tokens, below raw throughput's ${cost_throughput}.",
         ),
-        decide(
-            n,
+        m.decide(
             "cost_batch1 > cost_goodput",
             yes="Without batching (one request at a time, {batch1_tok_s} tokens/s) the same hour buys fewer "
             "tokens: ${cost_batch1} per million, against ${cost_goodput} batched.",
             no="One request at a time ({batch1_tok_s} tokens/s) cost ${cost_batch1} per million, no more than the "
             "batched ${cost_goodput}.",
         ),
-        decide(
-            n,
+        m.decide(
             "cost_low_load > cost_goodput",
             yes="At low utilisation ({low_load} times capacity offered, {low_goodput_tok_s} tokens/s served) the "
             "machine idles between requests and a million tokens costs ${cost_low_load}, against ${cost_goodput} at "

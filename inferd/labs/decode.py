@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from inferd.bench.drive import Job, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.labs.prefill import measure_prefill
 from inferd.measure.stats import percentile
@@ -83,10 +83,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "step_ms_bmax < step_ms_b1_times_bmax",
             must=True,
             yes="A step at batch {b_max} took {step_ms_bmax} ms against {step_ms_b1} ms at batch 1: {b_max} times "
@@ -95,14 +93,12 @@ def explain(m: Measurement) -> Explanation:
             no="A step at batch {b_max} took {step_ms_bmax} ms, at least {b_max} times batch 1's {step_ms_b1} ms "
             "({step_ms_b1_times_bmax} ms): batching bought nothing here.",
         ),
-        decide(
-            n,
+        m.decide(
             "tok_s_bmax > tok_s_b1",
             yes="So decode throughput rose from {tok_s_b1} tokens/s at batch 1 to {tok_s_bmax} at batch {b_max}.",
             no="Decode throughput fell from {tok_s_b1} tokens/s at batch 1 to {tok_s_bmax} at batch {b_max}.",
         ),
-        decide(
-            n,
+        m.decide(
             "bw_pct_b1 >= 50.0",
             yes="At batch 1 a step reads {mb_read_b1} MB of weights and KV cache in {step_ms_b1} ms: {gb_s_b1} GB/s, "
             "{bw_pct_b1}% of the {bandwidth_gb_s} GB/s this machine reads: memory-bandwidth-bound, as the "
@@ -111,8 +107,7 @@ def explain(m: Measurement) -> Explanation:
             "only {bw_pct_b1}% of the {bandwidth_gb_s} GB/s this machine reads. This decode is not "
             "memory-bandwidth-bound here, contrary to the glossary.",
         ),
-        decide(
-            n,
+        m.decide(
             "overhead_ms_b1 > t_mem_ms_b1",
             textbook=False,
             yes="Why: reading those bytes at full bandwidth would take {t_mem_ms_b1} ms and the FLOPs at the matmul "

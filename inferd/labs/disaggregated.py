@@ -165,8 +165,7 @@ def measure(ctx: LabContext) -> Measurement:
 def explain(m: Measurement) -> Explanation:
     n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "dis_itl_p99_ms < colo_itl_p99_ms",
             yes="With {long_prompt}-token prompts arriving among short streamed requests, the short requests' ITL "
             "p99 was {colo_itl_p99_ms} ms colocated (p50 {colo_itl_p50_ms} ms: the tail {colo_spike} times the "
@@ -179,8 +178,7 @@ def explain(m: Measurement) -> Explanation:
             "handed-over prompt ({transfer_ms} ms per pull on average).",
         ),
         _cores_claim(n),
-        decide(
-            n,
+        m.decide(
             "dis_ttft_p50_ms > colo_ttft_p50_ms",
             yes="What it costs: the short requests' TTFT p50 rose from {colo_ttft_p50_ms} ms to {dis_ttft_p50_ms} "
             "ms; a remote prefill is a second HTTP request, a lease and a pull of the blocks before the decode "
@@ -190,8 +188,7 @@ def explain(m: Measurement) -> Explanation:
             "behind long prefills they avoided.",
         ),
         *_ttft_cause(n),
-        decide(
-            n,
+        m.decide(
             "block_bytes_error <= 0.0",
             must=True,
             yes="The handoff moved {kv_mb} MB in {kv_blocks} blocks over {transfers} requests ({kv_kb_per_request} "
@@ -201,8 +198,7 @@ def explain(m: Measurement) -> Explanation:
             no="The handoff moved {bytes_per_block} bytes per block, not the {expected_bytes_per_block} the model's "
             "shape gives ({block_bytes_error} bytes off in all).",
         ),
-        decide(
-            n,
+        m.decide(
             "leases_left <= 0.0",
             must=True,
             yes="When the run ended the prefill instance lent no block any more ({leases_left} leases active): "

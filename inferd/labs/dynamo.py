@@ -16,7 +16,7 @@ import statistics
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext, delta, leases_released, summed_delta, ttfts
 from inferd.labs.sglang import shared_prefix_prompts
 from inferd.measure.stats import percentile
@@ -63,16 +63,17 @@ class Handoff:
     pull_kb: float
 
 
-def _totals(decodes: list[Proc], before: list[dict[str, float]]) -> dict[str, float]:
+def _deltas(decodes: list[Proc], before: list[dict[str, float]]) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """The decode workers' counters now, and each of `DECODE_KEYS`' rise since `before`, summed over them."""
     after = [metrics(d.url) for d in decodes]
-    return {k: summed_delta(after, before, key) for k, key in DECODE_KEYS.items()} | {"after": after}
+    return {k: summed_delta(after, before, key) for k, key in DECODE_KEYS.items()}, after
 
 
 def routed(gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> Routed:
     before = [metrics(d.url) for d in decodes]
     times = ttfts(gateway.url, prompts, 2)
-    t = _totals(decodes, before)
-    served = [delta(a, b, "inferd:request_success_total") for a, b in zip(t["after"], before, strict=True)]
+    t, after = _deltas(decodes, before)
+    served = [delta(a, b, "inferd:request_success_total") for a, b in zip(after, before, strict=True)]
     return Routed(
         busiest_pct=100 * max(served) / max(sum(served), 1.0), ttft_ms=1000 * statistics.mean(times),
         hit_pct=100 * t["hits"] / max(t["queries"], 1.0), kb_per_req=t["pulled_bytes"] / 1e3 / len(prompts),
@@ -85,7 +86,7 @@ def handoff_cost(prompts: list[list[int]], decode: Proc, proxy: Proc) -> Handoff
     local = ttfts(decode.url, prompts[: len(prompts) // 2], 1)
     before = [metrics(decode.url)]
     remote = ttfts(proxy.url, prompts[len(prompts) // 2 :], 1)
-    t = _totals([decode], before)
+    t, _ = _deltas([decode], before)
     return Handoff(
         1000 * percentile(local, 50), 1000 * percentile(remote, 50),
         pull_ms=1000 * t["transfer_s"] / max(t["transfers"], 1.0),
@@ -127,10 +128,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "pa_kb_per_req < rr_kb_per_req",
             yes="KV-aware routing helps the handoff: with {prefixes} shared {prefix_len}-token prefixes and {users} "
             "questions each over two decode workers, round-robin left the workers finding {rr_hit_pct}% of prompt "
@@ -140,16 +139,14 @@ def explain(m: Measurement) -> Explanation:
             "per request ({rr_hit_pct}% found in the workers' caches) and prefix-aware routing {pa_kb_per_req} kB "
             "({pa_hit_pct}%): no saving here.",
         ),
-        decide(
-            n,
+        m.decide(
             "pa_ttft_ms < rr_ttft_ms",
             yes="Mean TTFT: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware.",
             no="Mean TTFT: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware: the smaller pulls did not "
             "show in latency at these sizes (every prompt still goes through the one prefill instance, whichever "
             "worker decodes it).",
         ),
-        decide(
-            n,
+        m.decide(
             "pa_busiest_pct > rr_busiest_pct",
             textbook=False,
             yes="Where affinity costs: prefix-aware routing gave the busier worker {pa_busiest_pct}% of the "
@@ -160,8 +157,7 @@ def explain(m: Measurement) -> Explanation:
             "{pa_busiest_pct}% of the requests, against {rr_busiest_pct}% round-robin; with prefixes this evenly "
             "spread, following the cache cost no balance.",
         ),
-        decide(
-            n,
+        m.decide(
             "remote_ttft_ms > local_ttft_ms",
             yes="Where disaggregation costs: at idle, a {prompt_len}-token prompt got its first token in "
             "{local_ttft_ms} ms prefilled on a decode worker itself and in {remote_ttft_ms} ms handed over (a "
@@ -172,16 +168,14 @@ def explain(m: Measurement) -> Explanation:
             "{local_ttft_ms} ms prefilled on the decode worker: the handoff (a pull of {pull_kb} kB in {pull_ms} "
             "ms) cost nothing measurable here.",
         ),
-        decide(
-            n,
+        m.decide(
             "leases_left <= 0.0",
             must=True,
             yes="After {requests} routed requests the prefill instance held no lease ({leases_left} active): "
             "every handed-over block was acknowledged and freed, whichever worker pulled it.",
             no="{leases_left} leases still held prefill blocks after the run.",
         ),
-        decide(
-            n,
+        m.decide(
             "accounted >= requests",
             must=True,
             yes="Every one of the {requests} requests was accounted for by a decode worker as prefilled remotely "

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.procs import complete
 
@@ -126,10 +126,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "used_plus_cost > limit",
             must=True,
             yes="Tenant 'exact' had {limit} tokens per window and each request costs {cost} (prompt + max_tokens): "
@@ -137,16 +135,14 @@ def explain(m: Measurement) -> Explanation:
             "because it needed {cost} and {remaining_at_refusal} remained ({used_plus_cost} would pass the limit).",
             no="The gateway refused a request although {used_plus_cost} tokens were within the {limit} limit.",
         ),
-        decide(
-            n,
+        m.decide(
             "exact_fit_ok >= 1.0",
             must=True,
             yes="A request asking for exactly the {remaining_at_refusal} remaining tokens was then served "
             "({exact_fit_ok} = yes): the limit is exact, not approximate.",
             no="A request for exactly the remaining tokens was refused ({exact_fit_ok} = no).",
         ),
-        decide(
-            n,
+        m.decide(
             "charged < reserved",
             yes="Reserve vs settle: a request asking for up to {reserved} output tokens had {reserved_seen} reserved "
             "at admission, stopped on a stop string after {actual}, and the window was charged {charged}: the "
@@ -154,23 +150,20 @@ def explain(m: Measurement) -> Explanation:
             no="Reserve vs settle: the request reserved {reserved} output tokens and was charged {charged} (it "
             "produced {actual}).",
         ),
-        decide(
-            n,
+        m.decide(
             "settle_error <= 0.0",
             must=True,
             yes="The settled charge matched the tokens produced exactly (difference {settle_error}).",
             no="The settled charge was off the tokens produced by {settle_error}.",
         ),
-        decide(
-            n,
+        m.decide(
             "heavy_tokens <= budget",
             must=True,
             yes="Under contention, tenant 'heavy' sent {heavy_sent} requests at once: {heavy_ok} were served "
             "({heavy_tokens} tokens, within its {budget}) and {heavy_429} refused with 429.",
             no="Tenant 'heavy' was served {heavy_tokens} tokens, past its budget of {budget}.",
         ),
-        decide(
-            n,
+        m.decide(
             "light_ok_pct >= 100.0",
             yes="Meanwhile tenant 'light', within its own budget, had {light_ok_pct}% of its {light_sent} requests "
             "served: one tenant's flood did not spend another's share.",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from inferd.bench.drive import Job, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.labs.ttft import capacity_rps
 from inferd.measure.arrivals import arrival_offsets
@@ -61,8 +61,7 @@ def measure(ctx: LabContext) -> Measurement:
 def explain(m: Measurement) -> Explanation:
     n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "max_excess <= 0.0",
             must=True,
             yes="At every load goodput stayed at or below throughput (it only counts tokens of requests that met "
@@ -71,8 +70,7 @@ def explain(m: Measurement) -> Explanation:
             "with {attainment_at_best}% of requests on target.",
             no="Goodput exceeded throughput by {max_excess} tokens/s: a measurement error.",
         ),
-        decide(
-            n,
+        m.decide(
             "goodput_high < best_goodput",
             yes="Past the knee ({knee_load} times the engine's capacity, {best_goodput} tokens/s of goodput) goodput "
             "fell: at {high_load} times it was {goodput_high} tokens/s while raw throughput was {tok_s_high}, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from inferd.config import EngineConfig
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 
 DEFINITION = (
@@ -68,10 +68,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "util_hi > util_lo",
             yes="Measured here: decode used {util_lo}% of this machine's matmul peak at batch {b_lo} and {util_hi}% "
             "at batch {b_hi} ({tok_s_lo} to {tok_s_hi} tokens/s): the same hardware and the same hour, more "
@@ -79,8 +77,7 @@ def explain(m: Measurement) -> Explanation:
             no="Measured here: decode used {util_lo}% of the matmul peak at batch {b_lo} and {util_hi}% at "
             "batch {b_hi}: batching did not raise utilisation.",
         ),
-        decide(
-            n,
+        m.decide(
             "gpu_mem_ms_b1 > gpu_flops_ms_b1",
             yes="Projected, not measured: on an H100 SXM (datasheet: 989 TFLOP/s bf16, 3.35 TB/s) a batch-1 step "
             "of this model in bf16 needs {gpu_mem_ms_b1} ms to read the weights but {gpu_flops_ms_b1} ms of "
@@ -89,8 +86,7 @@ def explain(m: Measurement) -> Explanation:
             no="Projected, not measured: on an H100 SXM a batch-1 step of this model needs {gpu_mem_ms_b1} ms of "
             "reads and {gpu_flops_ms_b1} ms of compute: compute-bound even at batch 1.",
         ),
-        decide(
-            n,
+        m.decide(
             "gpu_ridge_batch > 0",
             yes="By the same roofline, batching keeps paying until a batch of about {gpu_ridge_batch}, where the "
             "step turns compute-bound.",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from inferd.bench.drive import Job, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.measure.stats import percentile
 
@@ -62,18 +62,15 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "itl_p50_hi > itl_p50_lo",
             yes="Median ITL grew from {itl_p50_lo} ms at batch {b_lo} to {itl_p50_hi} ms at batch {b_hi}: each "
             "request types slower when it shares the step with more others.",
             no="Median ITL did not grow with the batch: {itl_p50_lo} ms at batch {b_lo}, {itl_p50_hi} ms at "
             "batch {b_hi}; fixed per-step costs dominate a step at these sizes.",
         ),
-        decide(
-            n,
+        m.decide(
             "stall_on_ms < stall_off_ms",
             yes="When a {long_len}-token prompt joined {decoders} decoding requests, their longest gap between two "
             "tokens was {stall_off_ms} ms with the whole prompt in one step, and {stall_on_ms} ms with chunked "
@@ -82,8 +79,7 @@ def explain(m: Measurement) -> Explanation:
             "{stall_off_ms} ms unchunked and {stall_on_ms} ms with {chunk}-token chunks: chunking did not shorten "
             "the stall here.",
         ),
-        decide(
-            n,
+        m.decide(
             "long_ttft_on_ms >= long_ttft_off_ms",
             textbook=False,
             yes="The price: the long request's own TTFT was {long_ttft_on_ms} ms chunked against {long_ttft_off_ms} "

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from inferd.errors import InferdError
-from inferd.labs.base import Explanation, Lab, Measurement, decide, fmt
+from inferd.labs.base import Explanation, Lab, Measurement, fmt
 from inferd.labs.context import LabContext, shown_path
 from inferd.procs import complete
 
@@ -338,8 +338,7 @@ def explain(m: Measurement) -> Explanation:
     n, s = m.numbers, m.settings
     kinds = ", ".join(f"{o['kind']} {o['name']} ({o['fields']} fields)" for o in m.series["objects"])
     claims = [
-        decide(
-            n,
+        m.decide(
             "validation_errors <= 0",
             must=True,
             yes="The {objects} objects validate against KServe's CRD schemas with unknown fields rejected: "
@@ -347,16 +346,14 @@ def explain(m: Measurement) -> Explanation:
             no="The rendered objects broke KServe's CRD schemas: {validation_errors} errors in {fields_validated} "
             "fields.",
         ),
-        decide(
-            n,
+        m.decide(
             "broken_errors >= broken_edits",
             must=True,
             yes="The check is not a formality: the same LLMInferenceService with {broken_edits} fields broken (a "
             "misspelt `replica`, a number for `model.uri`, a misspelt `readinesProbe`) drew {broken_errors} errors.",
             no="A manifest with {broken_edits} broken fields drew only {broken_errors} errors.",
         ),
-        decide(
-            n,
+        m.decide(
             "limit_mib >= rss_peak_mib",
             textbook=False,
             yes="The pod's memory limit ({limit_mib} MiB, from resources.memory) covers a replica's measured peak of "
@@ -364,8 +361,7 @@ def explain(m: Measurement) -> Explanation:
             no="The pod's memory limit ({limit_mib} MiB) is below a replica's measured peak of {rss_peak_mib} MiB: "
             "Kubernetes would OOM-kill it under load. Raise resources.memory to about {suggested_mib} MiB.",
         ),
-        decide(
-            n,
+        m.decide(
             "rss_idle_mib >= host_kv_mib",
             textbook=False,
             yes="An idle replica already held {rss_idle_mib} MiB, the {host_kv_mib} MiB KV pool included: the engine "
@@ -375,16 +371,14 @@ def explain(m: Measurement) -> Explanation:
             no="An idle replica held {rss_idle_mib} MiB, less than its {host_kv_mib} MiB KV pool: the pool's pages "
             "were not all touched yet.",
         ),
-        decide(
-            n,
+        m.decide(
             "kv_pool_mib >= weights_mib",
             yes="The KV pool ({kv_pool_mib} MiB) outweighs the weights ({weights_mib} MiB), as the glossary says: "
             "the KV cache, not the model, sets how much a replica can serve at once.",
             no="Here the weights ({weights_mib} MiB) outweigh the KV pool ({kv_pool_mib} MiB): this spec gives the "
             "cache less memory than the model, so concurrency, not memory for weights, is what it rations.",
         ),
-        decide(
-            n,
+        m.decide(
             "kv_pool_tokens >= full_tokens",
             textbook=False,
             yes="At {kv_bytes_per_token} bytes of KV per token, the pool holds {kv_pool_tokens} tokens: all "

@@ -4,7 +4,7 @@ concurrency that fits a memory budget, each checked against the engine's own all
 from __future__ import annotations
 
 from inferd.engine.kv_cache import KVCacheManager
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.request import Request
 from inferd.sampling import SamplingParams
@@ -77,10 +77,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "formula_mismatch <= 0",
             must=True,
             yes="The engine's cache tensors hold {allocator_bytes_per_token} bytes per token, exactly the formula "
@@ -89,23 +87,20 @@ def explain(m: Measurement) -> Explanation:
             no="The engine's cache tensors hold {allocator_bytes_per_token} bytes per token, {formula_mismatch} off "
             "the formula's {formula_bytes_per_token}.",
         ),
-        decide(
-            n,
+        m.decide(
             "mib_2L_B <= twice_mib_L_B",
             must=True,
             yes="{B} requests of {L} tokens took {mib_L_B} MiB of blocks; of {L2} tokens {mib_2L_B} MiB "
             "(twice the length, twice the memory: {twice_mib_L_B} MiB).",
             no="{B} requests of {L2} tokens took {mib_2L_B} MiB, more than twice the {mib_L_B} MiB of {L} tokens.",
         ),
-        decide(
-            n,
+        m.decide(
             "mib_L_2B <= twice_mib_L_B",
             must=True,
             yes="{B2} requests of {L} tokens took {mib_L_2B} MiB: twice the batch, twice the memory.",
             no="{B2} requests of {L} tokens took {mib_L_2B} MiB, more than twice {B} requests' {mib_L_B} MiB.",
         ),
-        decide(
-            n,
+        m.decide(
             "fit_measured >= fit_predicted",
             must=True,
             yes="The {cache_mib} MiB cache fits {fit_measured} requests of {fit_len} tokens at once, as predicted "
@@ -113,8 +108,7 @@ def explain(m: Measurement) -> Explanation:
             no="The allocator fitted only {fit_measured} requests of {fit_len} tokens, fewer than the "
             "{fit_predicted} predicted.",
         ),
-        decide(
-            n,
+        m.decide(
             "serving_kv_mib > weights_mib",
             yes="A modest load of {serving_seqs} requests at {fit_len} tokens needs {serving_kv_mib} MiB of KV cache, "
             "more than the model's {weights_mib} MiB of weights: the cache is the dominant consumer of memory.",

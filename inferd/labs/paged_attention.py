@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from inferd.engine.kv_cache import KVCacheManager
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.labs.kv_cache import allocate
 
@@ -51,10 +51,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "paged_concurrency > contiguous_concurrency",
             must=True,
             yes="In the same {capacity_tokens}-token cache, paged blocks fit {paged_concurrency} requests of mixed "
@@ -62,16 +60,14 @@ def explain(m: Measurement) -> Explanation:
             "request fits {contiguous_concurrency}: {gain} times as many.",
             no="Paged blocks fit {paged_concurrency} requests, contiguous reservation {contiguous_concurrency}.",
         ),
-        decide(
-            n,
+        m.decide(
             "paged_waste_pct < contiguous_waste_pct",
             must=True,
             yes="Memory reserved but never written: {paged_waste_pct}% with pages against {contiguous_waste_pct}% "
             "with contiguous reservation.",
             no="Paged allocation wasted {paged_waste_pct}%, contiguous {contiguous_waste_pct}%.",
         ),
-        decide(
-            n,
+        m.decide(
             "paged_waste_per_request < block_size",
             must=True,
             yes="A paged request wastes at most its last, partly filled block: {paged_waste_per_request} tokens on "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from inferd.bench.drive import random_prompts
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.measure.hardware import best_time
 from inferd.sampling import SamplingParams
@@ -58,18 +58,15 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "prefill_ms_long > prefill_ms_short",
             yes="A {long}-token prompt took {prefill_ms_long} ms to prefill, a {short}-token one "
             "{prefill_ms_short} ms: the work grows with the prompt.",
             no="A {long}-token prompt took {prefill_ms_long} ms, no longer than a {short}-token one "
             "({prefill_ms_short} ms): at these sizes fixed per-step costs hide the work of the prompt.",
         ),
-        decide(
-            n,
+        m.decide(
             "per_token_ms_long < per_token_ms_short",
             yes="Per prompt token that is {per_token_ms_long} ms at {long} tokens against {per_token_ms_short} ms at "
             "{short}: many tokens in one pass share each weight read, so the matrix units do more useful work.",
@@ -77,16 +74,14 @@ def explain(m: Measurement) -> Explanation:
             "{short}: longer prompts did not get cheaper per token here (attention over the whole prompt grows "
             "faster than the shared weight reads save).",
         ),
-        decide(
-            n,
+        m.decide(
             "intensity_long > ridge",
             yes="Its arithmetic intensity at {long} tokens is {intensity_long} FLOP per byte, above this machine's "
             "ridge point of {ridge} (matmul peak / memory bandwidth): by the roofline, compute is the limit.",
             no="Its arithmetic intensity at {long} tokens is {intensity_long} FLOP per byte, below this machine's "
             "ridge point of {ridge}: even prefill is bandwidth-bound on this model and machine.",
         ),
-        decide(
-            n,
+        m.decide(
             "peak_pct_long >= 50.0",
             yes="It reached {tflops_long} TFLOP/s, {peak_pct_long}% of the {peak_tflops} TFLOP/s a large matmul "
             "reaches here: compute-bound, as the glossary says.",

@@ -237,8 +237,7 @@ def _mismatch(counted: dict[str, float], seen: Counter) -> int:
 def explain(m: Measurement) -> Explanation:
     n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "up_desired >= 2",
             must=True,
             yes="Under load ({load_clients} clients sending long completions to one replica that runs {max_seqs} at "
@@ -248,8 +247,7 @@ def explain(m: Measurement) -> Explanation:
             "later: what starting a replica and loading the model costs before scaling relieves a queue.",
             no="Under load the policy never asked for a second replica (it saw {up_waiting} waiting).",
         ),
-        decide(
-            n,
+        m.decide(
             "down_decision_s >= load_end_s",
             must=True,
             yes="When the load stopped (at {load_end_s} s; the routing requests below came a few at a time) the "
@@ -258,15 +256,13 @@ def explain(m: Measurement) -> Explanation:
             "kept the pool's minimum of one.",
             no="After the load stopped the policy made no scale-down decision.",
         ),
-        decide(
-            n,
+        m.decide(
             "errors <= 0",
             must=True,
             yes="All {requests} requests were answered 200 while a replica was added and removed ({errors} errors).",
             no="{errors} of {requests} requests failed while the pool scaled.",
         ),
-        decide(
-            n,
+        m.decide(
             "header_mismatch <= 0",
             must=True,
             yes="Routing, read from the replicas' own request counters: each of the {spread_requests} + "
@@ -275,8 +271,7 @@ def explain(m: Measurement) -> Explanation:
             no="The replicas' counters and the answers' replica ids disagreed on {header_mismatch} requests.",
         ),
         spread_claim(n),
-        decide(
-            n,
+        m.decide(
             "affine_max_pct >= 75.0",
             yes="{affine_requests} prompts sharing a 64-token prefix went {affine_max_pct}% to one replica "
             "({affine_max} of {affine_requests}): the router sends a prefix to the replica whose KV cache holds "
@@ -284,8 +279,7 @@ def explain(m: Measurement) -> Explanation:
             no="{affine_requests} prompts sharing a prefix were split, at most {affine_max_pct}% on one replica: "
             "load outweighed prefix affinity here.",
         ),
-        decide(
-            n,
+        m.decide(
             "ray_left <= 0",
             must=True,
             yes="Ray was started for the lab alone ({ray_processes} processes by the end, up in {ray_start_s} s) and "

@@ -9,13 +9,10 @@ numbers, and every number a claim rests on printed in its sentence.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from inferd.labs.base import Lab, LabResult, fmt
 from inferd.labs.context import LabContext, describe_machine, machine_line
-
-logger = logging.getLogger(__name__)
 
 
 def run_lab(lab: Lab, ctx: LabContext) -> LabResult:

@@ -8,7 +8,7 @@ import random
 import statistics
 
 from inferd.bench.drive import Job, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext, summed_delta, ttfts
 from inferd.procs import metrics
 
@@ -68,10 +68,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "computed_on < computed_off",
             must=True,
             yes="With {prefixes} shared {prefix_len}-token prefixes and {users} questions each, the engine computed "
@@ -79,15 +77,13 @@ def explain(m: Measurement) -> Explanation:
             "prefill skipped because the blocks were already in the cache.",
             no="With prefix caching the engine computed {computed_on} prompt tokens against {computed_off} without.",
         ),
-        decide(
-            n,
+        m.decide(
             "ttft_on_ms < ttft_off_ms",
             yes="Mean TTFT fell from {ttft_off_ms} ms to {ttft_on_ms} ms.",
             no="Mean TTFT did not fall: {ttft_off_ms} ms without the cache, {ttft_on_ms} ms with it; at these sizes "
             "a prefill costs little more than the step around it.",
         ),
-        decide(
-            n,
+        m.decide(
             "pa_hit_pct > rr_hit_pct",
             yes="Over two replicas whose caches hold about half the prefixes each ({replica_blocks} blocks), "
             "round-robin routing found {rr_hit_pct}% of prompt tokens cached and prefix-aware routing "
@@ -96,8 +92,7 @@ def explain(m: Measurement) -> Explanation:
             no="Over two replicas, round-robin found {rr_hit_pct}% of prompt tokens cached and prefix-aware "
             "routing {pa_hit_pct}%: no gain from affinity here.",
         ),
-        decide(
-            n,
+        m.decide(
             "pa_ttft_ms < rr_ttft_ms",
             yes="Mean TTFT through the gateway: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware.",
             no="Mean TTFT through the gateway: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware: the hit "

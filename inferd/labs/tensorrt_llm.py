@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from inferd.bench.drive import Job, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 
 DEFINITION = (
@@ -47,10 +47,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "native_available >= 1.0",
             textbook=False,
             yes="inferd's native paged-attention kernel was built and ran on this machine ({native_available} = yes).",
@@ -58,8 +56,7 @@ def explain(m: Measurement) -> Explanation:
             "build needs g++ and ninja), so both runs used the PyTorch reference and the comparison below "
             "compares a path with itself.",
         ),
-        decide(
-            n,
+        m.decide(
             "native_tok_s > reference_tok_s",
             yes="With {batch} requests decoding over {prompt_len}-token prompts, the native kernel reached "
             "{native_tok_s} output tokens/s against {reference_tok_s} on the reference path ({speedup} times).",

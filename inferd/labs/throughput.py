@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from inferd.bench.drive import Job, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 
 DEFINITION = (
@@ -55,17 +55,14 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "tok_s_hi > tok_s_lo",
             yes="Output throughput went from {tok_s_lo} tokens/s with {c_lo} request in flight to {tok_s_hi} with "
             "{c_hi} ({rps_hi} requests/s); the best level was {c_best} at {tok_s_best} tokens/s.",
             no="Output throughput did not rise with concurrency: {tok_s_lo} tokens/s at {c_lo}, {tok_s_hi} at {c_hi}.",
         ),
-        decide(
-            n,
+        m.decide(
             "tpot_ms_hi > tpot_ms_lo",
             yes="The price is latency: mean TPOT went from {tpot_ms_lo} ms to {tpot_ms_hi} ms and mean TTFT from "
             "{ttft_ms_lo} ms to {ttft_ms_hi} ms.",

@@ -7,7 +7,7 @@ import random
 import statistics
 
 from inferd.bench.drive import Job, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.measure.arrivals import arrival_offsets
 
@@ -62,23 +62,20 @@ def measure(ctx: LabContext) -> Measurement:
 def explain(m: Measurement) -> Explanation:
     n = m.numbers
     claims = [
-        decide(
-            n,
+        m.decide(
             "ttft_ms_high > ttft_ms_low",
             yes="Mean TTFT rose from {ttft_ms_low} ms at {low} times the engine's capacity to {ttft_ms_high} ms at "
             "{high} times.",
             no="Mean TTFT did not rise with load: {ttft_ms_low} ms at {low} times capacity, {ttft_ms_high} ms at "
             "{high} times.",
         ),
-        decide(
-            n,
+        m.decide(
             "queue_pct_high > queue_pct_low",
             yes="Queueing was {queue_pct_low}% of TTFT at the low load ({queue_ms_low} ms) and {queue_pct_high}% "
             "past capacity ({queue_ms_high} ms): once requests arrive faster than they finish, waiting dominates.",
             no="Queueing was {queue_pct_low}% of TTFT at the low load and {queue_pct_high}% past capacity.",
         ),
-        decide(
-            n,
+        m.decide(
             "prefill_ms_high < queue_ms_high",
             yes="Past capacity the prefill itself took {prefill_ms_high} ms, less than the {queue_ms_high} ms of "
             "waiting: adding replicas helps TTFT there, a faster prefill much less.",

@@ -21,7 +21,7 @@ from inferd import cpu, procs
 from inferd.bench import peers, runs
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import InferdError
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext, shown_path
 
 DEFINITION = (
@@ -235,8 +235,7 @@ def explain(m: Measurement) -> Explanation:
     claims = []
     if n["c_hi"] > n["c_lo"]:
         claims.append(
-            decide(
-                n,
+            m.decide(
                 "vllm_tok_s_hi > vllm_tok_s_lo",
                 yes="vLLM's output throughput rose from {vllm_tok_s_lo} tokens/s at concurrency {c_lo} to "
                 "{vllm_tok_s_hi} at {c_hi}: continuous batching over PagedAttention, as in inferd.",
@@ -245,8 +244,7 @@ def explain(m: Measurement) -> Explanation:
             )
         )
     claims.append(
-        decide(
-            n,
+        m.decide(
             "inferd_tok_s_hi >= vllm_tok_s_hi",
             textbook=False,
             yes="At concurrency {c_hi} inferd reached {inferd_tok_s_hi} tokens/s against vLLM's {vllm_tok_s_hi}.",

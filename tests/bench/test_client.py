@@ -59,3 +59,21 @@ def test_error_messages_from_openai_and_fastapi_bodies():
 def test_base_url_normalization():
     assert normalize_base_url("http://h:1/v1/") == "http://h:1"
     assert normalize_base_url("http://h:1") == "http://h:1"
+
+
+def test_send_all_streams_in_order_at_a_concurrency_or_on_a_schedule():
+    import time
+
+    from inferd.bench.client import send_all
+    from inferd.bench.metrics import itls, ttft
+    from tests.bench.fake_server import FakeServer
+
+    reqs = [BenchRequest("hello", 5, 4), BenchRequest("hi", 2, 6), BenchRequest("hey", 3, 2)]
+    with FakeServer() as url:
+        outs = send_all(url, reqs, concurrency=2, model="fake")
+        assert [o.index for o in outs] == [0, 1, 2] and all(o.success for o in outs)
+        assert [len(o.chunk_times) for o in outs] == [4, 6, 2] and len(itls(outs[1])) == 5 and ttft(outs[0]) > 0
+        t0 = time.perf_counter()
+        late = send_all(url, reqs[:2], at=[0.0, 0.3], model="fake")
+        assert late[1].send_time - t0 >= 0.3 > late[0].send_time - t0
+        assert not send_all(url, reqs[:1], model="no-such-model")[0].success  # a failure is an output
