@@ -9,9 +9,10 @@ One event:
 
 - `id`, `ts` (wall clock, s), `dur_ms` (schedule + execute + update), `tokens` scheduled and `budget`
   (`--max-num-batched-tokens`), `running` / `waiting` after the step;
-- `reqs`: one `[request id, tokens computed, kind, flags]` per chunk, in the scheduler's order, where
-  kind is `"p"` (a prefill chunk, or a recompute after preemption) or `"d"` (one decode token) and
-  flags is `""`, `"f"` (finished this step) or `"s"` (sampled a token and goes on);
+- `reqs`: one `[request id, tokens computed, kind, flags, constraint]` per chunk, in the scheduler's
+  order, where kind is `"p"` (a prefill chunk, or a recompute after preemption) or `"d"` (one decode
+  token), flags is `""`, `"f"` (finished this step) or `"s"` (sampled a token and goes on), and
+  constraint is the kind of a structured output's grammar (`"json"`, `"regex"`, ...) or `""`;
 - `preempted`: ids preempted this step;
 - `ttft_ms` / `itl_ms`: the time to first token and inter-token gaps of the tokens sampled this step,
   from the engine's own timestamps;
@@ -146,6 +147,8 @@ class StepEvents:
     kv_interval: float = 0.2  # seconds between KV snapshots at most
     kv_budget: float = 0.02  # fraction of time KV snapshots may take
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
+    # the constraint kind of each live structured request, learnt as it enters the batch
+    _constrained: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _next_kv: float = field(default=0.0, init=False, repr=False)
     _last_runs: list[int] | None = field(default=None, init=False, repr=False)
     _last_owners: list[str] | None = field(default=None, init=False, repr=False)
@@ -175,13 +178,21 @@ class StepEvents:
         now = time.perf_counter()
         live = scheduler.requests
         sampled_ids = {s.request.request_id for s in sampled}
+        constrained = self._constrained
+        for rid in sched.finished_ids:  # ended (or aborted) before this step
+            constrained.pop(rid, None)
+        for new in sched.new_requests:
+            if new.params.structured is not None:
+                constrained[new.request_id] = new.params.structured.kind
         reqs = []
         tokens = 0
         for c in sched.chunks:
             rid = c.request_id
             flag = "f" if rid not in live else ("s" if rid in sampled_ids else "")
-            reqs.append([rid, c.num_tokens, "p" if c.is_prefill else "d", flag])
+            reqs.append([rid, c.num_tokens, "p" if c.is_prefill else "d", flag, constrained.get(rid, "")])
             tokens += c.num_tokens
+            if flag == "f":
+                constrained.pop(rid, None)
         ttft, itl = [], []
         for s in sampled:
             times = s.request.times

@@ -23,6 +23,20 @@ def _llm(tiny_llama, **kw) -> LLM:
     return LLM(str(tiny_llama), **{**settings, **kw})
 
 
+def test_rows_of_a_structured_output_name_its_constraint(tiny_llama):
+    from inferd.structured.spec import Constraint
+
+    llm = _llm(tiny_llama)
+    events = llm.engine.events = StepEvents(kv_interval=0.0, kv_budget=1.0)
+    regex = SamplingParams(temperature=0, max_tokens=8, structured=Constraint("regex", "[a-c]{5}"))
+    llm.generate([list(range(3, 20)), list(range(5, 30))], [GREEDY, regex])
+    rows = [r for e in events.ring.drain() if e["type"] == "step" for r in e["reqs"]]
+    marks = {rid: {r[4] for r in rows if r[0] == rid} for rid in {r[0] for r in rows}}
+    assert sorted(marks.values(), key=sorted) == [{""}, {"regex"}]
+    assert events._constrained == {}  # forgotten once finished
+    assert_idle(llm)
+
+
 def test_run_length_round_trips():
     rng = np.random.default_rng(0)
     for size in (0, 1, 7, 1000):

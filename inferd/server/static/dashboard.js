@@ -249,10 +249,12 @@ function drawBatchTable() {
       (s.preempted.length ? ` · preempted ${s.preempted.join(", ")}` : "");
   $("step-line").dataset.idle = idle ? "1" : "0";
   const rows = idle ? [] : s.reqs.slice(0, 24);
-  body.replaceChildren(...rows.map(([id, tokens, kind, flag]) => {
+  body.replaceChildren(...rows.map(([id, tokens, kind, flag, constraint]) => {
     const tr = document.createElement("tr");
     const state_ = flag === "f" ? "finished" : flag === "s" ? "sampled" : "computing";
-    tr.innerHTML = `<td><span class="dot"></span></td><td>${tokens}</td><td>${kind === "p" ? "prefill" : "decode"}</td>` +
+    // a structured output's rows say which grammar masks their tokens
+    const grammar = constraint ? ` <span class="constrained" title="tokens masked by a grammar">${constraint}</span>` : "";
+    tr.innerHTML = `<td><span class="dot"></span></td><td>${tokens}</td><td>${kind === "p" ? "prefill" : "decode"}${grammar}</td>` +
       `<td>${state_}</td>`;
     tr.cells[0].append(id);
     tr.querySelector(".dot").style.background = requestColour(id);
