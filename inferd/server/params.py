@@ -93,4 +93,7 @@ def chat_params(req: ChatCompletionRequest, tools: ToolPlan) -> SamplingParams:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _common(req, max_tokens, logprobs, structured or forced)
+    params = _common(req, max_tokens, logprobs, structured or forced)
+    if tools.needs_special_tokens:
+        params.skip_special_tokens = False
+    return params

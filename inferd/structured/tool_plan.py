@@ -24,6 +24,8 @@ from inferd.errors import InvalidRequestError
 from inferd.structured import tools as tc
 from inferd.structured.spec import Constraint
 
+_SPECIAL_MARKERS = ("mistral", "llama3_json")
+
 #: `--tool-call-parser` values: "auto" picks by chat template and model type (`ToolPlan` above)
 TOOL_PARSERS = ("auto", *sorted(tc.PARSERS))
 
@@ -48,6 +50,12 @@ class ToolPlan:
     @property
     def mode(self) -> str:
         return self.choice.mode
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        """Whether the "auto" parser reads markers the tokenizer holds as special tokens (Mistral's
+        `[TOOL_CALLS]`, Llama 3's `<|python_tag|>`), which the output must then keep, as vLLM's parsers ask."""
+        return self.mode == "auto" and self.parser in _SPECIAL_MARKERS
 
     def constraint(self) -> Constraint | None:
         """The grammar for "required" and a named function; None where the model is free."""

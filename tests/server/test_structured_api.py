@@ -412,3 +412,17 @@ def test_a_template_without_tools_gets_the_pythonic_system_prompt():
     history, kwargs = plan.conversation([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     assert kwargs == {} and history[0]["role"] == "system" and "get_weather" in history[0]["content"]
     assert history[0]["content"].endswith("Be brief.") and len(history) == 2
+
+
+def test_auto_keeps_the_special_tokens_its_parser_reads():
+    from inferd.server.params import chat_params
+    from inferd.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=USER, tools=[WEATHER])
+    template = "{% if tools %}{% endif %}"
+    for parser, skip in (("mistral", False), ("llama3_json", False), ("hermes", True), ("pythonic", True)):
+        plan = tool_plan(req.tools, None, None, _Tokenizer(template), "llama", parser)
+        assert chat_params(req, plan).skip_special_tokens is skip, parser
+    named = tool_plan(req.tools, {"type": "function", "function": {"name": "get_weather"}}, None,
+                      _Tokenizer(template), "mistral")  # fmt: skip
+    assert chat_params(req, named).skip_special_tokens  # the grammar, not a parser, reads a forced call
