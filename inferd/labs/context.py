@@ -236,10 +236,11 @@ class LabContext:
     def replicas(self, count: int, *extra: str) -> list[Proc]:
         """`count` inferd replicas of this run's model, started once per set of flags and kept for later labs."""
         key = (count, extra)
-        if key not in self._replicas:
-            self._replicas[key] = [self.serve(*extra) for _ in range(count)]
-            self.wait(*self._replicas[key])
-        return self._replicas[key]
+        procs = self._replicas.get(key)
+        if not procs or not all(p.alive() for p in procs):  # none yet, or stopped (a `scoped` block's end)
+            procs = self._replicas[key] = [self.serve(*extra) for _ in range(count)]
+            self.wait(*procs)
+        return procs
 
     def replica_flags(self) -> list[str]:
         """`inferd serve` flags every lab replica of this run starts with (a lab's own flags come after and win)."""

@@ -77,20 +77,22 @@ class Traffic:
 def _workload(url: str, load: Load, vocab: int) -> Traffic:
     """Poisson short requests plus a long prompt every `long_every` s; every request streamed to its end."""
     rng = random.Random(load.seed)
-    reqs, at, next_long = [], [], load.long_every / 2
-    for t in arrivals_within(load.seconds, load.rate, 1.0, np.random.default_rng(load.seed)):
-        reqs.append(
-            BenchRequest(random_prompts(rng, vocab, 1, load.short_prompt)[0], load.short_prompt, load.short_tokens)
-        )
+    reqs, at, long, next_long = [], [], [], load.long_every / 2
+
+    def add(t: float, prompt_len: int, out_len: int, is_long: bool) -> None:
+        reqs.append(BenchRequest(random_prompts(rng, vocab, 1, prompt_len)[0], prompt_len, out_len))
         at.append(t)
+        long.append(is_long)
+
+    for t in arrivals_within(load.seconds, load.rate, 1.0, np.random.default_rng(load.seed)):
+        add(t, load.short_prompt, load.short_tokens, False)
         if t >= next_long:
-            reqs.append(BenchRequest(random_prompts(rng, vocab, 1, load.long_prompt)[0], load.long_prompt, 2))
-            at.append(t)
+            add(t, load.long_prompt, 2, True)
             next_long += load.long_every
     outs = send_all(url, reqs, at=at)
     failures = [o.error for o in outs if not o.success]
-    shorts = [o for o in outs if o.success and o.expected_output_len == load.short_tokens]
-    longs = [o for o in outs if o.success and o.expected_output_len == 2]
+    shorts = [o for o, is_long in zip(outs, long, strict=True) if o.success and not is_long]
+    longs = [o for o, is_long in zip(outs, long, strict=True) if o.success and is_long]
     itl = [g for s in shorts for g in itls(s)]
     return Traffic(
         sent=len(outs), failed=len(failures), shorts=len(shorts), longs=len(longs),
