@@ -43,6 +43,25 @@ def load_schemas() -> list[dict]:
     return json.loads(_text())
 
 
+# keywords xgrammar only approximates: `oneOf` is read as `anyOf`; `allOf` over `required`, `not`,
+# `dependencies` and `if` are not enforced. Output under a schema with them is JSON, but may not validate.
+APPROXIMATED = frozenset({"oneOf", "allOf", "not", "dependencies", "dependentRequired", "dependentSchemas", "if"})
+
+
+def keywords(node) -> set[str]:
+    """Every key of a schema, at any depth (property names too: a superset of the keywords used)."""
+    if isinstance(node, dict):
+        return set(node) | set().union(*(keywords(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(keywords(v) for v in node))
+    return set()
+
+
+def approximated(schema) -> set[str]:
+    """The keywords of `schema` that the grammar approximates (empty: the mask enforces all of it)."""
+    return keywords(schema) & APPROXIMATED
+
+
 def is_valid(schema: dict, text: str) -> tuple[bool, str]:
     """(True, "") when `text` parses as JSON and `schema` accepts it, else (False, the reason).
 
