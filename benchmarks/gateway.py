@@ -33,8 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, machine, write_json  # noqa: E402
 from benchmarks.procs import free_port, replica_metrics, spawn, start_gateway, start_replica, wait_http  # noqa: E402
-from inferd.models.tiny import build_tokenizer, llama_config, write_random_model  # noqa: E402
 from inferd.measure.stats import percentile  # noqa: E402
+from inferd.models.tiny import build_tokenizer, llama_config, write_random_model  # noqa: E402
 
 
 # -- a fast fake upstream, run as `python benchmarks/gateway.py --fake-upstream PORT` -------------------
