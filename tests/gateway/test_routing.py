@@ -296,3 +296,23 @@ def test_chat_prefix_affinity_through_the_gateway(replicas, gateway, tiny_llama)
         if line.startswith('inferd_gateway_prefix_affinity_blocks_total{pool="p",result="hit"}')
     ]
     assert hits and float(hits[0].split()[-1]) >= 3 * 2, hits  # 3 later turns, each >= 2 blocks matched
+
+
+def test_structured_outputs_pass_through_the_gateway(replicas, gateway, tiny_llama):
+    """The gateway relays a constraint untouched, whole and streamed, and counts the request's tokens."""
+    pools = [{"name": "p", "replicas": [r.url for r in replicas], "model": "tiny", "tokenizer": str(tiny_llama)}]
+    gw = gateway(base_config(pools, [{"name": "tiny", "backends": [{"pool": "p"}]}]))
+    body = {"model": "tiny", "prompt": "Pick one:", "max_tokens": 20, "structured_outputs": {"choice": ["yes", "no"]}}
+    for seed in range(3):
+        r = httpx.post(f"{gw.url}/v1/completions", json={**body, "seed": seed}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] in ("yes", "no") and r.json()["usage"]["completion_tokens"] >= 1
+    with httpx.stream("POST", f"{gw.url}/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        text = "".join(
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in s.iter_lines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]
+        )
+    assert text in ("yes", "no")
+    bad = httpx.post(f"{gw.url}/v1/completions", json={**body, "structured_outputs": {"regex": "("}}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs.regex"
