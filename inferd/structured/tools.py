@@ -577,6 +577,16 @@ def _call(obj: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> tupl
         return None
 
 
+def _read_call(text: str, pos: int) -> tuple[tuple[str, str], int] | None:
+    """The JSON call object at `pos` as (name, arguments JSON), and where it ends; None if there is none."""
+    try:
+        obj, end = _decode(text, pos)
+    except ValueError:
+        return None
+    call = _call(obj)
+    return None if call is None else (call, end)
+
+
 def _skip_ws(text: str, pos: int) -> int:
     while pos < len(text) and text[pos] in _WS:
         pos += 1
@@ -734,15 +744,11 @@ class Llama3JsonParser(ToolParser):
         calls: Calls = []
         pos = _skip_ws(tail, 0)
         while pos < len(tail):
-            try:
-                obj, end = _decode(tail, pos)
-            except ValueError:
+            read = _read_call(tail, pos)
+            if read is None:
                 break
-            call = _call(obj)
-            if call is None:
-                break
-            calls.append(call)
-            pos = _skip_ws(tail, end)
+            calls.append(read[0])
+            pos = _skip_ws(tail, read[1])
             if pos < len(tail) and tail[pos] == ";":
                 pos = _skip_ws(tail, pos + 1)
             elif pos < len(tail):
@@ -793,29 +799,21 @@ class MistralParser(ToolParser):
             calls.append(call)
             return end, True
         if tail.startswith("{", pos):
-            try:
-                obj, end = _decode(tail, pos)
-            except ValueError:
+            read = _read_call(tail, pos)
+            if read is None:
                 return start, False
-            call = _call(obj)
-            if call is None:
-                return start, False
-            calls.append(call)
-            return end, True
+            calls.append(read[0])
+            return read[1], True
         if not tail.startswith("[", pos):
             return start, False
         pos = _skip_ws(tail, pos + 1)
         before = len(calls)
         while True:
-            try:
-                obj, end = _decode(tail, pos)
-            except ValueError:
+            read = _read_call(tail, pos)
+            if read is None:
                 break
-            call = _call(obj)
-            if call is None:
-                break
-            calls.append(call)
-            pos = _skip_ws(tail, end)
+            calls.append(read[0])
+            pos = _skip_ws(tail, read[1])
             if tail.startswith(",", pos):
                 pos = _skip_ws(tail, pos + 1)
             elif tail.startswith("]", pos):
