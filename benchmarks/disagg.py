@@ -41,6 +41,7 @@ from benchmarks.gateway import build_model  # noqa: E402
 from benchmarks.procs import Proc, free_port, replica_metrics, spawn, wait_http  # noqa: E402
 from inferd.measure.arrivals import arrivals_within  # noqa: E402
 from inferd.measure.stats import percentile  # noqa: E402
+from inferd.procs import start_proxy  # noqa: E402
 
 SECRET = "bench-secret"
 
@@ -58,10 +59,7 @@ def serve(model: Path, logs: Path, cores: str, threads: int, *extra: str) -> Pro
 
 
 def proxy(logs: Path, prefill: Proc, decode: Proc) -> Proc:
-    port = free_port()
-    argv = [sys.executable, "-m", "inferd.cli", "--log-level", "WARNING", "disagg", "proxy", "--port", str(port)]
-    argv += ["--prefill", prefill.url, "--decode", decode.url]
-    return spawn("proxy", argv, port, logs)
+    return start_proxy(logs, [prefill.url], [decode.url])
 
 
 async def short_request(client: httpx.AsyncClient, url: str, words: str, max_tokens: int, out: list) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from inferd.procs import start_proxy
 from tests.gateway.procs import Proc, replica_metrics, spawn, start_replica, wait_http
 from tests.net import free_port
 
@@ -60,10 +60,7 @@ def _decode(model: Path, logs: Path, kv_port: int, *extra: str, secret: str = SE
 
 
 def _proxy(logs: Path, prefill: list[str], decode: list[str]) -> Proc:
-    port = free_port()
-    argv = [sys.executable, "-m", "inferd.cli", "--log-level", "WARNING", "disagg", "proxy", "--port", str(port)]
-    argv += ["--prefill", *prefill, "--decode", *decode, "--prefill-timeout", "20"]
-    return spawn("proxy", argv, port, logs)
+    return start_proxy(logs, prefill, decode, "--prefill-timeout", "20")
 
 
 @pytest.fixture(scope="module")
