@@ -17,12 +17,14 @@ the same vLLM definitions `inferd bench` uses (`inferd.bench.metrics`).
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inferd.bench.metrics import RequestTiming, compute_run_metrics
+from inferd.measure.arrivals import arrival_offsets
 from inferd.sampling import SamplingParams
 
 
@@ -98,6 +100,10 @@ class Run:
         """Share of the run's wall time spent inside engine steps."""
         return sum(s.duration for s in self.steps) / self.duration if self.duration else 0.0
 
+    def slot_use(self, batch: int) -> float:
+        """Mean share of a batch of `batch` slots holding a request that computes, over the run's steps."""
+        return statistics.mean(min(batch, s.decoding + s.prefilling) / batch for s in self.steps)
+
     def pure_decode_steps(self, batch: int) -> list[float]:
         """Durations of steps in which exactly `batch` requests decoded and nothing else ran or waited."""
         return [s.duration for s in self.steps if s.decoding == batch and s.prefilling == 0 and s.waiting == 0]
@@ -107,6 +113,18 @@ def random_prompts(rng: random.Random, vocab: int, count: int, length: int) -> l
     """Distinct random token-id prompts (ids clear of the low special tokens), so no prefix is shared."""
     hi = min(vocab, 50_000)
     return [[rng.randrange(16, hi) for _ in range(length)] for _ in range(count)]
+
+
+def arriving(prompts: list[list[int]], max_tokens: int | Sequence[int], rate: float, seed: int = 0) -> list[Job]:
+    """Jobs arriving as a Poisson process at `rate` per second (`inferd.measure.arrivals`), in prompt order."""
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    times = arrival_offsets(len(prompts), rate, 1.0, seed).tolist()
+    return [Job(p, n, at=t) for p, n, t in zip(prompts, lengths, times, strict=True)]
+
+
+def capacity_rps(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    """Requests/s the engine completes when these requests arrive at once: the scale for arrival rates."""
+    return len(prompts) / serve(llm, [Job(p, max_tokens) for p in prompts]).duration
 
 
 class _Feeder:

@@ -4,13 +4,10 @@ throughput, TTFT, the share of time the engine is busy and the share of batch sl
 from __future__ import annotations
 
 import random
-import statistics
 
-from inferd.bench.drive import Job, Run, random_prompts, serve
+from inferd.bench.drive import Job, arriving, capacity_rps, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
-from inferd.labs.ttft import capacity_rps
-from inferd.measure.arrivals import arrival_offsets
 
 OUT_LENGTHS = {True: (4, 40), False: (8, 96)}  # by quick
 OVERLOAD = 2.0  # arrivals at twice what the engine serves: there is always someone waiting for a slot
@@ -26,22 +23,15 @@ def workload(ctx: LabContext, rate: float, seed: int = 0) -> list[Job]:
     lo, hi = OUT_LENGTHS[ctx.quick]
     rng = random.Random(seed)
     prompts = random_prompts(rng, ctx.facts().vocab, count, prompt_len)
-    return [
-        Job(p, rng.randint(lo, hi), at=t)
-        for p, t in zip(prompts, arrival_offsets(count, rate, 1.0, seed).tolist(), strict=True)
-    ]
-
-
-def slot_use(run: Run, batch: int) -> float:
-    """Mean share of the batch's slots holding a request that computes, over the run's steps."""
-    return statistics.mean(min(batch, s.decoding + s.prefilling) / batch for s in run.steps)
+    return arriving(prompts, [rng.randint(lo, hi) for _ in prompts], rate, seed)
 
 
 def measure(ctx: LabContext) -> Measurement:
     batch = 8
     llm = ctx.llm(max_num_seqs=batch)
     lo, hi = OUT_LENGTHS[ctx.quick]
-    capacity = capacity_rps(ctx, llm, ctx.size(24, 96), (lo + hi) // 2, batch)  # also warms up
+    prompts = random_prompts(random.Random(99), ctx.facts().vocab, batch, ctx.size(24, 96))
+    capacity = capacity_rps(llm, prompts, (lo + hi) // 2)  # also warms up
     jobs = workload(ctx, OVERLOAD * capacity)
     runs = {"static": serve(llm, jobs, static_batch=batch), "continuous": serve(llm, jobs)}
     m = Measurement(settings={"batch": batch, "requests": len(jobs)})
@@ -50,7 +40,7 @@ def measure(ctx: LabContext) -> Measurement:
         m.numbers[f"{name}_tok_s"] = metrics["output_throughput"]
         m.numbers[f"{name}_ttft_ms"] = metrics["mean_ttft_ms"]
         m.numbers[f"{name}_busy_pct"] = 100 * run.busy_fraction
-        m.numbers[f"{name}_slots_pct"] = 100 * slot_use(run, batch)
+        m.numbers[f"{name}_slots_pct"] = 100 * run.slot_use(batch)
         m.numbers[f"{name}_steps"] = len(run.steps)
         m.series[name] = {"ttft_ms": [s.ttft * 1000 for s in run.served], "finish_s": [s.finished for s in run.served]}
     m.numbers["batch"] = batch

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import random
 
-from inferd.bench.drive import Job, random_prompts, serve
+from inferd.bench.drive import Job, arriving, capacity_rps, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
-from inferd.labs.ttft import capacity_rps
-from inferd.measure.arrivals import arrival_offsets
 
 DEFINITION = "throughput that also meets latency SLOs. The number that actually matters for capacity planning."
 TTFT_FACTOR, TPOT_FACTOR = 4.0, 2.5
@@ -26,14 +24,13 @@ def measure(ctx: LabContext) -> Measurement:
     vocab = ctx.facts().vocab
     alone = serve(llm, [Job(p, out_len) for p in random_prompts(rng, vocab, 4, prompt_len)], concurrency=1).metrics()
     slos = {"ttft": TTFT_FACTOR * alone["median_ttft_ms"], "tpot": TPOT_FACTOR * alone["median_tpot_ms"]}
-    capacity = capacity_rps(ctx, llm, prompt_len, out_len, batch)
+    capacity = capacity_rps(llm, random_prompts(random.Random(99), vocab, batch, prompt_len), out_len)
     loads = [0.25, 0.5, 1.0, 1.5, 2.5]
     series = {"load": loads, "rate": [], "tok_s": [], "goodput": [], "attainment": []}
     for i, load in enumerate(loads):
-        prompts = random_prompts(rng, vocab, count, prompt_len)
-        times = arrival_offsets(count, load * capacity, 1.0, seed=i).tolist()
-        jobs = [Job(p, out_len, at=t) for p, t in zip(prompts, times, strict=True)]
-        r = serve(llm, jobs).metrics(slos)
+        r = serve(llm, arriving(random_prompts(rng, vocab, count, prompt_len), out_len, load * capacity, i)).metrics(
+            slos
+        )
         series["rate"].append(load * capacity)
         series["tok_s"].append(r["output_throughput"])
         series["goodput"].append(r["output_goodput"])

@@ -6,10 +6,9 @@ from __future__ import annotations
 import random
 import statistics
 
-from inferd.bench.drive import Job, random_prompts, serve
+from inferd.bench.drive import arriving, capacity_rps, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
-from inferd.measure.arrivals import arrival_offsets
 
 DEFINITION = (
     "latency from request arrival to the first token. Dominated by queueing and prefill. It is the metric users "
@@ -17,27 +16,19 @@ DEFINITION = (
 )
 
 
-def capacity_rps(ctx: LabContext, llm, prompt_len: int, out_len: int, batch: int) -> float:
-    """Requests/s the engine completes when `batch` arrive at once: the scale for the arrival rates."""
-    rng = random.Random(99)
-    jobs = [Job(p, out_len) for p in random_prompts(rng, ctx.facts().vocab, batch, prompt_len)]
-    run = serve(llm, jobs)
-    return len(jobs) / run.duration
-
-
 def measure(ctx: LabContext) -> Measurement:
     batch = 4
     llm = ctx.llm(max_num_seqs=batch)
     prompt_len, out_len, count = ctx.size(64, 256), ctx.size(8, 16), ctx.size(16, 32)
-    capacity = capacity_rps(ctx, llm, prompt_len, out_len, batch)
+    capacity = capacity_rps(llm, random_prompts(random.Random(99), ctx.facts().vocab, batch, prompt_len), out_len)
     loads = [0.25, 0.75, 1.5, 3.0]
     rng = random.Random(1)
     m = Measurement(settings={"loads": loads, "capacity_rps": capacity, "max_num_seqs": batch})
     series = {"load": loads, "queue_ms": [], "prefill_ms": [], "ttft_ms": []}
     for i, load in enumerate(loads):
-        prompts = random_prompts(rng, ctx.facts().vocab, count, prompt_len)
-        times = arrival_offsets(count, load * capacity, 1.0, seed=i).tolist()
-        run = serve(llm, [Job(p, out_len, at=t) for p, t in zip(prompts, times, strict=True)])
+        run = serve(
+            llm, arriving(random_prompts(rng, ctx.facts().vocab, count, prompt_len), out_len, load * capacity, i)
+        )
         series["queue_ms"].append(statistics.mean(s.queueing for s in run.served) * 1000)
         series["prefill_ms"].append(statistics.mean(s.prefill for s in run.served) * 1000)
         series["ttft_ms"].append(run.metrics()["mean_ttft_ms"])

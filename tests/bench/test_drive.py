@@ -42,3 +42,13 @@ def test_a_step_triggered_job_arrives_after_that_many_steps_or_when_nothing_else
     assert [i for i, _ in f.arrivals(0.2, 3, 1)] == [1]
     stalled = _Feeder([Job([6], 2, at_step=3)], None, None, 0.5)
     assert [i for i, _ in stalled.arrivals(0.0, 0, 0)] == [0]  # no step would ever come
+
+
+def test_arriving_jobs_keep_prompt_order_with_poisson_times():
+    from inferd.bench.drive import Run, StepLog, arriving
+
+    jobs = arriving([[5], [6], [7]], [2, 3, 4], rate=10.0, seed=1)
+    assert [j.prompt for j in jobs] == [[5], [6], [7]] and [j.max_tokens for j in jobs] == [2, 3, 4]
+    assert 0 == jobs[0].at < jobs[1].at < jobs[2].at == arriving([[1]] * 3, 1, 10.0, seed=1)[2].at  # the first at 0
+    run = Run([], [StepLog(0, 0.1, 2, 0, 0), StepLog(0.1, 0.1, 3, 1, 0)], 0.2)
+    assert run.slot_use(4) == (0.5 + 1.0) / 2
