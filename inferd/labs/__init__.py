@@ -27,6 +27,7 @@ LAB_MODULES = [
     "vllm",
     "tensorrt_llm",
     "sglang",
+    "structured_generation",
     "kserve",
     "ray_serve",
     "dynamo",
