@@ -9,7 +9,10 @@ Workload: `inferd bench serve --dataset json-schema` on /v1/completions (the pac
 template), greedy, `--max-tokens` (default 256), real schemas of `inferd.bench.schemas` up to 1,500 characters,
 each request asking for one JSON object with its schema in the prompt. Two modes on the same prompts:
   constrained   every request also sends the schema as `response_format` (`--structured-output-ratio 1`)
-  free          the prompt alone (ratio 0)
+  free          the prompt alone (ratio 0), each output as long as the constrained run's mean on that server
+                (`--ignore-eos`): constrained outputs end where their JSON does, and a run whose outputs end
+                sooner spends more of its steps on the next requests' prefills, which would be counted as the
+                constraint's cost; equal output lengths leave only the grammar's own cost (compile, masks)
 Each level (`--concurrency`, default 1,16) sends max(8, 3 x concurrency) requests per run, `--runs` runs
 (default 3), a seed of its own per run; medians. Reported per server and level: output tok/s, mean TPOT and
 TTFT, the share of outputs valid against their schema, and constrained over free (the constraint's cost).
@@ -60,12 +63,16 @@ def num_prompts(concurrency: int) -> int:
     return max(8, 3 * concurrency)
 
 
-def bench_command(server: Server, port: int, hf_folder: Path, mode: str, level: int, seed: int, args) -> list[str]:
+def bench_command(
+    server: Server, port: int, hf_folder: Path, mode: str, level: int, seed: int, output_len: int, exact: bool
+) -> list[str]:
+    """Outputs up to `output_len` tokens, ending where the output does; `exact`: exactly that many."""
+    fixed = ["--ignore-eos"] if exact else []
     return [
         sys.executable, "-m", "inferd.cli", "bench", "serve",
         "--base-url", f"http://127.0.0.1:{port}", "--model", server.model_name,
-        "--dataset", "json-schema", "--structured-output-ratio", str(MODES[mode]),
-        "--random-output-len", str(args.max_tokens), "--num-prompts", str(num_prompts(level)),
+        "--dataset", "json-schema", "--structured-output-ratio", str(MODES[mode]), *fixed,
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts(level)),
         "--max-concurrency", str(level), "--num-warmups", "1", "--seed", str(seed),
         "--tokenizer-source", "local", "--tokenizer", str(hf_folder),
         "--label", server.name, "--save-result", "--no-progress", "--result-dir", str(RAW_DIR),
@@ -73,8 +80,10 @@ def bench_command(server: Server, port: int, hf_folder: Path, mode: str, level: 
     ]  # fmt: skip
 
 
-def bench_run(server: Server, port: int, hf_folder: Path, mode: str, level: int, seed: int, args) -> dict:
-    cmd = bench_command(server, port, hf_folder, mode, level, seed, args)
+def bench_run(
+    server: Server, port: int, hf_folder: Path, mode: str, level: int, seed: int, output_len: int, exact: bool
+) -> dict:
+    cmd = bench_command(server, port, hf_folder, mode, level, seed, output_len, exact)
     done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}\n{done.stderr[-2000:]}")
@@ -194,9 +203,15 @@ def main() -> int:
             runs: dict[tuple[str, str], list[dict]] = {}
             for run in range(args.runs):
                 seed = level * 1000 + run  # the same prompts for every server and mode within a run
-                for mode in MODES:
+                lengths = {}
+                for mode in MODES:  # constrained first: the free run's outputs are as long as its mean
                     for name in chosen:
-                        result = bench_run(table[name], ports[name], model.hf_folder, mode, level, seed, args)
+                        exact = mode == "free"
+                        length = lengths[name] if exact else args.max_tokens
+                        result = bench_run(table[name], ports[name], model.hf_folder, mode, level, seed, length, exact)
+                        result["output_len"] = length if exact else None
+                        if mode == "constrained":
+                            lengths[name] = max(1, round(result["total_output_tokens"] / result["completed"]))
                         runs.setdefault((name, mode), []).append(result)
                         print(f"[{name}] c={level} {mode} run {run}: {result}", flush=True)
             for (name, mode), got in runs.items():
@@ -210,7 +225,8 @@ def main() -> int:
     result = {
         "benchmark": "structured",
         "workload": {"dataset": "json-schema", "endpoint": "/v1/completions", "max_tokens": args.max_tokens,
-                     "max_schema_chars": 1500, "temperature": 0, "levels": levels, "runs": args.runs},
+                     "max_schema_chars": 1500, "temperature": 0, "levels": levels, "runs": args.runs,
+                     "free_output_len": "the constrained run's mean output tokens, ignore_eos"},
         "servers": entries,
         "inferd_over_vllm_constrained": versus(entries),
     }  # fmt: skip

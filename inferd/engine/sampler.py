@@ -34,6 +34,11 @@ class SamplingState(Protocol):
     matcher: Matcher | None  # a structured request's place in its grammar (inferd.structured.grammar)
 
 
+def _in_min_tokens(state: SamplingState) -> bool:
+    """Whether min_tokens still holds the request's stop tokens back this step."""
+    return len(state.output_token_ids) < state.params.min_tokens
+
+
 def argmax_only(state: SamplingState) -> bool:
     """Whether the next token is the plain argmax of the logits: greedy, no logprobs, nothing that edits
     the logits (penalties, biases, a grammar, the min_tokens mask). Such rows skip full logits
@@ -65,10 +70,12 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), requests)
         logits = self._apply_bias(logits, requests)
         constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
-        before_min_tokens = logits[constrained].clone() if constrained else None
+        # only a row whose stop tokens min_tokens masks can be left with nothing the grammar allows
+        held_back = [i for i in constrained if _in_min_tokens(requests[i])]
+        before_min_tokens = logits[held_back].clone() if held_back else None
         logits = self._mask_min_tokens(logits, requests)
         if constrained:
-            logits = self._apply_grammar(logits, requests, constrained, before_min_tokens, bitmask)
+            logits = self._apply_grammar(logits, requests, constrained, held_back, before_min_tokens, bitmask)
         token_ids = self._pick(logits, requests)
         return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, requests))
 
@@ -105,22 +112,25 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[SamplingState],
         rows: list[int],
-        before_min_tokens: torch.Tensor,
+        held_back: list[int],
+        before_min_tokens: torch.Tensor | None,
         bitmask: torch.Tensor | None,
     ) -> torch.Tensor:
+        """`held_back`: the rows of `rows` whose stop tokens min_tokens masked (`before_min_tokens`: theirs
+        before it did); the only rows a grammar's mask can leave with no token (a full pass each to find)."""
         if bitmask is None:  # the runner fills masks while the model runs; a caller without one fills here
             bitmask = fill_bitmasks([r.matcher for r in requests], logits.shape[1])
         apply_bitmask(logits, bitmask, rows)
-        stuck = [i for i in rows if not torch.isfinite(logits[i]).any()]
+        stuck = [i for i in held_back if not torch.isfinite(logits[i]).any()]
         if stuck:  # min_tokens forbade the only tokens the grammar allows (its stop tokens): the grammar wins
             for i in stuck:
-                logits[i] = before_min_tokens[rows.index(i)]
+                logits[i] = before_min_tokens[held_back.index(i)]
             apply_bitmask(logits, bitmask, stuck)
         return logits
 
     def _mask_min_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         for i, r in enumerate(requests):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            if _in_min_tokens(r):
                 stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
                 ids = [t for t in stops if t < logits.shape[1]]
                 if ids:
