@@ -102,8 +102,8 @@ class StepRecorder:
                 continue
             for e in json.loads(line[6:])["events"]:
                 if e.get("type") == "step":
-                    chunks = [n for _, n, kind, _ in e["reqs"] if kind == "p"]
-                    decode = sum(1 for _, _, kind, _ in e["reqs"] if kind == "d")
+                    chunks = [n for _, n, kind, *_ in e["reqs"] if kind == "p"]
+                    decode = sum(1 for _, _, kind, *_ in e["reqs"] if kind == "d")
                     step = {"ts": e["ts"], "dur": e["dur_ms"] / 1000, "p": sum(chunks), "n": len(chunks), "d": decode}
                     step["budget"] = e.get("budget")
                     self.steps.append(step)
