@@ -41,8 +41,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.*` importable
-from benchmarks.common import record_run  # noqa: E402
-from benchmarks.vs_peers import LOG_DIR, Server, default_model, servers, start, stop  # noqa: E402
+from benchmarks.common import record_run, write_json  # noqa: E402
+from benchmarks.vs_peers import LOG_DIR, Server, default_model, median_of_runs, servers, start, stop  # noqa: E402
 from inferd.procs import free_port  # noqa: E402
 
 RAW_DIR = ROOT / "results" / "structured" / "raw"  # each bench run's JSON (not committed)
@@ -87,17 +87,10 @@ def bench_run(
     done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}\n{done.stderr[-2000:]}")
-    result = json.loads((RAW_DIR / cmd[cmd.index("--result-filename") + 1]).read_text())
+    raw = RAW_DIR / cmd[cmd.index("--result-filename") + 1]
+    result = json.loads(raw.read_text())
+    write_json(raw, result)  # the same, without this machine's paths
     return {k: result.get(k) for k in KEYS}
-
-
-def medians(runs: list[dict]) -> dict:
-    out = {}
-    for key in KEYS:
-        values = [r[key] for r in runs if isinstance(r.get(key), int | float)]
-        if values:
-            out[key] = statistics.median(values)
-    return out
 
 
 def probe_schemas(count: int) -> list[dict]:
@@ -215,7 +208,7 @@ def main() -> int:
                         runs.setdefault((name, mode), []).append(result)
                         print(f"[{name}] c={level} {mode} run {run}: {result}", flush=True)
             for (name, mode), got in runs.items():
-                fig = {"num_prompts": num_prompts(level), "runs": got, "median": medians(got)}
+                fig = {"num_prompts": num_prompts(level), "runs": got, "median": median_of_runs(got, KEYS)}
                 entries[name]["levels"].setdefault(f"concurrency={level}", {})[mode] = fig
     finally:
         for proc in procs:

@@ -392,9 +392,10 @@ def bench_command(server: Server, port: int, model: Model, workload: str, level:
     ]  # fmt: skip
 
 
-def median_of_runs(runs: list[dict]) -> dict:
+def median_of_runs(runs: list[dict], keys: tuple[str, ...] = SUMMARY_KEYS) -> dict:
+    """Per key, the median of the runs' numeric values (a key no run has a number for is left out)."""
     out = {}
-    for key in SUMMARY_KEYS:
+    for key in keys:
         values = [r[key] for r in runs if isinstance(r.get(key), int | float)]
         if values:
             out[key] = statistics.median(values)
