@@ -220,13 +220,12 @@ class JsonSchemaDataset:
         max_schema_chars: int = 1500,
         path: str | None = None,
     ):
-        from inferd.bench.schemas import load_schemas
+        from inferd.bench.schemas import compact, small_schemas
 
         if not 0.0 <= structured_output_ratio <= 1.0:
             raise InferdError("--structured-output-ratio must be in [0, 1]")
-        entries = json.loads(Path(path).read_text()) if path else load_schemas()
-        texts = [(e.get("name", str(i)), json.dumps(e["schema"], separators=(",", ":"))) for i, e in enumerate(entries)]
-        self.schemas = [(name, json.loads(t), t) for name, t in texts if len(t) <= max_schema_chars]
+        entries = json.loads(Path(path).read_text()) if path else None
+        self.schemas = [(schema, compact(schema)) for schema in small_schemas(max_schema_chars, entries)]
         if not self.schemas:
             raise InferdError(f"no schema of {path or 'the corpus'} is at most {max_schema_chars} characters")
         self.tok, self.output_len, self.ratio = tok, output_len, structured_output_ratio
@@ -240,11 +239,13 @@ class JsonSchemaDataset:
         return _draw(self._distinct, count, self._draw_one)
 
     def _draw_one(self) -> BenchRequest | None:
-        name, schema, text = self.schemas[int(self.rng.integers(len(self.schemas)))]
+        from inferd.bench.schemas import extraction_prompt
+
+        schema, text = self.schemas[int(self.rng.integers(len(self.schemas)))]
         self._drawn += 1
         # a number of its own in each prompt: no two requests share a prompt (nor a prefix-cache hit beyond it)
         tag = f"Request {self._drawn}-{int(self.rng.integers(1 << 30))}."
-        prompt = f"{tag} Write one JSON object that follows this JSON schema.\nSchema: {text}\nJSON:"
+        prompt = f"{tag} {extraction_prompt(text)}"
         if not self._distinct.add(prompt):
             return None
         extra = None

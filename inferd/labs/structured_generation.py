@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-from inferd.bench.schemas import approximated, is_valid, load_schemas
+from inferd.bench.schemas import approximated, extraction_prompt, is_valid, small_schemas
 from inferd.engine.events import StepEvents
 from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
@@ -29,17 +29,9 @@ DEFINITION = (
 
 def _schemas(count: int, max_chars: int) -> list[dict]:
     """`count` corpus schemas up to `max_chars`, spread over the corpus, of those the mask enforces whole."""
-    small = [
-        e["schema"]
-        for e in load_schemas()
-        if len(json.dumps(e["schema"], separators=(",", ":"))) <= max_chars and not approximated(e["schema"])
-    ]
+    small = [schema for schema in small_schemas(max_chars) if not approximated(schema)]
     step = max(1, len(small) // count)
     return small[::step][:count]
-
-
-def _prompt(schema: dict) -> str:
-    return f"Write one JSON object that follows this JSON schema.\nSchema: {json.dumps(schema)}\nJSON:"
 
 
 def _timed_ms(fn, repeats: int) -> float:
@@ -90,7 +82,7 @@ def measure(ctx: LabContext) -> Measurement:
     logits = torch.randn(rows, vocab)
     apply_ms = _timed_ms(lambda: apply_bitmask(logits, mask, list(range(rows))), 20)
     # the same prompts free and constrained; outputs checked against their schemas
-    prompts = [_prompt(s) for s in schemas]
+    prompts = [extraction_prompt(json.dumps(s)) for s in schemas]
     free_params = SamplingParams(temperature=0, max_tokens=max_tokens)
     held = [SamplingParams(temperature=0, max_tokens=max_tokens, structured=Constraint.json(s)) for s in schemas]
     free, free_steps, free_s = _generate(llm, prompts, free_params)

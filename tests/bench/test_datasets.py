@@ -175,7 +175,7 @@ def test_json_schema_requests_carry_their_schema_and_the_constraint_at_the_ratio
     assert all(r.extra_body["response_format"]["json_schema"]["schema"] == r.schema for r in constrained)
     assert not any(r.extra_body for r in JsonSchemaDataset(CharTokenizer(), 50, 0.0).take(20))
     small = JsonSchemaDataset(CharTokenizer(), 50, max_schema_chars=300)
-    assert 0 < len(small.schemas) < len(half.schemas) and all(len(text) <= 300 for _, _, text in small.schemas)
+    assert 0 < len(small.schemas) < len(half.schemas) and all(len(text) <= 300 for _, text in small.schemas)
     with pytest.raises(InferdError, match="structured-output-ratio"):
         JsonSchemaDataset(CharTokenizer(), 50, structured_output_ratio=1.5)
 

@@ -43,6 +43,23 @@ def load_schemas() -> list[dict]:
     return json.loads(_text())
 
 
+def compact(schema) -> str:
+    """A schema as compact JSON: the text whose length `small_schemas` bounds."""
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def small_schemas(max_chars: int, entries: list[dict] | None = None) -> list[dict]:
+    """The schemas of `entries` (default: the corpus) whose compact text is at most `max_chars` long."""
+    return [
+        e["schema"] for e in (load_schemas() if entries is None else entries) if len(compact(e["schema"])) <= max_chars
+    ]
+
+
+def extraction_prompt(schema_text: str) -> str:
+    """What the benchmark and the lab ask the model for: one JSON object following the schema's text."""
+    return f"Write one JSON object that follows this JSON schema.\nSchema: {schema_text}\nJSON:"
+
+
 # keywords xgrammar only approximates: `oneOf` is read as `anyOf`; `allOf` over `required`, `not`,
 # `dependencies` and `if` are not enforced. Output under a schema with them is JSON, but may not validate.
 APPROXIMATED = frozenset({"oneOf", "allOf", "not", "dependencies", "dependentRequired", "dependentSchemas", "if"})
