@@ -19,11 +19,11 @@ from typing import Any
 
 from inferd.chat import chat_text, message_dict
 from inferd.engine.async_engine import AsyncEngine
-from inferd.errors import DrainTimeoutError, InvalidRequestError
+from inferd.errors import ConfigError, DrainTimeoutError, InvalidRequestError
 from inferd.server.errors import APIError, model_not_found
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import ChatMessage
-from inferd.structured.tool_plan import ToolPlan, tool_plan
+from inferd.structured.tool_plan import TOOL_PARSERS, ToolPlan, tool_plan
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,13 @@ class ServerSettings:
     dashboard: bool = True
     #: how tool_choice "auto" reads calls out of the text (inferd.structured.tool_plan.TOOL_PARSERS)
     tool_call_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        # the server's setting, checked once at start-up: a request never meets an unknown parser
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(
+                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, not {self.tool_call_parser!r}"
+            )
 
 
 def public_root(model: str | None) -> str | None:

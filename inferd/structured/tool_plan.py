@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inferd.errors import InvalidRequestError
 from inferd.structured import tools as tc
 from inferd.structured.spec import Constraint
 
@@ -152,6 +151,4 @@ def tool_plan(
     if parser == "auto":
         # a template that ignores tools gets the pythonic format from our system prompt, whatever the family
         parser = tc.parser_name(model_type) if in_template else "pythonic"
-    if parser not in tc.PARSERS:
-        raise InvalidRequestError(f"unknown tool call parser {parser!r}", param="tools")
     return ToolPlan(parsed, choice, in_template, parser)

@@ -426,3 +426,12 @@ def test_auto_keeps_the_special_tokens_its_parser_reads():
     named = tool_plan(req.tools, {"type": "function", "function": {"name": "get_weather"}}, None,
                       _Tokenizer(template), "mistral")  # fmt: skip
     assert chat_params(req, named).skip_special_tokens  # the grammar, not a parser, reads a forced call
+
+
+def test_an_unknown_tool_call_parser_is_refused_at_start_up():
+    from inferd.errors import ConfigError
+    from inferd.server.state import ServerSettings
+
+    with pytest.raises(ConfigError, match="tool_call_parser"):
+        ServerSettings(["m"], tool_call_parser="nope")
+    assert ServerSettings(["m"], tool_call_parser="mistral").tool_call_parser == "mistral"
