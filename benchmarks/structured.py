@@ -95,9 +95,9 @@ def bench_run(
 
 def probe_schemas(count: int) -> list[dict]:
     """`count` corpus schemas, each given a title no server has seen, so its grammar is compiled anew."""
-    from inferd.bench.schemas import load_schemas
+    from inferd.bench.schemas import small_schemas
 
-    small = [e["schema"] for e in load_schemas() if len(json.dumps(e["schema"])) <= 1500]
+    small = small_schemas(1500)
     return [{**small[(i * 7) % len(small)], "title": f"probe-{uuid.uuid4().hex}"} for i in range(count)]
 
 

@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-from inferd.bench.schemas import approximated, extraction_prompt, is_valid, small_schemas
+from inferd.bench.schemas import extraction_prompt, is_valid, small_schemas
 from inferd.engine.events import StepEvents
 from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
@@ -29,7 +29,7 @@ DEFINITION = (
 
 def _schemas(count: int, max_chars: int) -> list[dict]:
     """`count` corpus schemas up to `max_chars`, spread over the corpus, of those the mask enforces whole."""
-    small = [schema for schema in small_schemas(max_chars) if not approximated(schema)]
+    small = small_schemas(max_chars)
     step = max(1, len(small) // count)
     return small[::step][:count]
 

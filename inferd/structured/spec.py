@@ -5,7 +5,8 @@ OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_ou
 thing in different words; `constraint_from_request` turns each into one `Constraint`, the engine's only
 form. The constraint's `value` is text (a canonical JSON schema, a regex, an EBNF grammar, the choices as
 a JSON list), so it is hashable and is the grammar cache's key. `param` names the field it came from, so
-a schema the compiler refuses is reported against the field the client filled in.
+a schema the compiler refuses is reported against the field the client filled in. A schema with keywords the
+mask cannot enforce (`structured/enforceable.py`) is refused here, at admission.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from inferd.errors import InvalidRequestError
+from inferd.structured.enforceable import unenforceable
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -53,6 +55,15 @@ def _schema_text(schema: Any, param: str) -> str:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param=param) from None
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError("a JSON schema must be an object (or true/false)", param=param)
+    problems = unenforceable(schema)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise InvalidRequestError(
+            "this JSON schema uses what a token mask cannot enforce, so outputs could break it: "
+            + "; ".join(problems[:3])
+            + more,
+            param=param,
+        )
     return json.dumps(schema, sort_keys=False, separators=(",", ":"))
 
 

@@ -347,6 +347,24 @@ def test_tool_calls_and_results_in_history(request, which):
             {"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
             "response_format.json_schema.schema",
         ),
+        (  # a keyword the mask cannot enforce
+            "/v1/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
         ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
         (
             "/v1/completions",

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import jsonschema
 
+from inferd.structured.enforceable import unenforceable
+
 DATA = Path(__file__).parent / "schemas.json"
 
 # The formats worth checking in generated output. jsonschema checks `date`, `email`, `ipv4` and `uuid` with the
@@ -49,34 +51,18 @@ def compact(schema) -> str:
 
 
 def small_schemas(max_chars: int, entries: list[dict] | None = None) -> list[dict]:
-    """The schemas of `entries` (default: the corpus) whose compact text is at most `max_chars` long."""
+    """The schemas of `entries` (default: the corpus) whose compact text is at most `max_chars` long and whose
+    every keyword the mask enforces (the others are refused at admission: `inferd.structured.enforceable`)."""
     return [
-        e["schema"] for e in (load_schemas() if entries is None else entries) if len(compact(e["schema"])) <= max_chars
+        e["schema"]
+        for e in (load_schemas() if entries is None else entries)
+        if len(compact(e["schema"])) <= max_chars and not unenforceable(e["schema"])
     ]
 
 
 def extraction_prompt(schema_text: str) -> str:
     """What the benchmark and the lab ask the model for: one JSON object following the schema's text."""
     return f"Write one JSON object that follows this JSON schema.\nSchema: {schema_text}\nJSON:"
-
-
-# keywords xgrammar only approximates: `oneOf` is read as `anyOf`; `allOf` over `required`, `not`,
-# `dependencies` and `if` are not enforced. Output under a schema with them is JSON, but may not validate.
-APPROXIMATED = frozenset({"oneOf", "allOf", "not", "dependencies", "dependentRequired", "dependentSchemas", "if"})
-
-
-def keywords(node) -> set[str]:
-    """Every key of a schema, at any depth (property names too: a superset of the keywords used)."""
-    if isinstance(node, dict):
-        return set(node) | set().union(*(keywords(v) for v in node.values()))
-    if isinstance(node, list):
-        return set().union(*(keywords(v) for v in node))
-    return set()
-
-
-def approximated(schema) -> set[str]:
-    """The keywords of `schema` that the grammar approximates (empty: the mask enforces all of it)."""
-    return keywords(schema) & APPROXIMATED
 
 
 def is_valid(schema: dict, text: str) -> tuple[bool, str]:
