@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inferd.config import engine_default
-from inferd.engine.sampler import Sampler, argmax_only
+from inferd.engine.sampler import Sampler, argmax_only, argmax_under_grammar
 from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.errors import ConfigError
 from inferd.measure.model import kv_bytes_per_token
@@ -158,16 +158,19 @@ class ModelRunner:
     def sample(
         self, hidden: torch.Tensor, states: list[CachedRequest], bitmask: torch.Tensor | None = None
     ) -> tuple[list[int], list]:
-        """Next tokens for the sampled rows: the argmax-only rows through the tiled LM head's fused argmax,
-        the rest (sampling, logprobs, penalties, grammars) through full logits and the sampler. `bitmask`
-        has a row per state (`_fill_masks`)."""
-        fast = [i for i, s in enumerate(states) if argmax_only(s)]
+        """Next tokens for the sampled rows: the argmax-only rows (greedy rows under a grammar too, given its
+        mask) through the tiled LM head's fused argmax, the rest (sampling, logprobs, penalties) through full
+        logits and the sampler. `bitmask` has a row per state (`_fill_masks`)."""
+        fast = [i for i, s in enumerate(states) if argmax_only(s) or (bitmask is not None and argmax_under_grammar(s))]
+        masked = bitmask is not None and any(states[i].matcher is not None for i in fast)
         if len(fast) == len(states):
-            return self.model.greedy_tokens(hidden).tolist(), [None] * len(states)
+            return self.model.greedy_tokens(hidden, bitmask if masked else None).tolist(), [None] * len(states)
         token_ids: list[int] = [0] * len(states)
         logprobs: list = [None] * len(states)
         if fast:
-            for i, t in zip(fast, self.model.greedy_tokens(hidden[self._tensor(fast)]).tolist(), strict=True):
+            index = self._tensor(fast)
+            picked = self.model.greedy_tokens(hidden[index], bitmask[index] if masked else None)
+            for i, t in zip(fast, picked.tolist(), strict=True):
                 token_ids[i] = t
         slow = sorted(set(range(len(states))) - set(fast))
         rows = hidden[self._tensor(slow)] if fast else hidden

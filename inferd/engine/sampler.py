@@ -47,6 +47,20 @@ def argmax_only(state: SamplingState) -> bool:
     return p.greedy and p.logprobs is None and not p.edits_logits and len(state.output_token_ids) >= p.min_tokens
 
 
+def argmax_under_grammar(state: SamplingState) -> bool:
+    """Whether the next token is the argmax of the logits among the tokens a grammar allows and nothing else
+    edits them: the tiled LM head picks it under the grammar's bitmask (`CausalLM.greedy_tokens`)."""
+    p = state.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and state.matcher is not None
+        and not p.uses_penalties
+        and not p.logit_bias
+        and len(state.output_token_ids) >= p.min_tokens
+    )
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]

@@ -10,7 +10,7 @@ from torch import nn
 
 from inferd.models.attention import AttentionMetadata
 from inferd.models.layers import FusedLinear
-from inferd.models.lm_head import LM_HEAD_TILE_ROWS, LMHead
+from inferd.models.lm_head import LM_HEAD_TILE_ROWS, LMHead, allowed_tokens
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -54,12 +54,15 @@ class CausalLM(nn.Module):
         """Full logits [tokens, vocab] in the model's dtype."""
         return self._cap_logits(self.lm_head(hidden))
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """argmax of `compute_logits(hidden)` per row (first maximal index), without full rows of logits
-        once `tile_lm_head` has run."""
+        once `tile_lm_head` has run; over the tokens a grammar's bitmask `mask` allows, when given."""
         if isinstance(self.lm_head, LMHead):
-            return self.lm_head.argmax(hidden, self._cap_logits)
-        return self.compute_logits(hidden).argmax(dim=-1)
+            return self.lm_head.argmax(hidden, self._cap_logits, mask)
+        logits = self.compute_logits(hidden)
+        if mask is not None:
+            logits = logits.float().masked_fill(~allowed_tokens(mask, 0, logits.shape[1]), float("-inf"))
+        return logits.argmax(dim=-1)
 
     def _cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         cap = getattr(self.config, "final_logit_softcapping", None)

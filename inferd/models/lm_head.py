@@ -7,7 +7,9 @@ the model's dtype. A request that only needs the argmax (greedy, no logprobs, no
 full row of logits: `argmax` walks the tiles and keeps a running maximum, so only one tile of logits
 exists at a time. Ties resolve to the first maximal index, as `torch.argmax` over the full row does
 (tiles are visited in order and a later tile replaces the best only when strictly greater); NaN logits
-are not supported on that path.
+are not supported on that path. A greedy row under a grammar passes the grammar's token bitmask, and only the
+tokens it allows compete: the same token as masking the full row to -inf and taking its argmax, without that
+row or the pass over it.
 """
 
 from __future__ import annotations
@@ -54,16 +56,23 @@ class LMHead(nn.Module):
             return self.tiles[0](x)
         return torch.cat([tile(x) for tile in self.tiles], dim=-1)
 
-    def argmax(self, x: torch.Tensor, transform: Transform | None = None) -> torch.Tensor:
-        """argmax over the vocabulary of transform(logits), tile by tile; first maximal index on ties."""
-        if self.native_argmax is not None and x.device.type == "cpu" and x.dim() == 2:
+    def argmax(
+        self, x: torch.Tensor, transform: Transform | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """argmax over the vocabulary of transform(logits), tile by tile; first maximal index on ties. `mask`:
+        int32 token bitmask words [rows, ceil(vocab / 32)] (xgrammar's layout), only set bits compete."""
+        native = self.native_argmax is not None and x.device.type == "cpu" and x.dim() == 2
+        if native and (mask is None or all(lo % 32 == 0 for lo in self.offsets)):  # the kernel reads whole words
             best_val = torch.full((x.shape[0],), float("-inf"))
             best_idx = torch.zeros(x.shape[0], dtype=torch.long)
+            words = torch.empty(0, dtype=torch.int32) if mask is None else mask.contiguous()
             for lo, logits in self._tile_logits(x, transform):
-                self.native_argmax(logits.contiguous(), best_val, best_idx, lo)
+                self.native_argmax(logits.contiguous(), best_val, best_idx, lo, words)
             return best_idx
         best_val = best_idx = None
         for lo, logits in self._tile_logits(x, transform):
+            if mask is not None:
+                logits = logits.float().masked_fill(~allowed_tokens(mask, lo, logits.shape[1]), float("-inf"))
             val, idx = logits.max(dim=-1)
             if best_val is None:
                 best_val, best_idx = val, idx
@@ -79,3 +88,12 @@ class LMHead(nn.Module):
         for lo, tile in zip(self.offsets, self.tiles, strict=True):
             logits = tile(x)
             yield lo, logits if transform is None else transform(logits)
+
+
+def allowed_tokens(mask: torch.Tensor, lo: int, n: int) -> torch.Tensor:
+    """bool [rows, n]: which of tokens lo..lo+n the bitmask words allow (tokens past its words: none)."""
+    ids = torch.arange(lo, lo + n, device=mask.device)
+    words = ids >> 5
+    inside = words < mask.shape[1]
+    bits = (mask[:, words.clamp(max=mask.shape[1] - 1)] >> (ids & 31)) & 1
+    return (bits != 0) & inside

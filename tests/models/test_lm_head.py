@@ -74,6 +74,43 @@ def test_argmax_applies_the_transform_before_comparing(native):
         assert torch.equal(h.argmax(xd, cap), cap(F.linear(xd, weight.to(dtype))).argmax(dim=-1))
 
 
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 words [rows, ceil(vocab / 32)] in xgrammar's layout from bool [rows, vocab]."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, -(-vocab // 32) * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("tile", [7, 32, 96, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@FOLDS
+def test_argmax_under_a_bitmask_equals_masking_the_full_row(tile, dtype, native):
+    vocab, hidden = 1000, 16  # not a multiple of 32: the last word is partial
+    head, weight = _head(vocab, hidden, tile, dtype)
+    _fold(head, native)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, hidden, generator=g) * 20).to(dtype)  # large logits: ties in bf16
+    allowed = torch.rand(7, vocab, generator=g) < torch.tensor([0.02, 0.5, 0.97, 1.0, 0, 0, 0])[:, None]
+    allowed[3, :] = True  # everything: whole words of ones
+    allowed[4, 517] = True  # one token
+    allowed[5, 960:] = True  # only the last tile's tail
+    allowed[6, ::32] = True  # one token a word
+    full = F.linear(x, weight).float().masked_fill(~allowed, float("-inf"))
+    assert torch.equal(head.argmax(x, mask=_bitmask(allowed)), full.argmax(dim=-1))
+    # a tie among allowed tokens goes to the first allowed one, in whichever tile it is
+    best = weight[0].float() * 0 + 3
+    tied = weight.clone()
+    for row in (4, 9, 600, 900):
+        tied[row] = best.to(dtype)
+    head = _fold(LMHead(tied, tile), native)
+    only = torch.zeros(2, vocab, dtype=torch.bool)
+    only[0, [9, 600, 900]] = True
+    only[1, [900, 600]] = True
+    assert head.argmax(best.to(dtype).expand(2, hidden).contiguous(), mask=_bitmask(only)).tolist() == [9, 600]
+
+
 def test_tiles_view_the_weight_without_copying():
     weight = torch.randn(30, 4)
     head = LMHead(weight, 8)
@@ -91,9 +128,9 @@ def test_greedy_rows_skip_full_logits_and_agree_with_the_full_path(tiny_models, 
     calls = {"greedy": 0}
     real = llm.engine.model.greedy_tokens
 
-    def counting(hidden):
+    def counting(hidden, mask=None):
         calls["greedy"] += 1
-        return real(hidden)
+        return real(hidden, mask)
 
     assert llm.engine.model.lm_head.native_argmax is argmax_update_kernel()  # the native fold, where it builds
     monkeypatch.setattr(llm.engine.model, "greedy_tokens", counting)

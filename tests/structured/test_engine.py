@@ -84,6 +84,27 @@ def test_a_permissive_grammar_changes_no_greedy_token(llm):
     assert [o.outputs[0].token_ids for o in constrained] == [o.outputs[0].token_ids for o in plain]
 
 
+def test_greedy_rows_under_a_grammar_take_the_tiled_argmax_and_agree_with_full_logits(llm, monkeypatch):
+    """Greedy constrained rows pick their token in the LM head's fused argmax under the grammar's bitmask;
+    with logprobs (which need full logits) the same requests go through the sampler's masking: same tokens."""
+    model = llm.engine.model
+    real, masked_calls = model.greedy_tokens, []
+
+    def counting(hidden, mask=None):
+        masked_calls.append(mask is not None)
+        return real(hidden, mask)
+
+    monkeypatch.setattr(model, "greedy_tokens", counting)
+    c = Constraint.json(PERSON)
+    fast = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, structured=c))
+    assert any(masked_calls)
+    masked_calls.clear()
+    full = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, structured=c, logprobs=1))
+    assert not any(masked_calls)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in full]
+    assert_idle(llm)
+
+
 def test_plain_rows_beside_constrained_ones_are_unchanged(llm):
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     alone = llm.generate(PROMPTS[:2], greedy)

@@ -27,7 +27,10 @@
 //
 // argmax_update: one vocabulary tile of logits folded into a running argmax per row (inferd/models/lm_head.py):
 // the tile's first maximal index replaces the best only when strictly greater, as torch.argmax over the
-// full row resolves ties. One call per tile instead of a max, two comparisons and two selects.
+// full row resolves ties. One call per tile instead of a max, two comparisons and two selects. With a grammar's
+// token bitmask (int32 words, bit j of word w: token 32w + j may come next, as xgrammar lays it out) only the
+// allowed tokens compete: a word of zeros is skipped, a full word is a vector max, others are walked by bit. So
+// a constrained greedy row keeps the tiled LM head and never needs its 262,144 logits masked in memory.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -252,6 +255,53 @@ void argmax_rows(const T* logits, int64_t rows, int64_t n, int64_t offset, float
   });
 }
 
+// as argmax_rows, over the tokens `mask` allows (row r's words at mask + r * words; `offset` a multiple of 32;
+// tokens past the mask's last word are not allowed)
+template <typename T>
+void masked_argmax_rows(const T* logits, int64_t rows, int64_t n, int64_t offset, const uint32_t* mask, int64_t words,
+                        float* best_val, int64_t* best_idx) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = logits + r * n;
+      const uint32_t* m = mask + r * words;
+      float mx = best_val[r];
+      int64_t at = -1;
+      for (int64_t base = 0; base < n; base += 32) {
+        const int64_t word = (offset + base) >> 5;
+        if (word >= words) break;
+        uint32_t w = m[word];
+        if (w == 0) continue;
+        const int64_t len = std::min<int64_t>(32, n - base);
+        if (w == 0xFFFFFFFFu && len == 32) {
+          float group = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : group)
+          for (int64_t i = 0; i < 32; ++i) group = std::max(group, load(row, base + i));
+          if (!(group > mx)) continue;
+          int64_t k = 0;
+          while (load(row, base + k) != group) ++k;
+          mx = group;
+          at = base + k;
+          continue;
+        }
+        while (w != 0) {
+          const int64_t j = __builtin_ctz(w);
+          w &= w - 1;
+          if (j >= len) break;
+          const float v = load(row, base + j);
+          if (v > mx) {
+            mx = v;
+            at = base + j;
+          }
+        }
+      }
+      if (at >= 0) {
+        best_val[r] = mx;
+        best_idx[r] = offset + at;
+      }
+    }
+  });
+}
+
 template <typename T>
 const T* bits(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
 
@@ -277,8 +327,10 @@ torch::Tensor gated_act(torch::Tensor gate_up, int64_t inter, int64_t act) {
 }
 
 // logits: [rows, n] contiguous (float32 or bfloat16); best_val: [rows] float32, best_idx: [rows] int64, both
-// updated in place where the tile holds a strictly greater value (its index + offset).
-void argmax_update(torch::Tensor logits, torch::Tensor best_val, torch::Tensor best_idx, int64_t offset) {
+// updated in place where the tile holds a strictly greater value (its index + offset). mask: empty, or int32
+// [rows, words] over the whole vocabulary (then offset must be a multiple of 32).
+void argmax_update(torch::Tensor logits, torch::Tensor best_val, torch::Tensor best_idx, int64_t offset,
+                   torch::Tensor mask) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(), "argmax_update: CPU [rows, n]");
   const int64_t rows = logits.size(0), n = logits.size(1);
   TORCH_CHECK(best_val.scalar_type() == torch::kFloat32 && best_idx.scalar_type() == torch::kInt64 &&
@@ -288,6 +340,20 @@ void argmax_update(torch::Tensor logits, torch::Tensor best_val, torch::Tensor b
   if (n == 0) return;
   float* bv = best_val.data_ptr<float>();
   int64_t* bi = best_idx.data_ptr<int64_t>();
+  if (mask.numel() > 0) {
+    TORCH_CHECK(mask.scalar_type() == torch::kInt32 && mask.dim() == 2 && mask.size(0) == rows &&
+                    mask.is_contiguous() && offset % 32 == 0,
+                "argmax_update: mask int32 [rows, words], contiguous, and offset a multiple of 32");
+    const auto* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());
+    if (logits.scalar_type() == torch::kFloat32) {
+      masked_argmax_rows(bits<float>(logits), rows, n, offset, words, mask.size(1), bv, bi);
+    } else if (logits.scalar_type() == torch::kBFloat16) {
+      masked_argmax_rows(bits<uint16_t>(logits), rows, n, offset, words, mask.size(1), bv, bi);
+    } else {
+      TORCH_CHECK(false, "argmax_update: float32 or bfloat16 only, not ", logits.scalar_type());
+    }
+    return;
+  }
   if (logits.scalar_type() == torch::kFloat32) {
     argmax_rows(bits<float>(logits), rows, n, offset, bv, bi);
   } else if (logits.scalar_type() == torch::kBFloat16) {
@@ -299,7 +365,9 @@ void argmax_update(torch::Tensor logits, torch::Tensor best_val, torch::Tensor b
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_act", &gated_act, "act(gate) * up from the fused gate/up rows (CPU; act 0 silu, 1 gelu tanh)");
-  m.def("argmax_update", &argmax_update, "fold a tile of logits into a running per-row argmax (CPU)");
+  m.def("argmax_update", &argmax_update, "fold a tile of logits into a running per-row argmax, under an optional "
+        "token bitmask (CPU)", py::arg("logits"), py::arg("best_val"), py::arg("best_idx"), py::arg("offset"),
+        py::arg("mask") = torch::Tensor());
   m.def("rms_norm", &rms_norm, "RMS norm over the last dimension (CPU, float32 or bfloat16)");
   m.def("qk_norm_rope", &qk_norm_rope, "q and k from the qkv projection: per-head RMS norm and rotary (CPU)");
 }
