@@ -13,9 +13,11 @@ each request asking for one JSON object with its schema in the prompt. Two modes
                 (`--ignore-eos`): constrained outputs end where their JSON does, and a run whose outputs end
                 sooner spends more of its steps on the next requests' prefills, which would be counted as the
                 constraint's cost; equal output lengths leave only the grammar's own cost (compile, masks)
-Each level (`--concurrency`, default 1,16) sends max(8, 3 x concurrency) requests per run, `--runs` runs
-(default 3), a seed of its own per run; medians. Reported per server and level: output tok/s, mean TPOT and
-TTFT, the share of outputs valid against their schema, and constrained over free (the constraint's cost).
+The two modes' prompts differ in their leading tag only (`--prompt-salt`), so the second never hits the
+prefix cache the first filled. Each level (`--concurrency`, default 1,16) sends max(8, 3 x concurrency)
+requests per run, `--runs` runs (default 3), a seed of its own per run; medians. Reported per server and
+level: output tok/s, mean TPOT and TTFT, the share of outputs valid against their schema, and constrained
+over free (the constraint's cost).
 Compile latency (`--probes`, default 5): a schema no server has seen (a corpus schema given a fresh `title`),
 one token, non-streaming, timed; then the same request again, its grammar cached; medians per server.
 
@@ -72,6 +74,7 @@ def bench_command(
         sys.executable, "-m", "inferd.cli", "bench", "serve",
         "--base-url", f"http://127.0.0.1:{port}", "--model", server.model_name,
         "--dataset", "json-schema", "--structured-output-ratio", str(MODES[mode]), *fixed,
+        f"--prompt-salt=-{mode}",  # same schemas in both modes, but free prompts never hit the constrained ones' cache
         "--random-output-len", str(output_len), "--num-prompts", str(num_prompts(level)),
         "--max-concurrency", str(level), "--num-warmups", "1", "--seed", str(seed),
         "--tokenizer-source", "local", "--tokenizer", str(hf_folder),

@@ -61,9 +61,7 @@ def _child():
     import subprocess
     import sys
 
-    return subprocess.Popen(
-        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def _say(proc, expect=None):

@@ -56,6 +56,12 @@ def _add_serve(sub) -> None:
     )
     d.add_argument("--max-schema-chars", type=int, default=1500, help="json-schema: leave out longer schemas")
     d.add_argument(
+        "--prompt-salt",
+        default="",
+        help="json-schema: text in each prompt's leading tag, so two runs of one seed (constrained and free) "
+        "send the same schemas but share no prefix-cache entries",
+    )
+    d.add_argument(
         "--num-prompts", type=int, default=None, help="requests per level (default 1000; shared-prefix: N x M)"
     )
     d.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (shared-prefix: suffix tokens)")
@@ -156,6 +162,7 @@ def _make_dataset(args, tok):
             args.seed,
             args.max_schema_chars,
             args.dataset_path,
+            args.prompt_salt,
         )
 
     if args.dataset == "random":

@@ -203,11 +203,12 @@ class SharedPrefixDataset:
 
 
 class JsonSchemaDataset:
-    """Extraction requests over real JSON schemas (`inferd.bench.schemas`, 143 with their provenance): each
+    """Extraction requests over real JSON schemas (those of `inferd.bench.schemas` the mask enforces whole): each
     asks for one JSON object following a schema, as text in the prompt, and a `structured_output_ratio` share
     of them also sends the schema as `response_format` (vLLM's benchmark names the ratio so), so a run
     measures what the constraint costs and how often outputs are valid with and without it. Schemas whose
-    compact text exceeds `max_schema_chars` are left out (Kubernetes types run to 40 KB)."""
+    compact text exceeds `max_schema_chars` are left out (Kubernetes types run to 40 KB). `salt` goes into each
+    prompt's leading tag: runs of one seed with different salts send the same schemas and no shared prefix."""
 
     name = "json-schema"
 
@@ -219,6 +220,7 @@ class JsonSchemaDataset:
         seed: int = 0,
         max_schema_chars: int = 1500,
         path: str | None = None,
+        salt: str = "",
     ):
         from inferd.bench.schemas import compact, small_schemas
 
@@ -228,7 +230,7 @@ class JsonSchemaDataset:
         self.schemas = [(schema, compact(schema)) for schema in small_schemas(max_schema_chars, entries)]
         if not self.schemas:
             raise InferdError(f"no schema of {path or 'the corpus'} is at most {max_schema_chars} characters")
-        self.tok, self.output_len, self.ratio = tok, output_len, structured_output_ratio
+        self.tok, self.output_len, self.ratio, self.salt = tok, output_len, structured_output_ratio, salt
         self.default_count = len(self.schemas)
         self.rng = np.random.default_rng(seed)
         self._special = tok.num_special_tokens()
@@ -244,7 +246,7 @@ class JsonSchemaDataset:
         schema, text = self.schemas[int(self.rng.integers(len(self.schemas)))]
         self._drawn += 1
         # a number of its own in each prompt: no two requests share a prompt (nor a prefix-cache hit beyond it)
-        tag = f"Request {self._drawn}-{int(self.rng.integers(1 << 30))}."
+        tag = f"Request {self._drawn}-{int(self.rng.integers(1 << 30))}{self.salt}."
         prompt = f"{tag} {extraction_prompt(text)}"
         if not self._distinct.add(prompt):
             return None

@@ -180,6 +180,16 @@ def test_json_schema_requests_carry_their_schema_and_the_constraint_at_the_ratio
         JsonSchemaDataset(CharTokenizer(), 50, structured_output_ratio=1.5)
 
 
+def test_a_prompt_salt_keeps_the_schemas_and_changes_every_prompt_from_its_start():
+    from inferd.bench.datasets import JsonSchemaDataset
+
+    a = JsonSchemaDataset(CharTokenizer(), 50, 1.0, seed=4, salt="-constrained").take(30)
+    b = JsonSchemaDataset(CharTokenizer(), 50, 0.0, seed=4, salt="-free").take(30)
+    assert [r.schema for r in a] == [r.schema for r in b]
+    # the prompts part before their tag ends, so no block of one is a prefix-cache hit for the other
+    assert all(x.prompt[: x.prompt.index(".")] != y.prompt[: y.prompt.index(".")] for x, y in zip(a, b, strict=True))
+
+
 def test_schema_validity_counts_valid_outputs_per_group():
     from inferd.bench.client import RequestOutput
     from inferd.bench.datasets import BenchRequest
