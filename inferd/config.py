@@ -115,7 +115,8 @@ class EngineConfig:
     num_threads: int | None = setting(None, "torch CPU threads (default: one per core)", minimum=1)
     cpu_linear: str = setting(
         "onednn",
-        "matmul backend on CPU: oneDNN (fp32 linear layers; the bf16 LM head, reordered for AMX/AVX512_BF16) or dense",
+        "matmul backend on CPU: oneDNN (fp32 linear layers; the bf16 LM head, reordered for AMX/AVX512_BF16, "
+        "and the bf16 body too without AMX) or dense",
         choices=("onednn", "dense"),
     )
     attention_backend: str = setting(

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferd.cpu import cpu_flags
+
 
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32. Gemma scales by (1 + weight); Llama-style models by weight.
@@ -90,9 +92,10 @@ class Linear(nn.Linear):
 
     oneDNN's inner-product kernels use every vector unit the CPU has (AVX-512 where present) and are
     much faster than the dense sgemm path for the small batches of decoding; see benchmarks/.
-    A single bf16 row on CPU (a decode step at batch 1) goes through `torch.addmv`, torch's bf16 gemv
-    with float32 accumulation: `F.linear` there goes through a general matmul set up per call, which on the
-    default model's small layers costs more than the product (docs/performance.md).
+    A single bf16 row on CPU with dense weights (a decode step at batch 1 on an AMX CPU, where the body stays
+    dense) goes through `torch.addmv`, torch's bf16 gemv with float32 accumulation: `F.linear` there goes
+    through a general matmul set up per call, which on the default model's small layers costs more than the
+    product (docs/performance.md). Without AMX the body is packed (`bf16_body_on_onednn`).
     """
 
     _packed: torch.Tensor | None = None
@@ -168,12 +171,29 @@ def bf16_onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_linears_for_cpu(model: nn.Module) -> bool:
-    """Move every Linear of a CPU fp32 model onto oneDNN. Weights shared with another module stay dense."""
+def bf16_body_on_onednn(flags: frozenset[str] | None = None) -> bool:
+    """Whether a bf16 model's body layers go on oneDNN's blocked layout too, not only its LM head: on CPUs
+    with AVX512_BF16 but no AMX. There, on Gemma 3 270M's body (18 layers' q/k/v, o, gate/up and down), oneDNN
+    on reordered weights took 13.2 ms a step at 1 row against 22.1 for torch's gemv on dense weights, 14.8
+    against 26.7 at 16 rows, and was as fast on prefill (304 against 317 ms at 512 rows): torch's bf16 gemv
+    runs far below the memory's speed there. With AMX, dense weights were as fast at 32 rows and faster on
+    long prefills (docs/performance.md). `flags`: another CPU's (default: this one's)."""
+    flags = cpu_flags() if flags is None else flags
+    return "avx512_bf16" in flags and not {"amx_bf16", "amx_tile"} & flags and bf16_onednn_available()
+
+
+def pack_linears_for_cpu(model: nn.Module, dtype: torch.dtype = torch.float32) -> bool:
+    """Move every `dtype` Linear of a CPU model onto oneDNN (the LM head's tiles too where not yet packed).
+    Weights shared with another module keep their dense copy."""
     if not torch.backends.mkldnn.is_available():
         return False
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+        if (
+            isinstance(module, Linear)
+            and module._packed is None
+            and module.weight.device.type == "cpu"
+            and module.weight.dtype == dtype
+        ):
             module.pack_for_cpu(drop_dense=not _is_tied(model, module))
     return True
 

@@ -22,7 +22,7 @@ from torch import nn
 from inferd.config import DEFAULT_MODEL, engine_default
 from inferd.errors import ModelLoadError
 from inferd.models.base import CausalLM
-from inferd.models.layers import bf16_onednn_available, pack_linears_for_cpu, use_native_kernels
+from inferd.models.layers import bf16_body_on_onednn, bf16_onednn_available, pack_linears_for_cpu, use_native_kernels
 from inferd.models.quant import quantize_model
 from inferd.models.registry import model_class_for
 
@@ -218,6 +218,8 @@ def load_model(
             pack_linears_for_cpu(model)
         elif dtype == torch.bfloat16 and quantization is None and bf16_onednn_available():
             model.pack_lm_head_for_cpu()
+            if bf16_body_on_onednn():
+                pack_linears_for_cpu(model, torch.bfloat16)
     if device.type == "cpu":
         use_native_kernels(model, dtype)
     model.eval().requires_grad_(False)

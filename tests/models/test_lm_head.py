@@ -164,3 +164,33 @@ def test_a_bf16_head_on_onednn_gives_the_dense_logits(tiny_models):
     dense = F.linear(x, embed)
     torch.testing.assert_close(head(x), dense, atol=0.05, rtol=0.02)
     assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
+
+
+def test_the_bf16_body_goes_on_onednn_only_where_avx512_bf16_has_no_amx():
+    from inferd.models.layers import bf16_body_on_onednn, bf16_onednn_available
+
+    zen5 = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"})
+    assert bf16_body_on_onednn(zen5) == bf16_onednn_available()
+    assert not bf16_body_on_onednn(zen5 | {"amx_tile", "amx_bf16"})
+    assert not bf16_body_on_onednn(frozenset({"avx2"}))
+
+
+def test_a_bf16_body_on_onednn_gives_the_dense_outputs(tiny_models):
+    """Where the loader packs the body's linear layers too, each gives what its dense weights give (the
+    checkpoint's values, read again in fp32 and rounded to bf16), one row and many."""
+    from inferd.models.layers import FusedLinear, Linear, bf16_body_on_onednn
+
+    if not bf16_body_on_onednn():
+        pytest.skip("the body stays dense on this CPU (AMX, or no AVX512_BF16)")
+    llm = LLM(str(tiny_models["gemma3"]), max_model_len=64, num_blocks=16, dtype="bfloat16")
+    dense = LLM(str(tiny_models["gemma3"]), max_model_len=64, num_blocks=16, dtype="bfloat16", cpu_linear="dense")
+    pairs = [
+        (m, dense.engine.model.get_submodule(name))
+        for name, m in llm.engine.model.named_modules()
+        if isinstance(m, Linear | FusedLinear) and not name.startswith("lm_head")
+    ]
+    assert pairs and all(m._packed is not None and m.weight.numel() == 0 for m, _ in pairs)
+    for packed, ref in pairs:
+        for rows in (1, 7):
+            x = torch.randn(rows, ref.in_features).to(torch.bfloat16)
+            torch.testing.assert_close(packed(x), ref(x), atol=0.02, rtol=0.02)
