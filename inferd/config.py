@@ -13,6 +13,7 @@ imports neither torch nor the models, so building the CLI parser stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 
@@ -98,6 +99,35 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (inferd/engine/spec_decode.py): drafts proposed per request, verified in one step."""
+
+    speculative_method: str | None = setting(
+        None,
+        "speculative decoding: ngram (prompt lookup: the tokens that followed the last n tokens' latest earlier "
+        "occurrence in the request's own text); greedy requests without logprobs, penalties or a grammar "
+        "take it. Default: none",
+        choices=("ngram",),
+    )
+    num_speculative_tokens: int = setting(4, "draft tokens proposed per request and step", minimum=1)
+    prompt_lookup_min: int = setting(2, "ngram: the shortest suffix matched", minimum=1)
+    prompt_lookup_max: int = setting(4, "ngram: the longest suffix matched", minimum=1)
+    speculative_disable_by_batch_size: int = setting(
+        4,
+        "no drafts in a step whose batch has more running requests than this: a larger batch is no longer "
+        "bound by its weight bytes, so verifying drafts costs more than it saves",
+        minimum=1,
+    )
+
+    def validate(self) -> None:
+        _check_fields(self)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = setting(DEFAULT_MODEL, "default alias, Hugging Face folder, .gguf file or hub id")
     tokenizer: str | None = setting(None, "tokenizer folder, if not the model's")
@@ -133,6 +163,7 @@ class EngineConfig:
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def context_len(self, model_limit: int) -> int:
         """The engine's max_model_len: the setting, else the model's own limit, at most MAX_DEFAULT_LEN."""
@@ -142,6 +173,7 @@ class EngineConfig:
         _check_fields(self)
         self.cache.validate()
         self.scheduler.validate()
+        self.speculative.validate()
 
 
 # -- the flat form: LLM(model, block_size=..., max_num_seqs=...) and the CLI -------------------------
@@ -172,8 +204,38 @@ def engine_default(name: str) -> typing.Any:
     raise ConfigError(f"unknown engine setting {name!r}")
 
 
+# vLLM's --speculative-config keys -> our flat settings
+_SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
+
+
+def speculative_settings(spec: str | dict | None) -> dict[str, typing.Any]:
+    """vLLM's speculative config (`'{"method": "ngram", "num_speculative_tokens": 4}'`, JSON text or a dict) as
+    flat settings; an unknown key or malformed JSON is a ConfigError."""
+    if spec is None or spec == "":
+        return {}
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"speculative config is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError("speculative config must be a JSON object")
+    unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown speculative config keys {unknown}; known: {', '.join(_SPECULATIVE_KEYS)}")
+    return {_SPECULATIVE_KEYS[k]: v for k, v in spec.items()}
+
+
 def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
-    """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig."""
+    """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig. `speculative_config`
+    (vLLM's form) sets the speculative settings it names."""
+    kwargs |= speculative_settings(kwargs.pop("speculative_config", None))
     nested: dict[str | None, dict] = {group: {} for group in _groups()}
     known = {f.name: group for group, f, _ in _settings()}
     for name, value in kwargs.items():
@@ -215,11 +277,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         parse = _cli_reader(meta["parse"]) if meta["parse"] else kind
         g.add_argument(flag, type=parse, default=f.default, choices=meta["choices"], help=help_text)
+    g.add_argument(
+        "--speculative-config",
+        type=_cli_reader(lambda text: speculative_settings(text) and text),
+        default=None,
+        help='speculative decoding as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 4}\'; its keys override the '
+        "flags above",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for _, f, _ in _settings()}
-    return make_engine_config(**values)
+    return make_engine_config(speculative_config=getattr(args, "speculative_config", None), **values)
 
 
 def engine_argv(settings: dict[str, typing.Any]) -> list[str]:

@@ -25,6 +25,7 @@ from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
+from inferd.engine.spec_decode import NgramProposer, SpecStats
 from inferd.errors import ConfigError, InvalidRequestError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
@@ -76,6 +77,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class Engine:
@@ -103,6 +108,11 @@ class Engine:
         num_blocks, block_size = self._num_blocks(), config.cache.block_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # speculative decoding: drafts for the next step, verified by the runner (inferd/engine/spec_decode.py)
+        self.spec_stats = SpecStats()
+        self.proposer = None
+        if config.speculative.speculative_method == "ngram":
+            self.proposer = NgramProposer(config.speculative, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -295,6 +305,10 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
         )
 
     # -- the step ----------------------------------------------------------------------------------
@@ -312,7 +326,15 @@ class Engine:
             touched[seq.request.parent_id] = self._parents[seq.request.parent_id]
         if self.events is not None:  # the dashboard's step events (inferd/engine/events.py)
             self.events.record(self.scheduler, sched, sampled_tokens, started)
+        if self.proposer is not None:
+            self._count_drafts(sched, runner_output)
+            self.scheduler.set_drafts(self.proposer.propose(self.scheduler.running))
         return [self._make_output(p) for p in touched.values()]
+
+    def _count_drafts(self, sched, out) -> None:
+        for chunk in sched.chunks:
+            if chunk.num_drafts:
+                self.spec_stats.add(chunk.num_drafts, len(out.accepted_drafts.get(chunk.request_id, ())))
 
     def _on_token(self, seq: _Sequence, sampled: SampledToken) -> None:
         """Detokenize a sequence's new token and look for its stop strings."""
@@ -324,6 +346,9 @@ class Engine:
             check = len(req.output_token_ids) >= req.params.min_tokens
             stop = seq.detok.add_token(sampled.token_id, check_stop=check)
             if stop is not None:
+                # a step that verified drafts may have appended tokens after this one: they are not output
+                if sampled.index >= 0:
+                    del req.output_token_ids[sampled.index + 1 :]
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
         if req.is_finished:
             seq.detok.flush()

@@ -58,6 +58,10 @@ class StepInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling: list[CachedRequest]  # in the order of logits_indices
+    # speculative decoding: each sampling request's drafts ([] for most), and the positions whose argmax
+    # verifies them: per request with drafts, its last known token's and every draft's, in order
+    drafts: list[list[int]] = field(default_factory=list)
+    verify_indices: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -137,16 +141,55 @@ class ModelRunner:
         if sched.empty:
             return RunnerOutput()
         step = self.prepare(sched)
+        if any(step.drafts):
+            return self._compute_with_drafts(step)
         masks = self._fill_masks(step.sampling)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         if not step.sampling:
             return RunnerOutput()
         token_ids, logprobs = self.sample(hidden[step.logits_indices], step.sampling, masks and masks.result())
-        for state, token_id in zip(step.sampling, token_ids, strict=True):
-            state.output_token_ids.append(token_id)
-            if state.matcher is not None and not state.matcher.accept(token_id):
-                logger.warning("request %s: token %d is outside its grammar", state.request_id, token_id)
+        self._append(step.sampling, [[t] for t in token_ids])
         return RunnerOutput([s.request_id for s in step.sampling], token_ids, logprobs)
+
+    def _compute_with_drafts(self, step: StepInput) -> RunnerOutput:
+        """A step where some requests carry drafts (inferd/engine/spec_decode.py): the others sample as usual;
+        each drafting request keeps its drafts up to the first the model's argmax disagrees with, and takes
+        the argmax there (or after the last draft) as its next token. One LM-head pass covers every drafting
+        request's positions."""
+        plain = [i for i, d in enumerate(step.drafts) if not d]
+        masks = self._fill_masks([step.sampling[i] for i in plain])
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        token_ids: list[int] = [0] * len(step.sampling)
+        logprobs: list = [None] * len(step.sampling)
+        if plain:
+            rows = hidden[step.logits_indices[self._tensor(plain)]]
+            sampled, lps = self.sample(rows, [step.sampling[i] for i in plain], masks and masks.result())
+            for i, t, lp in zip(plain, sampled, lps, strict=True):
+                token_ids[i], logprobs[i] = t, lp
+        greedy = self.model.greedy_tokens(hidden[self._tensor(step.verify_indices)]).tolist()
+        accepted: dict[str, list[int]] = {}
+        at = 0
+        for i, (state, draft) in enumerate(zip(step.sampling, step.drafts, strict=True)):
+            if not draft:
+                continue
+            agree = greedy[at : at + len(draft) + 1]
+            at += len(draft) + 1
+            n = 0
+            while n < len(draft) and agree[n] == draft[n]:
+                n += 1
+            accepted[state.request_id], token_ids[i] = draft[:n], agree[n]
+        new = [[*accepted.get(s.request_id, ()), t] for s, t in zip(step.sampling, token_ids, strict=True)]
+        self._append(step.sampling, new)
+        return RunnerOutput([s.request_id for s in step.sampling], token_ids, logprobs, accepted)
+
+    @staticmethod
+    def _append(states: list[CachedRequest], tokens: list[list[int]]) -> None:
+        """The runner's copy of each request's output grows by its tokens of this step."""
+        for state, new in zip(states, tokens, strict=True):
+            for token_id in new:
+                state.output_token_ids.append(token_id)
+                if state.matcher is not None and not state.matcher.accept(token_id):
+                    logger.warning("request %s: token %d is outside its grammar", state.request_id, token_id)
 
     def _fill_masks(self, states: list[CachedRequest]) -> Future | None:
         """The grammar masks of this step's sampled rows, filled on the helper thread (xgrammar releases the
@@ -215,6 +258,8 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         sampling: list[CachedRequest] = []
+        drafts: list[list[int]] = []
+        verify: list[int] = []
         chunks: list[PrefillChunk] = []
         block_tables: list[list[int]] = []
         for c in singles + multis:
@@ -231,6 +276,9 @@ class ModelRunner:
             if c.samples:
                 logits_indices.append(len(ids) - 1)
                 sampling.append(state)
+                drafts.append(c.token_ids[n - c.num_drafts :] if c.num_drafts else [])
+                if c.num_drafts:
+                    verify.extend(range(first, first + n))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             block_size=bs,
@@ -239,7 +287,9 @@ class ModelRunner:
             prefill_kernel=self.prefill_kernel,
         )
         meta.decode_groups = self._decode_groups(singles, block_tables)
-        return StepInput(self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling)
+        return StepInput(
+            self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling, drafts, verify
+        )
 
     def _decode_groups(self, singles: list[ScheduledChunk], tables: list[list[int]]) -> list[DecodeGroup]:
         """Split the length-sorted one-query chunks into up to MAX_DECODE_GROUPS groups of equal size."""

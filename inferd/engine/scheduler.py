@@ -55,6 +55,7 @@ class SampledToken:
     request: Request
     token_id: int
     logprobs: TokenLogprobs | None
+    index: int = -1  # its place in request.output_token_ids
 
 
 class Scheduler:
@@ -71,6 +72,8 @@ class Scheduler:
         # with their computed tokens once loaded
         self.connector = None
         self.loading: dict[str, tuple[Request, int]] = {}
+        # speculative decoding: drafts for the next step by request (`set_drafts`), used once
+        self.drafts: dict[str, list[int]] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -92,7 +95,12 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
+        self.drafts = {}
         return out
+
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Draft tokens the next step verifies, by request (inferd/engine/spec_decode.py)."""
+        self.drafts = drafts
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute this step: all that remain, within the budget and the chunk cap."""
@@ -103,7 +111,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            draft = self.drafts.get(request.request_id, []) if remaining == 1 else []
+            n = self._chunk(remaining + len(draft), budget)
+            draft = draft[: n - remaining]
             num_blocks = self.kv.num_blocks_of(request.request_id)
             while not self.kv.allocate_slots(request, n):
                 victim = self.running.pop()  # the newest arrival has the lowest priority
@@ -111,7 +122,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.chunks.append(self._chunk_record(request, request.num_computed_tokens, n, num_blocks))
+                out.chunks.append(self._chunk_record(request, request.num_computed_tokens, n, num_blocks, draft))
                 budget -= n
                 i += 1
         return budget
@@ -189,17 +200,22 @@ class Scheduler:
             request.num_computed_tokens = num_tokens
             self.waiting.appendleft(request)
 
-    def _chunk_record(self, request: Request, start: int, n: int, num_known_blocks: int) -> ScheduledChunk:
-        """The step record of `request`: its next n tokens from `start`, and the blocks the runner lacks."""
-        end = start + n
-        is_decode = n == 1 and end == request.num_tokens and start >= request.num_prompt_tokens
+    def _chunk_record(
+        self, request: Request, start: int, n: int, num_known_blocks: int, draft: list[int] | None = None
+    ) -> ScheduledChunk:
+        """The step record of `request`: its next n tokens from `start` (the last of them drafts, if any), and
+        the blocks the runner lacks."""
+        draft = draft or []
+        end = start + n - len(draft)
+        is_decode = n - len(draft) == 1 and end == request.num_tokens and start >= request.num_prompt_tokens
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, end),
+            token_ids=request.token_ids_slice(start, end) + draft,
             start=start,
             is_prefill=not is_decode,
             samples=end == request.num_tokens,
             new_block_ids=self.kv.block_ids(request.request_id, num_known_blocks),
+            num_drafts=len(draft),
         )
 
     # -- progress ----------------------------------------------------------------------------------
@@ -207,18 +223,21 @@ class Scheduler:
         """Move every scheduled request forward by what the step computed and sampled."""
         if out.finished_loading or out.failed_loading:
             self._finish_loads(out)
-        for chunk in sched.chunks:
-            self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens
+        for chunk in sched.chunks:  # rejected drafts are not computed: the next step overwrites their K/V
+            rejected = chunk.num_drafts - len(out.accepted_drafts.get(chunk.request_id, ()))
+            self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens - rejected
         now = time.monotonic()
         sampled = []
-        for request_id, token_id, logprobs in zip(out.request_ids, out.token_ids, out.logprobs, strict=True):
+        for request_id, last, logprobs in zip(out.request_ids, out.token_ids, out.logprobs, strict=True):
             request = self.requests[request_id]
-            request.output_token_ids.append(token_id)
-            request.times.on_token(now)
-            stop = check_stop(request, self.max_model_len)
-            if stop is not None:
-                self.finish(request, *stop)
-            sampled.append(SampledToken(request, token_id, logprobs))
+            for token_id in [*out.accepted_drafts.get(request_id, ()), last]:
+                request.output_token_ids.append(token_id)
+                request.times.on_token(now)
+                sampled.append(SampledToken(request, token_id, logprobs, len(request.output_token_ids) - 1))
+                stop = check_stop(request, self.max_model_len)
+                if stop is not None:
+                    self.finish(request, *stop)
+                    break
         return sampled
 
     def finish(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:

@@ -8,7 +8,7 @@ its own per-request state (block table, sampling state) and updates it from thes
 - a request entering the batch for the first time arrives once as a `NewRequest`;
 - every scheduled request has one `ScheduledChunk` per step: the tokens to compute, where they
   start, whether a token is sampled at the end, and the blocks added to its table this step (a new
-  or resumed request's whole table);
+  or resumed request's whole table); a decoding request may carry draft tokens to verify;
 - `preempted_ids` lose their blocks (the runner keeps their sampling state: they come back with a
   fresh table and are recomputed); `finished_ids` are gone for good.
 """
@@ -42,6 +42,9 @@ class ScheduledChunk:
     is_prefill: bool  # still inside the prompt (or recomputing after preemption), not a decode
     samples: bool  # the chunk reaches the last known token, so a new token is sampled after it
     new_block_ids: list[int]  # appended to the request's block table before the step runs
+    # speculative decoding: the last num_drafts of token_ids are drafts, not yet the request's tokens; the
+    # runner computes logits at every position from the last known token on and keeps what the model agrees to
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,11 +69,14 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """The tokens sampled this step, one per chunk that samples, in the order of `request_ids`."""
+    """The tokens sampled this step, one per chunk that samples, in the order of `request_ids`. A chunk with
+    drafts may yield more: `accepted_drafts` holds, by request, the drafts the model agreed to, which come
+    before that request's token in `token_ids`."""
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
     # requests whose K/V the KV connector loaded (or failed to load) before this step
     finished_loading: list[str] = field(default_factory=list)
     failed_loading: list[str] = field(default_factory=list)

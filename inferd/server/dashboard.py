@@ -174,6 +174,13 @@ class DashboardHub:
             else None,
             "prefix_hit_rate_1m": round(hits / queries, 4) if queries else None,
             "preemptions": stats.num_preemptions,
+            # speculative decoding: tokens per step that verified drafts, and drafts accepted / proposed
+            "spec_tokens_per_step": round(1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts, 3)
+            if stats.spec_num_drafts
+            else None,
+            "spec_acceptance": round(stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens, 4)
+            if stats.spec_num_draft_tokens
+            else None,
             "dropped_events": self.events.ring.dropped + sum(s.dropped for s in self._subscribers),
             "kv_snapshot_us": round(self.events.kv_cost_s * 1e6, 1),
         }

@@ -64,6 +64,18 @@ class _EngineStateCollector(Collector):
         yield counter("num_preemptions", "Preemptions (by recompute) since start.", stats.num_preemptions)
         yield counter("prefix_cache_queries", "Prefix cache queries since start.", stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits since start.", stats.prefix_cache_hits)
+        # vLLM's spec_decode_* counters (zero without --speculative-method)
+        yield counter("spec_decode_num_drafts", "Requests' steps with drafts since start.", stats.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily(
+            P + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            labels=[*labels, "position"],
+        )
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([*values, str(pos)], n)
+        yield per_pos
 
 
 class ServerMetrics:

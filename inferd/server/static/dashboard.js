@@ -153,6 +153,7 @@ function onSummary(s, append) {
   $("k-ttft").textContent = ms(s.ttft_ms.p50);
   $("k-itl").textContent = ms(s.itl_ms.p50);
   $("k-kv").textContent = pct(s.kv_usage);
+  $("k-spec").textContent = s.spec_tokens_per_step == null ? "–" : fmt(s.spec_tokens_per_step, 2) + " (" + pct(s.spec_acceptance) + ")";
   $("k-dropped").textContent = s.dropped_events;
   $("kv-hit").textContent = s.prefix_hit_rate == null ? "–" : pct(s.prefix_hit_rate);
   $("kv-hit1m").textContent = s.prefix_hit_rate_1m == null ? "–" : pct(s.prefix_hit_rate_1m);

@@ -1,0 +1,146 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer on plain lists, and the engine giving exactly the
+tokens greedy decoding gives without it, with drafts proposed and accepted along the way, in mixed batches,
+under stop strings, max_tokens and preemption, with no block left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferd import LLM, SamplingParams
+from inferd.config import make_engine_config
+from inferd.engine.spec_decode import ngram_propose
+from inferd.errors import ConfigError
+from tests.conftest import VOCAB, assert_idle
+from tests.engine.echo_model import echo_model
+from tests.engine.hf_reference import prompt_set
+
+
+def test_ngram_takes_the_longest_suffix_and_its_latest_occurrence():
+    #         0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 6, 7]
+    # suffix (6, 7) occurs at 1 and 6: the latest (6) wins, so the draft is what followed it
+    assert ngram_propose(tokens, k=3, n_min=2, n_max=4) == [3, 4, 6]
+    # a longer suffix is tried first: (1, 6, 7) occurs at 0 (followed by 3, 2); (6, 7) last at 5 (by 4, 1)
+    assert ngram_propose([1, 6, 7, 3, 2, 6, 7, 4, 1, 6, 7], k=2, n_min=2, n_max=3) == [3, 2]
+    assert ngram_propose([1, 6, 7, 3, 2, 6, 7, 4, 1, 6, 7], k=2, n_min=2, n_max=2) == [4, 1]
+    assert ngram_propose(tokens, k=1, n_min=2, n_max=2) == [3]
+    assert ngram_propose([1, 2, 3, 4], k=3, n_min=2, n_max=4) == []  # no earlier occurrence
+    assert ngram_propose([7, 7], k=3, n_min=2, n_max=4) == []  # too short to hold a match before the suffix
+    # a match close to the end continues its repetition: a run, and a cycle of three
+    assert ngram_propose([7, 7, 7], k=3, n_min=1, n_max=4) == [7, 7, 7]
+    assert ngram_propose([4, 1, 2, 3, 1, 2, 3, 1, 2], k=5, n_min=2, n_max=4) == [3, 1, 2, 3, 1]
+
+
+def test_the_speculative_config_is_read_as_vllm_spells_it_and_checked():
+    spec = make_engine_config(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 5, "disable_by_batch_size": 8}'
+    ).speculative
+    assert (spec.speculative_method, spec.num_speculative_tokens, spec.prompt_lookup_min) == ("ngram", 3, 1)
+    assert (spec.prompt_lookup_max, spec.speculative_disable_by_batch_size) == (5, 8)
+    for bad, match in [
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+        ({"method": "eagle"}, "speculative_method must be one of ngram"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be at least 1"),
+        ({"draft_model": "x"}, "unknown speculative config keys"),
+        ("{method: ngram}", "not JSON"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            make_engine_config(speculative_config=bad).validate()
+
+
+def _repetitive_prompts() -> list[list[int]]:
+    """Prompts that repeat a phrase, so the lookup finds drafts from the first step on."""
+    return [(p * 4)[:60] for p in prompt_set(VOCAB, lengths=(7, 11, 13))]
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.3], ids=["echo", "mostly-rejected"])
+def pair(request, tiny_models, tmp_path_factory):
+    folder = echo_model(tiny_models["llama"], tmp_path_factory.mktemp("echo") / "llama", request.param)
+    kw = dict(max_model_len=256, num_blocks=128, dtype="float32")
+    plain = LLM(str(folder), **kw)
+    spec = LLM(str(folder), speculative_method="ngram", num_speculative_tokens=4, **kw)
+    return plain, spec, request.param
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_tokens_are_those_of_plain_decoding(pair):
+    plain, spec, residual_scale = pair
+    prompts = _repetitive_prompts() + prompt_set(VOCAB, lengths=(5, 30))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    stats0 = spec.engine.stats()
+    for one in prompts:  # one at a time: the batch stays under the size that turns drafts off
+        assert _tokens(spec.generate([one], params)) == _tokens(plain.generate([one], params))
+    stats = spec.engine.stats()
+    drafted = stats.spec_num_draft_tokens - stats0.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - stats0.spec_num_accepted_tokens
+    if residual_scale == 0:  # a run of one token: every draft holds, a step gives 5 tokens
+        assert drafted > 0 and accepted == drafted
+        old = stats0.spec_accepted_per_pos + (0,) * (4 - len(stats0.spec_accepted_per_pos))
+        per_pos = [a - b for a, b in zip(stats.spec_accepted_per_pos, old, strict=True)]
+        assert len(per_pos) == 4 and per_pos[0] >= per_pos[3] > 0 and sum(per_pos) == accepted
+    else:  # drafts the model disagrees with are dropped, and the output is still exact
+        assert drafted > accepted
+    assert_idle(spec)
+
+
+def test_max_tokens_stop_strings_and_eos_end_where_plain_decoding_ends(pair):
+    plain, spec, _ = pair
+    prompts = _repetitive_prompts()
+    for params in (
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=33),
+    ):
+        for one in prompts:
+            a, b = spec.generate([one], params)[0].outputs[0], plain.generate([one], params)[0].outputs[0]
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+    # a stop string found inside a step's accepted drafts: the tokens after it are not output
+    text = plain.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    stop = text.outputs[0].text[12:15]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    a, b = spec.generate([prompts[0]], params)[0].outputs[0], plain.generate([prompts[0]], params)[0].outputs[0]
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, "stop", stop)
+    assert_idle(spec)
+
+
+def test_a_mixed_batch_keeps_every_request_exact(pair):
+    """Drafting greedy rows beside sampled, logprob and penalised ones in the same steps."""
+    plain, spec, residual_scale = pair
+    prompts = _repetitive_prompts()
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+    ]
+    before = spec.engine.stats().spec_num_draft_tokens
+    assert _tokens(spec.generate(prompts, params)) == _tokens(plain.generate(prompts, params))
+    assert spec.engine.stats().spec_num_draft_tokens > before or residual_scale > 0
+    assert_idle(spec)
+
+
+def test_no_drafts_once_the_batch_is_larger_than_the_limit(tiny_models, tmp_path):
+    folder = str(echo_model(tiny_models["llama"], tmp_path / "echo", 0.0))
+    kw = dict(max_model_len=256, num_blocks=128, dtype="float32", speculative_method="ngram")
+    spec = LLM(folder, speculative_disable_by_batch_size=2, **kw)
+    prompts = _repetitive_prompts() * 2  # six requests of equal length, running together to the end
+    spec.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert spec.engine.stats().spec_num_drafts == 0
+    spec.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert spec.engine.stats().spec_num_drafts > 0
+    assert_idle(spec)
+
+
+def test_preempted_drafting_requests_resume_exactly(tiny_models, tmp_path):
+    folder = str(echo_model(tiny_models["llama"], tmp_path / "echo", 0.0))
+    kw = dict(max_model_len=128, num_blocks=14, block_size=16, dtype="float32", max_num_seqs=4)
+    spec = LLM(folder, speculative_method="ngram", speculative_disable_by_batch_size=4, **kw)
+    plain = LLM(folder, **kw)
+    prompts = _repetitive_prompts() + [prompt_set(VOCAB, lengths=(40,))[0]]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    assert _tokens(spec.generate(prompts, params)) == _tokens(plain.generate(prompts, params))
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
+    assert_idle(spec)
