@@ -40,7 +40,9 @@ def _add_serve(sub) -> None:
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt", "json-schema"], default="random")
+    d.add_argument(
+        "--dataset", choices=["random", "quote", "shared-prefix", "sharegpt", "json-schema"], default="random"
+    )
     d.add_argument(
         "--dataset-path",
         default=None,
@@ -152,7 +154,13 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _make_dataset(args, tok):
-    from inferd.bench.datasets import JsonSchemaDataset, RandomDataset, SharedPrefixDataset, ShareGPTDataset
+    from inferd.bench.datasets import (
+        JsonSchemaDataset,
+        QuoteDataset,
+        RandomDataset,
+        SharedPrefixDataset,
+        ShareGPTDataset,
+    )
 
     if args.dataset == "json-schema":
         return JsonSchemaDataset(
@@ -165,6 +173,8 @@ def _make_dataset(args, tok):
             args.prompt_salt,
         )
 
+    if args.dataset == "quote":
+        return QuoteDataset(tok, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed)
     if args.dataset == "random":
         return RandomDataset(tok, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed)
     if args.dataset == "shared-prefix":

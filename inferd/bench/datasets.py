@@ -155,6 +155,38 @@ class RandomDataset:
         return BenchRequest(text, n + self._special, n_out) if self._distinct.add(text) else None
 
 
+class QuoteDataset:
+    """Requests whose answer quotes the prompt: a passage of random words (`input_len` tokens) and the
+    instruction to copy it, as extraction, editing and summaries that quote their source do. Outputs repeat
+    text the server has seen, which is what prompt-lookup speculative decoding (`--speculative-method ngram`)
+    drafts from; `random` is the open-continuation counterpart."""
+
+    name = "quote"
+    default_count = 1000
+    INSTRUCTION = "Copy the text below exactly, word for word.\n\nText:\n{passage}\n\nCopy:\n"
+
+    def __init__(self, tok: Tokenizer, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0):
+        if input_len < 1 or output_len < 1:
+            raise InferdError("--random-input-len and --random-output-len must be >= 1")
+        length_range(input_len, range_ratio)
+        self.tok, self.input_len, self.output_len, self.range_ratio = tok, input_len, output_len, range_ratio
+        self.rng = np.random.default_rng(seed)
+        self._special = tok.num_special_tokens() + len(tok.encode(self.INSTRUCTION.format(passage="")))
+        self._distinct = _Distinct("raise --random-input-len or lower --num-prompts")
+
+    def take(self, count: int) -> list[BenchRequest]:
+        return _draw(self._distinct, count, self._draw_one)
+
+    def _draw_one(self) -> BenchRequest | None:
+        n_in = sample_len(self.rng, self.input_len, self.range_ratio)
+        passage, _ = random_text(self.tok, max(1, n_in - self._special), self.rng)
+        prompt = self.INSTRUCTION.format(passage=passage)
+        if not self._distinct.add(prompt):
+            return None
+        n_out = sample_len(self.rng, self.output_len, self.range_ratio)
+        return BenchRequest(prompt, len(self.tok.encode(prompt)) + self.tok.num_special_tokens(), n_out)
+
+
 class SharedPrefixDataset:
     """N prefixes x M suffixes: each take() draws fresh prefixes, then suffixes that share them, shuffled."""
 

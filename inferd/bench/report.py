@@ -63,6 +63,13 @@ def run_table(run: dict, title: str = "Serving Benchmark Result") -> Table:
         for key, label in (("", "all"), ("_constrained", "with response_format"), ("_free", "asked in the prompt")):
             rate = run.get(f"schema_valid_rate{key}")
             t.add_row(f"Valid, {label} (%)", _fmt(None if rate is None else 100.0 * rate))
+    if run.get("spec_decode_num_draft_tokens"):
+        t.add_section()
+        t.add_row("[bold]Speculative decoding (the server's counters)", "")
+        t.add_row("Draft tokens proposed", _fmt(run["spec_decode_num_draft_tokens"]))
+        t.add_row("Draft tokens accepted", _fmt(run["spec_decode_num_accepted_tokens"]))
+        t.add_row("Acceptance rate (%)", _fmt(100.0 * run["spec_decode_acceptance_rate"]))
+        t.add_row("Tokens per drafting step", _fmt(run["spec_decode_mean_acceptance_length"]))
     for name, heading, short in _SECTIONS:
         t.add_section()
         t.add_row(f"[bold]{heading}", "")

@@ -276,10 +276,52 @@ async def _run_async(cfg: BenchConfig, dataset: Dataset, tok: Tokenizer | None, 
             for i, (level, batch) in enumerate(zip(levels, batches, strict=True)):
                 desc = f"rate {level.request_rate:g}, concurrency {level.max_concurrency or 'unlimited'}"
                 seed = cfg.seed + i
+                before = await spec_decode_counters(cfg.client)
                 outs, start, end = await run_requests(client, batch, level, cfg.burstiness, seed, progress, desc)
                 summary, timings = summarize_level(cfg, level, outs, start, end, tok, batch)
+                summary |= spec_decode_fields(before, await spec_decode_counters(cfg.client))
                 results.append(LevelResult(level, outs, timings, start, end, summary))
     return results
+
+
+# the cumulative speculative-decoding counters vLLM and inferd expose (`vllm:` or `inferd:` before them)
+_SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+async def spec_decode_counters(client: ClientConfig) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its /metrics, summed over models; None when it has none
+    (or no /metrics): a level's fields come from the difference across it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {client.api_key}"} if client.api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            resp = await http.get(normalize_base_url(client.base_url) + "/metrics", headers=headers)
+        if resp.status_code != 200:
+            return None
+        found: dict[str, float] = {}
+        for family in text_string_to_metric_families(resp.text):
+            name = family.name.split(":", 1)[-1]
+            if name in _SPEC_COUNTERS:
+                found[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return found if len(found) == len(_SPEC_COUNTERS) else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def spec_decode_fields(before: dict | None, after: dict | None) -> dict:
+    """A level's drafts and acceptance (vLLM's names): the acceptance rate (accepted / proposed draft tokens)
+    and the mean acceptance length (tokens per step that verified drafts: 1 + accepted / drafts)."""
+    if before is None or after is None:
+        return {}
+    drafts, proposed, accepted = (after[k] - before[k] for k in _SPEC_COUNTERS)
+    return {
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_num_draft_tokens": int(proposed),
+        "spec_decode_num_accepted_tokens": int(accepted),
+        "spec_decode_acceptance_rate": accepted / proposed if proposed else None,
+        "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def run_benchmark(cfg: BenchConfig, dataset: Dataset, tok: Tokenizer | None, server: ServerInfo) -> list[LevelResult]:

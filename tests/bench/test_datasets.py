@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from inferd.bench.datasets import RandomDataset, SharedPrefixDataset, ShareGPTDataset, length_range
+from inferd.bench.datasets import QuoteDataset, RandomDataset, SharedPrefixDataset, ShareGPTDataset, length_range
 from inferd.bench.tokenizers import LocalTokenizer
 from inferd.errors import InferdError
 
@@ -61,6 +61,19 @@ def test_random_dataset_is_deterministic_by_seed(local_tok):
         assert r.prompt_len == len(local_tok.encode(r.prompt)) + local_tok.num_special_tokens()
         assert 30 <= r.prompt_len <= 98  # asked 32..96; a cut word may re-tokenize a token either way
     assert len({r.output_len for r in ra}) > 1 and len({r.prompt_len for r in ra}) > 1
+
+
+def test_quote_prompts_hold_their_passage_at_the_asked_length():
+    ds = QuoteDataset(CharTokenizer(), input_len=200, output_len=50, seed=1)
+    reqs = ds.take(10)
+    frame = QuoteDataset.INSTRUCTION.format(passage="")
+    for r in reqs:
+        passage = r.prompt.split("Text:\n", 1)[1].rsplit("\n\nCopy:", 1)[0]
+        assert r.prompt == QuoteDataset.INSTRUCTION.format(passage=passage)
+        assert r.prompt_len == 200 == len(frame) + len(passage) + 1  # the BOS
+        assert r.output_len == 50
+    assert len({r.prompt for r in reqs}) == 10
+    assert [r.prompt for r in QuoteDataset(CharTokenizer(), 200, 50, seed=1).take(10)] == [r.prompt for r in reqs]
 
 
 def test_shared_prefix_groups():

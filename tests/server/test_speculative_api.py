@@ -10,6 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferd.cli import main
 from inferd.server.dashboard import DashboardHub
 from tests.engine.echo_model import echo_model
 from tests.server.conftest import MODEL_NAME, start_server
@@ -71,3 +72,22 @@ def test_completions_match_plain_decoding_and_the_drafts_are_counted(servers):
     # the dashboard's summary (read from the same engine stats; a second hub takes over the step events)
     summary = DashboardHub(spec.engine, spec.state.async_engine, MODEL_NAME).summary(time.monotonic())
     assert summary["spec_tokens_per_step"] > 1 and summary["spec_acceptance"] == 1.0
+
+
+def test_the_bench_reports_the_servers_acceptance(servers, tmp_path):
+    """`inferd bench serve --dataset quote` reads the drafts and acceptance from the server's counters."""
+    spec, plain = servers
+    for srv, name in ((spec, "spec"), (plain, "plain")):
+        argv = ["bench", "serve", "--base-url", srv.url, "--model", MODEL_NAME, "--dataset", "quote",
+                "--random-input-len", "40", "--random-output-len", "12", "--ignore-eos", "--num-prompts", "4",
+                "--max-concurrency", "2", "--temperature", "0", "--no-progress", "--save-result",
+                "--result-dir", str(tmp_path), "--result-filename", f"{name}.json"]  # fmt: skip
+        assert main(argv) == 0
+    got = json.loads((tmp_path / "spec.json").read_text())
+    assert got["completed"] == 4 and got["spec_decode_num_draft_tokens"] > 0
+    rate = got["spec_decode_num_accepted_tokens"] / got["spec_decode_num_draft_tokens"]
+    assert 0 < got["spec_decode_acceptance_rate"] == rate <= 1  # "\n\n" also starts "\n\nText:" in the prompt
+    assert got["spec_decode_mean_acceptance_length"] > 1
+    off = json.loads((tmp_path / "plain.json").read_text())
+    assert off["spec_decode_num_draft_tokens"] == 0 and off["spec_decode_acceptance_rate"] is None
+    spec.wait_idle()
