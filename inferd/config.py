@@ -105,8 +105,8 @@ class SpeculativeConfig:
     speculative_method: str | None = setting(
         None,
         "speculative decoding: ngram (prompt lookup: the tokens that followed the last n tokens' latest earlier "
-        "occurrence in the request's own text); greedy requests without logprobs, penalties or a grammar "
-        "take it. Default: none",
+        "occurrence in the request's own text); requests without logprobs, penalties, biases or a grammar take "
+        "it, greedy ones token-exact, sampled ones by rejection sampling. Default: none",
         choices=("ngram",),
     )
     num_speculative_tokens: int = setting(4, "draft tokens proposed per request and step", minimum=1)

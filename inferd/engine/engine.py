@@ -8,6 +8,7 @@ string, or that was aborted.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from inferd.chat import render_chat
-from inferd.config import DEFAULT_MODEL, EngineConfig, make_engine_config
+from inferd.config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig, make_engine_config
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
@@ -110,9 +111,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         # speculative decoding: drafts for the next step, verified by the runner (inferd/engine/spec_decode.py)
         self.spec_stats = SpecStats()
-        self.proposer = None
-        if config.speculative.speculative_method == "ngram":
-            self.proposer = NgramProposer(config.speculative, self.max_model_len)
+        self.proposer = self._proposer(config.speculative)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -296,6 +295,19 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def _proposer(self, spec: SpeculativeConfig) -> NgramProposer | None:
+        return NgramProposer(spec, self.max_model_len) if spec.speculative_method == "ngram" else None
+
+    def set_speculative(self, spec: SpeculativeConfig) -> None:
+        """New speculative settings for an idle engine (the model and the cache stay): drafts are proposed
+        between steps, so nothing else holds the old ones."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot change speculative settings while requests run")
+        spec.validate()
+        self.config = dataclasses.replace(self.config, speculative=spec)
+        self.proposer = self._proposer(spec)
+        self.scheduler.set_drafts({})
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -152,10 +152,10 @@ class ModelRunner:
         return RunnerOutput([s.request_id for s in step.sampling], token_ids, logprobs)
 
     def _compute_with_drafts(self, step: StepInput) -> RunnerOutput:
-        """A step where some requests carry drafts (inferd/engine/spec_decode.py): the others sample as usual;
-        each drafting request keeps its drafts up to the first the model's argmax disagrees with, and takes
-        the argmax there (or after the last draft) as its next token. One LM-head pass covers every drafting
-        request's positions."""
+        """A step where some requests carry drafts (inferd/engine/spec_decode.py): the others sample as usual.
+        A greedy drafting request keeps its drafts up to the first the model's argmax disagrees with and takes
+        the argmax there (or after the last draft); one LM-head pass covers every greedy request's positions.
+        A sampled one keeps each draft by rejection sampling (`Sampler.verify_drafts`)."""
         plain = [i for i, d in enumerate(step.drafts) if not d]
         masks = self._fill_masks([step.sampling[i] for i in plain])
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
@@ -166,18 +166,30 @@ class ModelRunner:
             sampled, lps = self.sample(rows, [step.sampling[i] for i in plain], masks and masks.result())
             for i, t, lp in zip(plain, sampled, lps, strict=True):
                 token_ids[i], logprobs[i] = t, lp
-        greedy = self.model.greedy_tokens(hidden[self._tensor(step.verify_indices)]).tolist()
-        accepted: dict[str, list[int]] = {}
+        spans: dict[int, list[int]] = {}  # drafting request -> its rows of verify_indices
         at = 0
-        for i, (state, draft) in enumerate(zip(step.sampling, step.drafts, strict=True)):
-            if not draft:
-                continue
-            agree = greedy[at : at + len(draft) + 1]
-            at += len(draft) + 1
-            n = 0
-            while n < len(draft) and agree[n] == draft[n]:
-                n += 1
-            accepted[state.request_id], token_ids[i] = draft[:n], agree[n]
+        for i, draft in enumerate(step.drafts):
+            if draft:
+                spans[i] = step.verify_indices[at : at + len(draft) + 1]
+                at += len(draft) + 1
+        accepted: dict[str, list[int]] = {}
+        greedy = [i for i in spans if step.sampling[i].params.greedy]
+        if greedy:
+            picked = self.model.greedy_tokens(hidden[self._tensor([r for i in greedy for r in spans[i]])]).tolist()
+            for i in greedy:
+                agree, picked = picked[: len(spans[i])], picked[len(spans[i]) :]
+                draft, n = step.drafts[i], 0
+                while n < len(draft) and agree[n] == draft[n]:
+                    n += 1
+                accepted[step.sampling[i].request_id], token_ids[i] = draft[:n], agree[n]
+        sampled = [i for i in spans if not step.sampling[i].params.greedy]
+        if sampled:
+            logits = self.model.compute_logits(hidden[self._tensor([r for i in sampled for r in spans[i]])])
+            at = 0
+            for i in sampled:
+                rows, at = logits[at : at + len(spans[i])], at + len(spans[i])
+                kept, token_ids[i] = self.sampler.verify_drafts(rows, step.sampling[i], step.drafts[i])
+                accepted[step.sampling[i].request_id] = kept
         new = [[*accepted.get(s.request_id, ()), t] for s, t in zip(step.sampling, token_ids, strict=True)]
         self._append(step.sampling, new)
         return RunnerOutput([s.request_id for s in step.sampling], token_ids, logprobs, accepted)

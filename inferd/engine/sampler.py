@@ -161,7 +161,10 @@ class Sampler:
             token_ids[rows] = chosen
         return token_ids
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+    @staticmethod
+    def _probs(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, then top-k, top-p and min-p (not renormalised after
+        min-p: a draw does not need it)."""
         device = logits.device
         temps = torch.tensor([r.params.temperature for r in requests], device=device)
         logits = logits / temps[:, None]
@@ -176,6 +179,31 @@ class Sampler:
         if any(min_ps):
             threshold = torch.tensor(min_ps, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def verify_drafts(self, logits: torch.Tensor, state: SamplingState, draft: list[int]) -> tuple[list[int], int]:
+        """Speculative decoding's rejection sampling for a sampled request (inferd/engine/spec_decode.py):
+        `logits` has a row per position, its last known token's and each draft's. A draft token d proposed
+        with certainty is kept with probability p(d) under the request's sampling distribution at its
+        position; at the first one rejected, the token is drawn from p with d removed; if all are kept, the
+        token after them is drawn from the last row. Each output token is so distributed exactly as p, as
+        without drafts. Returns (the drafts kept, the token after them)."""
+        probs = self._probs(logits.float(), [state] * logits.shape[0])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        generator = state.generator if state.generator is not None else self.generator
+        u = torch.rand(len(draft), device=probs.device, generator=generator)
+        p_draft = probs[torch.arange(len(draft), device=probs.device), torch.tensor(draft, device=probs.device)]
+        rejected = (u >= p_draft).nonzero()
+        n = int(rejected[0]) if rejected.numel() else len(draft)
+        row = probs[n].clone()
+        if n < len(draft):
+            row[draft[n]] = 0.0  # the residual max(p - q, 0) for q a point mass on the draft
+        noise = torch.empty_like(row).exponential_(generator=generator)
+        return draft[:n], int((row / noise).argmax())
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+        probs = self._probs(logits, requests)
+        device = probs.device
         # exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]

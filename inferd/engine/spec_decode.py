@@ -1,4 +1,4 @@
-"""Speculative decoding: several tokens per request in one step, the same tokens greedy decoding gives.
+"""Speculative decoding: several tokens per request in one step, each the token decoding without it gives.
 
 A decode step at a small batch is bound by the bytes of the weights it reads (docs/performance.md), so
 computing a few more positions of one request costs little more than one. A proposer guesses the next k
@@ -14,10 +14,11 @@ earlier occurrence of the request's last n tokens (n from `prompt_lookup_max` do
 in its prompt and output, and propose the k tokens that followed it. It costs no model and pays off where
 outputs repeat their context (extraction, code edits, summaries quoting the source, structured records).
 
-Who takes it: greedy requests without logprobs, penalties, logit biases or a grammar, past `min_tokens`
-(their token is the plain argmax of the logits), and only in steps with at most
-`speculative_disable_by_batch_size` running requests: a larger batch is bound by compute, where verifying
-drafts that are then rejected costs real time.
+Who takes it: requests without logprobs, penalties, logit biases or a grammar, past `min_tokens`, and only in
+steps with at most `speculative_disable_by_batch_size` running requests: a larger batch is bound by compute,
+where verifying drafts that are then rejected costs real time. A sampled request (temperature > 0, top-k/p,
+min-p) keeps each draft by rejection sampling (`Sampler.verify_drafts`), so its tokens are distributed as
+without drafts; a seeded one is reproducible, though its random draws differ from a run without drafts.
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
 
 
 def takes_drafts(request: Request) -> bool:
-    """Whether the request's next token is the plain argmax of its logits, so drafts can be verified by it."""
+    """Whether drafts can be verified for the request's next token: it is decoding, its distribution is the
+    model's own (temperature, top-k/p, min-p; no penalties, biases or grammar) and no logprobs are asked."""
     p = request.params
     return (
-        p.greedy
-        and p.logprobs is None
+        p.logprobs is None
         and not p.edits_logits
         and len(request.output_token_ids) >= p.min_tokens
         and request.num_computed_tokens == request.num_tokens - 1  # decoding, nothing left to prefill

@@ -107,16 +107,19 @@ def test_max_tokens_stop_strings_and_eos_end_where_plain_decoding_ends(pair):
 
 
 def test_a_mixed_batch_keeps_every_request_exact(pair):
-    """Drafting greedy rows beside sampled, logprob and penalised ones in the same steps."""
+    """Drafting greedy rows beside penalised and logprob ones (which take no drafts) in the same steps, and a
+    sampled one (which drafts, so its draws differ from plain decoding's)."""
     plain, spec, residual_scale = pair
-    prompts = _repetitive_prompts()
+    prompts = _repetitive_prompts() + prompt_set(VOCAB, lengths=(9,))
     params = [
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, presence_penalty=0.5, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True),
     ]
     before = spec.engine.stats().spec_num_draft_tokens
-    assert _tokens(spec.generate(prompts, params)) == _tokens(plain.generate(prompts, params))
+    got, want = _tokens(spec.generate(prompts, params)), _tokens(plain.generate(prompts, params))
+    assert got[:3] == want[:3] and len(got[3]) == 30
     assert spec.engine.stats().spec_num_draft_tokens > before or residual_scale > 0
     assert_idle(spec)
 
@@ -143,4 +146,78 @@ def test_preempted_drafting_requests_resume_exactly(tiny_models, tmp_path):
     assert _tokens(spec.generate(prompts, params)) == _tokens(plain.generate(prompts, params))
     assert spec.engine.scheduler.num_preemptions > 0
     assert spec.engine.stats().spec_num_accepted_tokens > 0
+    assert_idle(spec)
+
+
+# -- sampled requests: rejection sampling ------------------------------------------------------------
+def _chi_square(counts: dict[int, int], probs: list[float], n: int) -> tuple[float, int]:
+    """Pearson's statistic of `counts` against `probs` over the tokens expected at least 5 times (the rest pooled),
+    and its degrees of freedom."""
+    big = [t for t, p in enumerate(probs) if p * n >= 5]
+    rest_p = 1 - sum(probs[t] for t in big)
+    stat = sum((counts.get(t, 0) - probs[t] * n) ** 2 / (probs[t] * n) for t in big)
+    if rest_p * n >= 5:
+        rest = n - sum(counts.get(t, 0) for t in big)
+        stat += (rest - rest_p * n) ** 2 / (rest_p * n)
+        return stat, len(big)
+    return stat, len(big) - 1
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails 1 run in 1,000, and
+# the seeds are fixed, so a pass is reproducible
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8, min_p=0.05)],
+    ids=["t1", "topk", "topp-minp"],
+)
+def test_rejection_sampling_keeps_each_tokens_distribution(params):
+    """Drafts [2, 4] against known logits, 20,000 times: the first token (the kept draft, or the draw after
+    its rejection) follows the first position's sampling distribution, and the second token, given the first
+    draft was kept, the second position's."""
+    import torch
+
+    from inferd.engine.sampler import Sampler
+
+    class State:
+        def __init__(self, p):
+            self.params, self.generator = p, None
+
+    logits = torch.tensor([[2.0, 1.0, 1.5, 0.2, 0.8, -1.0, 0.5], [0.1, 1.2, 0.3, 2.0, 1.9, 0.0, -0.5],
+                           [1.0, 0.0, 0.5, 0.3, 0.2, 0.1, 0.9]])  # fmt: skip
+    state = State(SamplingParams(**params))
+    sampler = Sampler(torch.device("cpu"), seed=1234)
+    expected = Sampler._probs(logits, [state] * 3)
+    expected = (expected / expected.sum(dim=-1, keepdim=True)).tolist()
+    n = 20_000
+    first: dict[int, int] = {}
+    second: dict[int, int] = {}
+    for _ in range(n):
+        kept, token = sampler.verify_drafts(logits, state, [2, 4])
+        out = [*kept, token]
+        first[out[0]] = first.get(out[0], 0) + 1
+        if kept[:1] == [2]:
+            second[out[1]] = second.get(out[1], 0) + 1
+    assert set(first) <= {t for t, p in enumerate(expected[0]) if p > 0}  # top-k / top-p / min-p hold
+    stat, df = _chi_square(first, expected[0], n)
+    assert stat < CHI2_999[df], (stat, df, first)
+    stat, df = _chi_square(second, expected[1], sum(second.values()))
+    assert stat < CHI2_999[df], (stat, df, second)
+
+
+def test_sampled_requests_take_drafts_and_seeds_reproduce(tiny_models, tmp_path):
+    folder = str(echo_model(tiny_models["llama"], tmp_path / "echo", 0.0))
+    kw = dict(max_model_len=256, num_blocks=128, dtype="float32")
+    spec = LLM(folder, speculative_method="ngram", speculative_disable_by_batch_size=64, **kw)
+    prompts = _repetitive_prompts()
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=30, ignore_eos=True) for s in (1, 2, 3)]
+    before = spec.engine.stats()
+    a = _tokens(spec.generate(prompts, params))
+    after = spec.engine.stats()
+    assert after.spec_num_draft_tokens > before.spec_num_draft_tokens
+    assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    assert all(len(t) == 30 for t in a)
+    assert _tokens(spec.generate(prompts, params)) == a  # a seeded request's tokens do not depend on the run
     assert_idle(spec)
