@@ -28,6 +28,7 @@ LAB_MODULES = [
     "tensorrt_llm",
     "sglang",
     "structured_generation",
+    "speculative_decoding",
     "kserve",
     "ray_serve",
     "dynamo",

@@ -69,14 +69,23 @@ def _scheduler_fields() -> set[str]:
     return {f.name for f in fields(SchedulerConfig)}
 
 
+def _speculative_fields() -> set[str]:
+    from dataclasses import fields
+
+    from inferd.config import SpeculativeConfig
+
+    return {f.name for f in fields(SpeculativeConfig)}
+
+
 def _only_scheduler_differs(old: dict, new: dict) -> bool:
     changed = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
-    return changed <= _scheduler_fields()
+    return changed <= _scheduler_fields() | _speculative_fields()
 
 
 def _set_scheduler(llm: LLM, settings: dict) -> None:
-    """Scheduling limits are read every step, so an idle engine takes new ones without reloading the model."""
-    from inferd.config import SchedulerConfig
+    """Scheduling limits and speculative settings are read every step, so an idle engine takes new ones without
+    reloading the model."""
+    from inferd.config import SchedulerConfig, SpeculativeConfig
 
     engine = llm.engine
     if engine.has_unfinished_requests():
@@ -84,6 +93,7 @@ def _set_scheduler(llm: LLM, settings: dict) -> None:
     config = SchedulerConfig(**{k: v for k, v in settings.items() if k in _scheduler_fields()})
     config.validate()
     engine.scheduler.config = config
+    engine.set_speculative(SpeculativeConfig(**{k: v for k, v in settings.items() if k in _speculative_fields()}))
 
 
 def describe_machine(device: str) -> dict:
