@@ -194,7 +194,7 @@ class StepEvents:
             if flag == "f":
                 constrained.pop(rid, None)
         ttft, itl = [], []
-        for s in sampled:
+        for s in {s.request.request_id: s for s in reversed(sampled)}.values():  # a request's first token this step
             times = s.request.times
             if len(s.request.output_token_ids) == 1 and times.first_token is not None:
                 ttft.append(round((times.first_token - times.arrival) * 1000, 3))

@@ -230,9 +230,9 @@ class Scheduler:
         sampled = []
         for request_id, last, logprobs in zip(out.request_ids, out.token_ids, out.logprobs, strict=True):
             request = self.requests[request_id]
+            request.times.on_token(now)  # once a step: kept drafts arrive with the step's token (vLLM's ITL)
             for token_id in [*out.accepted_drafts.get(request_id, ()), last]:
                 request.output_token_ids.append(token_id)
-                request.times.on_token(now)
                 sampled.append(SampledToken(request, token_id, logprobs, len(request.output_token_ids) - 1))
                 stop = check_stop(request, self.max_model_len)
                 if stop is not None:
