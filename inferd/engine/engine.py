@@ -355,7 +355,8 @@ class Engine:
             seq.logprobs.append(sampled.logprobs)
         # at this point only an eos or stop token can have stopped it: those are not text
         if req.status != RequestStatus.FINISHED_STOPPED:
-            check = len(req.output_token_ids) >= req.params.min_tokens
+            count = sampled.index + 1 if sampled.index >= 0 else len(req.output_token_ids)  # tokens up to this one
+            check = count >= req.params.min_tokens
             stop = seq.detok.add_token(sampled.token_id, check_stop=check)
             if stop is not None:
                 # a step that verified drafts may have appended tokens after this one: they are not output

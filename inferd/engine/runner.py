@@ -261,9 +261,18 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInput:
         """The flat batch. One-query chunks (decodes, and one-token prefill chunks, which attend the same
-        way) take the decode attention path, sorted by length so its padded groups waste little."""
-        singles = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: c.start)
-        multis = [c for c in sched.chunks if c.num_tokens > 1]
+        way) take the decode attention path, sorted by length so its padded groups waste little. A decode
+        carrying drafts is spread into one query per position, each attending to the cache up to itself (its
+        own and the earlier drafts' K/V are written before attention reads, within each layer): verifying
+        k drafts is then k + 1 decode rows, not a small prefill."""
+        rows: list[tuple[ScheduledChunk, int]] = []  # (chunk, its token) for every one-query row
+        multis = []
+        for c in sched.chunks:
+            if c.num_tokens == 1 or c.num_drafts:
+                rows.extend((c, j) for j in range(c.num_tokens))
+            else:
+                multis.append(c)
+        rows.sort(key=lambda r: r[0].start + r[1])
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -271,26 +280,34 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling: list[CachedRequest] = []
         drafts: list[list[int]] = []
-        verify: list[int] = []
+        at: dict[str, list[int]] = {}  # request -> its rows in `ids`
         chunks: list[PrefillChunk] = []
         block_tables: list[list[int]] = []
-        for c in singles + multis:
-            state = self.requests[c.request_id]
-            start, n, table = c.start, c.num_tokens, state.block_ids
-            first = len(ids)
+        seq_lens: list[int] = []
+        for c, j in rows:
+            table, p = self.requests[c.request_id].block_ids, c.start + j
+            at.setdefault(c.request_id, []).append(len(ids))
+            ids.append(c.token_ids[j])
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            block_tables.append(table)
+            seq_lens.append(p + 1)
+        for c in multis:
+            table, start, n = self.requests[c.request_id].block_ids, c.start, c.num_tokens
+            at[c.request_id] = list(range(len(ids), len(ids) + n))
+            chunks.append(PrefillChunk(len(ids), n, start, self._tensor(table[: -(-(start + n) // bs)])))
             ids.extend(c.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                block_tables.append(table)
-            else:
-                chunks.append(PrefillChunk(first, n, start, self._tensor(table[: -(-(start + n) // bs)])))
+        verify: list[int] = []
+        ordered = [c for c, j in rows if j == c.num_tokens - 1] + multis  # the order of the old flat batch
+        for c in ordered:
             if c.samples:
-                logits_indices.append(len(ids) - 1)
-                sampling.append(state)
-                drafts.append(c.token_ids[n - c.num_drafts :] if c.num_drafts else [])
+                logits_indices.append(at[c.request_id][-1])
+                sampling.append(self.requests[c.request_id])
+                drafts.append(c.token_ids[c.num_tokens - c.num_drafts :] if c.num_drafts else [])
                 if c.num_drafts:
-                    verify.extend(range(first, first + n))
+                    verify.extend(at[c.request_id])
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             block_size=bs,
@@ -298,27 +315,27 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
             prefill_kernel=self.prefill_kernel,
         )
-        meta.decode_groups = self._decode_groups(singles, block_tables)
+        meta.decode_groups = self._decode_groups(block_tables, seq_lens)
         return StepInput(
             self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling, drafts, verify
         )
 
-    def _decode_groups(self, singles: list[ScheduledChunk], tables: list[list[int]]) -> list[DecodeGroup]:
-        """Split the length-sorted one-query chunks into up to MAX_DECODE_GROUPS groups of equal size."""
+    def _decode_groups(self, tables: list[list[int]], seq_lens: list[int]) -> list[DecodeGroup]:
+        """Split the length-sorted one-query rows into up to MAX_DECODE_GROUPS groups of equal size."""
         if self.decode_kernel is not None:  # it reads every request's blocks in place: no padding to avoid
-            num_groups = 1 if singles else 0
+            num_groups = 1 if tables else 0
         else:
-            num_groups = min(MAX_DECODE_GROUPS, -(-len(singles) // MIN_DECODE_GROUP))
+            num_groups = min(MAX_DECODE_GROUPS, -(-len(tables) // MIN_DECODE_GROUP))
         groups = []
         for g in range(num_groups):
-            lo, hi = len(singles) * g // num_groups, len(singles) * (g + 1) // num_groups
+            lo, hi = len(tables) * g // num_groups, len(tables) * (g + 1) // num_groups
             width = max(len(t) for t in tables[lo:hi])
             groups.append(
                 DecodeGroup(
                     start=lo,
                     count=hi - lo,
                     block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables[lo:hi]]),
-                    seq_lens=self._tensor([c.start + 1 for c in singles[lo:hi]]),
+                    seq_lens=self._tensor(seq_lens[lo:hi]),
                     block_size=self.block_size,
                 )
             )
