@@ -8,7 +8,9 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -96,6 +98,21 @@ def write_json(path: Path, result: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(portable(result), indent=2) + "\n")
     return path
+
+
+def bench_serve(cmd: list[str], keys: tuple[str, ...], quiet: bool = True) -> dict:
+    """Run one `inferd bench serve` command line that saves its result (`--result-dir`, `--result-filename`);
+    rewrite that file without this machine's paths and return its `keys` (of its one level). `quiet`: keep
+    its output unless it fails."""
+    done = subprocess.run(cmd, check=False, capture_output=quiet, text=True)
+    if done.returncode != 0:
+        tail = f"\n{done.stderr[-2000:]}" if quiet else ""
+        raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}{tail}")
+    raw = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+    result = json.loads(raw.read_text())
+    write_json(raw, result)  # the same, without this machine's paths
+    run = result["runs"][0] if "runs" in result else result  # one level: the summary is the file itself
+    return {k: run.get(k) for k in keys}
 
 
 def write_result(name: str, result: dict) -> Path:

@@ -31,14 +31,13 @@ import argparse
 import dataclasses
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.*` importable
-from benchmarks.common import record_run, write_json  # noqa: E402
+from benchmarks.common import bench_serve, record_run  # noqa: E402
 from benchmarks.vs_peers import LOG_DIR, Server, default_model, median_of_runs, servers, start, stop  # noqa: E402
 from inferd.procs import free_port  # noqa: E402
 
@@ -95,13 +94,7 @@ def bench_run(
         "--label", server.name, "--save-result", "--no-progress", "--result-dir", str(RAW_DIR),
         "--result-filename", f"{server.name}.{workload}.c{level}.s{seed}.json",
     ]  # fmt: skip
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}\n{done.stderr[-2000:]}")
-    raw = RAW_DIR / cmd[cmd.index("--result-filename") + 1]
-    result = json.loads(raw.read_text())
-    write_json(raw, result)  # the same, without this machine's paths
-    return {k: result.get(k) for k in KEYS}
+    return bench_serve(cmd, KEYS)
 
 
 def ratios(entries: dict) -> dict:

@@ -33,7 +33,6 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -43,7 +42,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.*` importable
-from benchmarks.common import record_run, write_json  # noqa: E402
+from benchmarks.common import bench_serve, record_run  # noqa: E402
 from benchmarks.vs_peers import LOG_DIR, Server, default_model, median_of_runs, servers, start, stop  # noqa: E402
 from inferd.procs import free_port  # noqa: E402
 
@@ -86,14 +85,7 @@ def bench_command(
 def bench_run(
     server: Server, port: int, hf_folder: Path, mode: str, level: int, seed: int, output_len: int, exact: bool
 ) -> dict:
-    cmd = bench_command(server, port, hf_folder, mode, level, seed, output_len, exact)
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}\n{done.stderr[-2000:]}")
-    raw = RAW_DIR / cmd[cmd.index("--result-filename") + 1]
-    result = json.loads(raw.read_text())
-    write_json(raw, result)  # the same, without this machine's paths
-    return {k: result.get(k) for k in KEYS}
+    return bench_serve(bench_command(server, port, hf_folder, mode, level, seed, output_len, exact), KEYS)
 
 
 def probe_schemas(count: int) -> list[dict]:

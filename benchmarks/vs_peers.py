@@ -66,7 +66,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
-from benchmarks.common import portable, results_path, write_json  # noqa: E402
+from benchmarks.common import bench_serve, portable, results_path, write_json  # noqa: E402
 from inferd.bench import peers as peer_runs  # noqa: E402
 from inferd.bench import runs as run_files  # noqa: E402
 from inferd.cpu import cpu_flags  # noqa: E402
@@ -419,14 +419,7 @@ def bench_level(server: Server, port: int, model: Model, workload: str, level: i
 def bench_run(server: Server, port: int, model: Model, workload: str, level: int, run: int) -> dict:
     """Run number `run` of one level, with its own seed (its own prompts); its summary figures."""
     cmd = bench_command(server, port, model, workload, level, run_seed(workload, level, run))
-    done = subprocess.run(cmd, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}")
-    raw = RESULTS_DIR / "raw" / cmd[cmd.index("--result-filename") + 1]
-    result = json.loads(raw.read_text())
-    write_json(raw, result)  # the same, without this machine's paths
-    run = result["runs"][0] if "runs" in result else result  # one level: the summary is the file itself
-    return {k: run.get(k) for k in SUMMARY_KEYS}
+    return bench_serve(cmd, SUMMARY_KEYS, quiet=False)
 
 
 def new_entry(server: Server, port: int, model: Model, args: argparse.Namespace) -> dict:
