@@ -367,3 +367,35 @@ def test_sigterm_closes_the_prefill_side_kv_channel(tmp_path, tiny_models):
         proc.stop()
     assert proc.popen.returncode == 143, proc.log_tail()
     assert "leaked shared_memory" not in proc.log.read_text(), proc.log_tail()
+
+
+def test_speculative_decoding_on_the_decode_side(tmp_path, tiny_models):
+    """A decode instance with n-gram speculation continues remotely prefilled requests with drafts, and gives
+    the tokens a `both` instance without speculation gives. The echo model repeats its last token, so the
+    drafts hold and its argmax has a wide margin in any dtype."""
+    from tests.engine.echo_model import echo_model
+
+    model = echo_model(tiny_models["llama"], tmp_path / "echo", 0.0)
+    kv_port = free_port()
+    spec = ("--speculative-method", "ngram", "--speculative-disable-by-batch-size", "64")
+    procs = [_prefill(model, tmp_path, kv_port), _decode(model, tmp_path, kv_port, *spec)]
+    procs.append(start_replica(model, tmp_path, *SMALL))
+    procs.append(_proxy(tmp_path, [procs[0].url], [procs[1].url]))
+    prefill, decode, both, proxy = procs
+    try:
+        for p in procs:
+            wait_http(p, "/health", timeout=180)
+        for seed in (1, 2, 3):
+            prompt = _prompt(40, seed) + [9, 9, 9]  # a run the lookup continues from the first decode step
+            body = {"prompt": prompt, "temperature": 0, "max_tokens": 24, "ignore_eos": True}
+            got = _completion(proxy.url, body)
+            assert got["usage"]["completion_tokens"] == 24
+            assert got["choices"][0]["text"] == _completion(both.url, body)["choices"][0]["text"]
+        assert _metric(decode, "inferd:remote_prefills_total") == 3
+        drafted = _metric(decode, "inferd:spec_decode_num_draft_tokens_total")
+        assert drafted > 0 and _metric(decode, "inferd:spec_decode_num_accepted_tokens_total") == drafted
+        _wait_idle(decode)
+        _wait_idle(prefill)
+    finally:
+        for p in procs:
+            p.stop()
