@@ -6,7 +6,7 @@ tiles included), so the JSON says how close each mode comes to the machine's mem
 measured in the same run. Modes are loaded one after another and the whole list is repeated (`--rounds`),
 so a drift of the machine's speed shows up as a spread rather than as a difference between modes.
 
-    .venv/bin/python -m benchmarks.batch1_step --modes auto,int8,int4,fp32
+    .venv/bin/python -m benchmarks.batch1_step --modes default,auto,int8,int4,fp32
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from inferd.measure.model import weight_bytes
 from inferd.sampling import SamplingParams
 
 MODES = {  # name -> LLM settings
-    "auto": {"dtype": "auto"},
-    "fp32": {"dtype": "float32"},
+    "default": {},  # --dtype auto, --quantization auto
+    "auto": {"dtype": "auto", "quantization": "none"},  # the auto dtype on the checkpoint's values
+    "fp32": {"dtype": "float32", "quantization": "none"},
     "int8": {"dtype": "auto", "quantization": "int8"},
     "int4": {"dtype": "auto", "quantization": "int4"},
 }
@@ -63,7 +64,7 @@ def mode_summary(mode: str, runs: list[dict], bandwidth: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--modes", default="auto,int8,int4,fp32", help=f"comma-separated, from {', '.join(MODES)}")
+    ap.add_argument("--modes", default="default,auto,int8,int4,fp32", help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", help=OUT_HELP)

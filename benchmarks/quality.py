@@ -35,15 +35,16 @@ from inferd.engine.step import NewRequest, ScheduledChunk, SchedulerOutput
 
 # mode name -> engine settings; fp32 is the reference and always runs first
 MODES: dict[str, dict] = {
-    "fp32": dict(dtype="float32"),
-    "bf16": dict(dtype="bfloat16"),
+    "fp32": dict(dtype="float32", quantization="none"),
+    "bf16": dict(dtype="bfloat16", quantization="none"),
+    "default": dict(),  # `inferd serve` with no flags (--dtype auto, --quantization auto)
     "int8": dict(dtype="auto", quantization="int8"),  # int8 weights, bf16 activations where the CPU has bf16
     "int8-fp32": dict(dtype="float32", quantization="int8"),  # int8 weights, fp32 activations (the AVX2 path)
     "int4": dict(dtype="auto", quantization="int4"),  # int4 weights (groups of 32), bf16 activations where native
     "int4-fp32": dict(dtype="float32", quantization="int4"),
     "int8-kv-fp8": dict(dtype="auto", quantization="int8", kv_cache_dtype="fp8"),  # and an fp8 (e4m3) KV cache
     "int8-kv-fp8_e5m2": dict(dtype="auto", quantization="int8", kv_cache_dtype="fp8_e5m2"),
-    "bf16-kv-fp8": dict(dtype="bfloat16", kv_cache_dtype="fp8"),
+    "bf16-kv-fp8": dict(dtype="bfloat16", quantization="none", kv_cache_dtype="fp8"),
 }
 
 
@@ -145,7 +146,7 @@ def run_mode(name: str, args, prompts, text_ids, ref_tokens) -> tuple[dict, list
     result = {
         "settings": settings,
         "dtype": engine.dtype_choice.name,
-        "quantization": getattr(engine.config, "quantization", None),
+        "quantization": engine.quantization,
         **perplexity(llm, text_ids, args.window, args.rows),
     }
     if ref_tokens is not None:

@@ -90,6 +90,13 @@ def short_dtype(dtype: str | None) -> str:
     return "bf16" if "bfloat16" in text else "fp32" if "float32" in text else text
 
 
+def mode_label(server: dict) -> str:
+    """'bf16', or 'int8, bf16' for a server whose weights ran quantized (its default's `auto` included)."""
+    quant = next((q for q in ("int8", "int4") if q in (server.get("quantization") or "")), None)
+    dtype = short_dtype(server.get("dtype"))
+    return f"{quant}, {dtype}" if quant else dtype
+
+
 def cpu_label(kind: str, runs: list[dict]) -> str:
     """'Intel Xeon Processor, 2 vCPUs (`xeon-amx`)': the CPU model and cores the newest run that recorded
     them gave; the kind's description where none did."""
@@ -181,7 +188,7 @@ def cell(run: dict, names: tuple[str, ...], level: int, detail: bool) -> str:
     m = level_figures(run)[server][level]
     text = num(m.get("output_throughput"))
     if server.startswith(("inferd", "vllm")) and server not in ("inferd-int8",):
-        text += f" ({short_dtype(run['servers'][server].get('dtype'))})"
+        text += f" ({mode_label(run['servers'][server])})"
     if detail and m.get("mean_ttft_ms") is not None:
         text += f"; TTFT {num(m['mean_ttft_ms'], 0)} ms, ITL {num(m.get('mean_itl_ms'))} ms"
     return text

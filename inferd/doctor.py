@@ -27,7 +27,7 @@ def report() -> dict:
     import torch
 
     from inferd import cpu
-    from inferd.models import cpu_kernels, dtypes
+    from inferd.models import cpu_kernels, dtypes, quant
 
     flags = cpu.cpu_flags()
     built = cpu_kernels.build_all()
@@ -42,11 +42,14 @@ def report() -> dict:
         kernels[name] = entry
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     choice = dtypes.resolve_dtype("auto", device)
+    weights = quant.resolve_quantization("auto", device, {"Q4_K": 1})  # what a quantized GGUF gets here
+    weights_path = f"{weights.name or 'the dtype'} for a quantized checkpoint (a GGUF); a float one keeps its dtype"
     prefill = cpu_kernels.prefill_attention_kernel() is not None
     int8 = kernels["int8_linear"].get("isa")
     int4 = kernels["int4_linear"].get("isa")
     paths = {
         "dtype (--dtype auto)": f"{choice.name} ({choice.reason})",
+        "weights (--quantization auto)": weights_path,
         "decode attention": "native paged kernel" if built["paged_decode"] else "PyTorch reference",
         "prefill attention (bf16)": "native AMX-BF16 kernel"
         if prefill
@@ -56,7 +59,11 @@ def report() -> dict:
         "RMS norm, rotary, gated activations": "native kernels" if built["norm_rope"] else "PyTorch reference",
     }
     if device.type == "cuda":
-        paths = {"dtype (--dtype auto)": paths["dtype (--dtype auto)"], "device": torch.cuda.get_device_name()}
+        paths = {
+            "dtype (--dtype auto)": paths["dtype (--dtype auto)"],
+            "weights (--quantization auto)": weights_path,
+            "device": torch.cuda.get_device_name(),
+        }
     disabled = bool(os.environ.get("INFERD_DISABLE_CPU_KERNELS"))
     missing = [name for name, entry in kernels.items() if not entry["built"]]
     return {

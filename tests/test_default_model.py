@@ -16,13 +16,27 @@ PROMPT = "Question: What is the capital of France?\nAnswer:"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=1024, kv_cache_memory=256 * 1024**2, dtype="float32")
+    # the reference: the GGUF's values in fp32 (by default a quantized GGUF runs in int8 on CPU)
+    return LLM(max_model_len=1024, kv_cache_memory=256 * 1024**2, dtype="float32", quantization="none")
 
 
 def test_default_model_knows_paris(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0]
     assert "Paris" in out.outputs[0].text
     assert_idle(llm)
+
+
+def test_the_default_mode_serves_the_gguf_in_int8_and_still_knows_paris():
+    from inferd.models.cpu_kernels import int8_module
+
+    if int8_module() is None:
+        pytest.skip("the native int8 kernel did not build here, so auto keeps the GGUF's values in the dtype")
+    default = LLM(max_model_len=256, kv_cache_memory=64 * 1024**2)
+    assert default.engine.quantization == "int8", default.engine.quant_choice
+    assert "Q8_0" in default.engine.quant_choice.reason  # what the file stores, read from the GGUF
+    out = default.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "Paris" in out.outputs[0].text
+    assert_idle(default)
 
 
 def _engine_logits(llm, token_ids: list[int]) -> torch.Tensor:

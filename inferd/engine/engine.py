@@ -30,7 +30,7 @@ from inferd.engine.spec_decode import NgramProposer, SpecStats
 from inferd.errors import ConfigError, InvalidRequestError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
-from inferd.models.quant import check_quantization
+from inferd.models.quant import check_quantization, resolve_quantization
 from inferd.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestTimes, TokenLogprobs
 from inferd.request import Request, RequestStatus, sub_request_id
 from inferd.sampling import SamplingParams
@@ -100,8 +100,11 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(config.tokenizer or folder)
         hf_config = loader.text_config(loader.load_config(folder))
         self.max_model_len = config.context_len(loader.model_max_len(hf_config))
+        self.quant_choice = resolve_quantization(config.quantization, self.device, loader.checkpoint_formats(folder))
+        self.quantization = self.quant_choice.name  # int8, int4, or None: the checkpoint's values in self.dtype
+        logger.info("quantization: %s (%s)", self.quantization or "none", self.quant_choice.reason)
         self.model = loader.load_model(
-            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, config.quantization
+            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, self.quantization
         )
         self.vocab_size = hf_config.vocab_size
         self.model_type = getattr(hf_config, "model_type", "")  # the family's formats (tool calls) follow it

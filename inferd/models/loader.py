@@ -4,15 +4,18 @@ A model is named by: the default alias ("gemma3-270m"), a Hugging Face folder (c
 safetensors + tokenizer), a .gguf file or a folder holding one (a GGUF repository as KServe's storage
 initializer downloads it to /mnt/models), or a hub id. GGUF files are read once by transformers (which
 dequantizes with the `gguf` package) and saved as an fp32 safetensors folder in the user's cache, so
-every later start reads safetensors in seconds.
+every later start reads safetensors in seconds. Beside the folder goes what the GGUF stored each weight matrix
+as (`checkpoint_formats`: Q4_K, Q5_0, ...), so `--quantization auto` knows the checkpoint was quantized.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
+from collections import Counter
 from importlib import resources
 from pathlib import Path
 
@@ -29,6 +32,8 @@ from inferd.models.registry import model_class_for
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+# beside a converted GGUF: how many weight matrices the file stored in each GGML type
+FORMATS_FILE = "inferd_gguf_formats.json"
 
 
 def cache_dir() -> Path:
@@ -91,6 +96,8 @@ def convert_gguf(gguf: Path) -> Path:
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "converted" / f"{gguf.stem}-{key}"
     if (out / "model.safetensors").exists():
+        if not (out / FORMATS_FILE).exists():  # a folder converted before the formats were recorded
+            _write_formats(gguf, out)
         return out
     from rich.console import Console
 
@@ -119,7 +126,26 @@ def _convert(gguf: Path, out: Path) -> None:
         _add_gemma_chat_defaults(model, tokenizer)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _write_formats(gguf, tmp)
     tmp.rename(out)
+
+
+def _write_formats(gguf: Path, folder: Path) -> None:
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(gguf).tensors
+    except Exception as e:
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
+    counts = Counter(t.tensor_type.name for t in tensors if len(t.shape) >= 2)
+    (folder / FORMATS_FILE).write_text(json.dumps(dict(sorted(counts.items()))))
+
+
+def checkpoint_formats(folder: Path) -> dict[str, int]:
+    """How the checkpoint in `folder` stored its weight matrices, for a converted GGUF ({"Q5_0": 81, "Q4_K": 27,
+    ...}); {} for a folder of float weights."""
+    path = folder / FORMATS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _add_gemma_chat_defaults(model, tokenizer) -> None:

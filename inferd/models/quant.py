@@ -39,6 +39,7 @@ the reasons in docs/performance.md):
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -262,14 +263,54 @@ class Int4Linear(QuantizedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {INT4_GROUP}"
 
 
+# GGML storage types that hold floats; every other type a GGUF stores a weight matrix in is a quantized block
+FLOAT_FORMATS = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """The weight mode a model runs in (int8, int4, or None for the checkpoint's values in --dtype), and why
+    (logged at start, shown on the server's /v1/models)."""
+
+    name: str | None
+    reason: str
+
+
 def check_quantization(name: str | None, device: torch.device) -> None:
     """A clear ConfigError for a quantization that is unknown or that this device cannot run."""
-    if name is None:
+    if name in (None, "none", "auto"):
         return
     if name not in QUANTIZATIONS:
-        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {name!r}")
+        raise ConfigError(f"quantization must be one of auto, none, {', '.join(QUANTIZATIONS)}; got {name!r}")
     if device.type != "cpu":
         raise ConfigError(f"--quantization {name} runs on CPU only (its kernels are CPU kernels); got {device}")
+
+
+def resolve_quantization(name: str | None, device: torch.device, formats: dict[str, int]) -> QuantChoice:
+    """'auto', 'none' (or None) or a mode -> the mode the weights run in. `formats` is how the checkpoint stored
+    its weight matrices (`inferd.models.loader.checkpoint_formats`).
+
+    auto: a checkpoint that stores its weights quantized (a GGUF's Q4_K/Q5_0/Q6_K/Q8_0 blocks, 4.5-8.5 bits a
+    weight) runs in int8 on CPU: it has already given up float precision, and a decode step, bound by the bytes
+    it reads, reads half of bf16's (int8 is 8 bits a weight against the file's 4.5-8.5: not the file's own
+    blocks, and the rounding to int8 costs a measured perplexity, docs/performance.md). Float checkpoints, and
+    any on a GPU (the int8 kernels are CPU kernels), keep their values in --dtype."""
+    check_quantization(name, device)
+    if name in QUANTIZATIONS:
+        return QuantChoice(name, "asked for")
+    if name != "auto":
+        return QuantChoice(None, "asked for (none)")
+    stored = {k: v for k, v in formats.items() if k not in FLOAT_FORMATS}
+    if not stored:
+        return QuantChoice(None, "auto: the checkpoint's weights are floats")
+    listing = ", ".join(f"{n} {k}" for k, n in sorted(stored.items(), key=lambda kv: -kv[1]))
+    if device.type != "cpu":
+        return QuantChoice(None, f"auto: the checkpoint stores {listing} blocks, but the int8 kernels are CPU kernels")
+    from inferd.models.cpu_kernels import int8_module
+
+    if int8_module() is None:
+        return QuantChoice(None, f"auto: the checkpoint stores {listing} blocks, but the int8 kernel did not build")
+    return QuantChoice("int8", f"auto: the checkpoint stores {listing} blocks; int8 reads half of bf16's bytes")
 
 
 def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:

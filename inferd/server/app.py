@@ -155,7 +155,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
     def card(name: str) -> ModelCard:
-        dtype, quant = engine.dtype_choice.name, engine.config.quantization
+        dtype, quant = engine.dtype_choice.name, engine.quantization
         return ModelCard(
             id=name, created=created, root=root, max_model_len=engine.max_model_len, dtype=dtype, quantization=quant
         )

@@ -291,9 +291,9 @@ def test_quantized_lm_head_argmax_equals_its_full_logits_argmax():
 
 
 def test_unknown_or_impossible_quantization_is_a_clear_error():
-    with pytest.raises(ConfigError, match="quantization must be one of int8, int4; got 'fp8'"):
+    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, int4; got 'fp8'"):
         make_engine_config("x", quantization="fp8").validate()
-    with pytest.raises(ConfigError, match="quantization must be one of int8, int4"):
+    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, int4"):
         quant.check_quantization("int3", torch.device("cpu"))
     with pytest.raises(ConfigError, match="CPU only"):
         quant.check_quantization("int8", torch.device("cuda"))
@@ -303,7 +303,7 @@ def test_unknown_or_impossible_quantization_is_a_clear_error():
     add_engine_args(parser)
     assert parser.parse_args(["--quantization", "int8"]).quantization == "int8"
     assert parser.parse_args(["--quantization", "int4"]).quantization == "int4"
-    assert parser.parse_args([]).quantization is None
+    assert parser.parse_args([]).quantization == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int2"])
 
@@ -430,3 +430,68 @@ def test_int4_from_gguf_q4_k_blocks_is_not_quantized_twice():
     span = ((groups.amax(-1) - groups.amin(-1)) / 15).clamp(min=1e-12)
     minmax = (groups - groups.amin(-1, keepdim=True)) / span[..., None]
     assert (minmax - minmax.round()).abs().max() > 0.1
+
+
+# -- --quantization auto: the checkpoint's own storage decides ---------------------------------------------
+GGUF_FORMATS = {"F32": 2, "Q5_0": 81, "Q4_K": 27, "Q6_K": 9, "Q8_0": 10}
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_auto_serves_a_quantized_checkpoint_in_int8_on_cpu_and_floats_otherwise(monkeypatch):
+    monkeypatch.setattr(ck, "int8_module", lambda: object())
+    choice = quant.resolve_quantization("auto", CPU, GGUF_FORMATS)
+    assert choice.name == "int8" and "81 Q5_0, 27 Q4_K, 10 Q8_0, 9 Q6_K" in choice.reason
+    assert quant.resolve_quantization("auto", CPU, {}).name is None  # a folder of float weights
+    assert quant.resolve_quantization("auto", CPU, {"F16": 100, "F32": 30}).name is None  # a float GGUF
+    on_gpu = quant.resolve_quantization("auto", CUDA, GGUF_FORMATS)
+    assert on_gpu.name is None and "CPU kernels" in on_gpu.reason
+    monkeypatch.setattr(ck, "int8_module", lambda: None)
+    unbuilt = quant.resolve_quantization("auto", CPU, GGUF_FORMATS)
+    assert unbuilt.name is None and "did not build" in unbuilt.reason
+    # what is asked for is what runs
+    assert quant.resolve_quantization("none", CPU, GGUF_FORMATS).name is None
+    assert quant.resolve_quantization(None, CPU, GGUF_FORMATS).name is None
+    assert quant.resolve_quantization("int4", CPU, {}) == quant.QuantChoice("int4", "asked for")
+
+
+def test_a_converted_gguf_records_how_the_file_stored_each_matrix(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    from inferd.models import loader
+
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    writer.add_tensor("blk.0.ffn_down.weight", quantize(rng.standard_normal((4, 64), dtype=np.float32),
+                      GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)  # fmt: skip
+    writer.add_tensor("blk.0.attn_q.weight", rng.standard_normal((4, 64), dtype=np.float32).astype(np.float16))
+    writer.add_tensor("output_norm.weight", rng.standard_normal(64, dtype=np.float32))  # a vector: not a matrix
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    assert loader.checkpoint_formats(folder) == {}
+    loader._write_formats(path, folder)
+    assert loader.checkpoint_formats(folder) == {"F16": 1, "Q8_0": 1}
+
+
+def test_an_engine_on_a_quantized_checkpoint_runs_int8_by_default_and_says_so(tiny_models, tmp_path):
+    if int8_module() is None:
+        pytest.skip("the native int8 kernel did not build here, so auto keeps floats")
+    import json
+    import shutil
+
+    from inferd.models.loader import FORMATS_FILE
+
+    folder = tmp_path / "gguf-like"
+    shutil.copytree(tiny_models["llama"], folder)
+    (folder / FORMATS_FILE).write_text(json.dumps({"Q4_K": 3, "Q8_0": 1}))
+    engine = LLM(str(folder), max_model_len=64, num_blocks=16, block_size=8).engine
+    assert engine.quantization == "int8" and "3 Q4_K, 1 Q8_0" in engine.quant_choice.reason
+    assert isinstance(engine.model.model.layers[0].mlp.down_proj, quant.Int8Linear)
+    plain = LLM(str(folder), max_model_len=64, num_blocks=16, block_size=8, quantization="none").engine
+    assert plain.quantization is None and isinstance(plain.model.model.layers[0].mlp.down_proj, Linear)
+    assert LLM(str(tiny_models["llama"]), max_model_len=64, num_blocks=16, block_size=8).engine.quantization is None
