@@ -34,17 +34,20 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
 # the kinds README's table shows: this project's machines of today
-README_KINDS = ("zen5", "xeon-amx")
+README_KINDS = ("avx512-bf16", "xeon-amx")
 LEVELS = (1, 16, 32)
 # the columns of the side-by-side tables: inferd's default and best modes, then the peers
-COLUMNS = (
-    (("inferd",), "inferd default"),
-    (("inferd-int8",), "inferd int8"),
+INFERD_COLUMNS = (
+    (("inferd",), "inferd default"),  # its mode beside each figure: int8 for the GGUF where auto picks it
+    (("inferd-float", "inferd-int8"), "inferd other mode"),  # dequantized floats, or int8 where bf16 was default
+)
+PEER_COLUMNS = (
     (("vllm", "vllm-fp32"), "vLLM CPU 0.32"),
     (("llama-server",), "llama-server Q4_K_M"),
 )
+COLUMNS = INFERD_COLUMNS + PEER_COLUMNS
 REPRODUCE = (
-    "python benchmarks/vs_peers.py --servers inferd,inferd-int8,vllm,llama-server --workloads mixed "
+    "python benchmarks/vs_peers.py --servers inferd,inferd-float,vllm,llama-server --workloads mixed "
     "--concurrency 1,16,32 --interleave"
 )
 
@@ -187,7 +190,7 @@ def cell(run: dict, names: tuple[str, ...], level: int, detail: bool) -> str:
         return "—"
     m = level_figures(run)[server][level]
     text = num(m.get("output_throughput"))
-    if server.startswith(("inferd", "vllm")) and server not in ("inferd-int8",):
+    if server.startswith(("inferd", "vllm")):
         text += f" ({mode_label(run['servers'][server])})"
     if detail and m.get("mean_ttft_ms") is not None:
         text += f"; TTFT {num(m['mean_ttft_ms'], 0)} ms, ITL {num(m.get('mean_itl_ms'))} ms"
@@ -199,12 +202,14 @@ def ratio_lines(run: dict, levels: list[int], compact: bool = False) -> list[str
     (`compact`: against llama-server, the single-stream peer, at concurrency 1 only)."""
     figs = level_figures(run)
     lines = []
-    for mine, mine_label in COLUMNS[:2]:
+    for mine, _ in INFERD_COLUMNS:
         me = column_server(run, mine)
         if me is None:
             continue
+        mode = mode_label(run["servers"][me])
+        mine_label = f"inferd default ({mode})" if me == "inferd" else f"inferd {mode}"
         parts = []
-        for theirs, label in COLUMNS[2:]:
+        for theirs, label in PEER_COLUMNS:
             peer = column_server(run, theirs)
             shared = [c for c in levels if peer and c in figs[me] and c in figs[peer]]
             if compact and peer == "llama-server":

@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -516,6 +517,31 @@ def run_interleaved(chosen: list[tuple[Server, int]], model: Model, args: argpar
     return entries
 
 
+def assemble(chosen: list[tuple[Server, int]], model: Model, args: argparse.Namespace) -> dict[str, dict]:
+    """The run from the bench results an earlier invocation with these servers, workloads, levels and runs
+    left in RESULTS_DIR/raw since `args.assemble` (one cut short by a timeout, say): every run found counts, a
+    missing one is named in the entry's `missing_runs`, and nothing is started."""
+    since = datetime.fromisoformat(args.assemble).replace(tzinfo=UTC).timestamp()
+    entries = {server.name: new_entry(server, port, model, args) for server, port in chosen}
+    for server, port in chosen:
+        entry = entries[server.name]
+        for workload in args.workloads:
+            for level in args.concurrency:
+                got = []
+                for run in range(args.runs):
+                    cmd = bench_command(server, port, model, workload, level, run_seed(workload, level, run))
+                    raw = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+                    if not raw.exists() or raw.stat().st_mtime < since:
+                        entry.setdefault("missing_runs", []).append(f"{workload} c={level} run {run}")
+                        continue
+                    result = json.loads(raw.read_text())
+                    got.append({k: result.get(k) for k in SUMMARY_KEYS})
+                if got:
+                    figures = {"num_prompts": num_prompts(level), "runs": got, "median": median_of_runs(got)}
+                    entry["workloads"].setdefault(workload, {})[f"concurrency={level}"] = figures
+    return entries
+
+
 def best_inferd(servers: dict, workload: str, level: str) -> tuple[str | None, dict]:
     """inferd's mode with the highest median output throughput at this level."""
     best, figures = None, {}
@@ -620,6 +646,12 @@ def main() -> int:
     ap.add_argument(
         "--interleave", action="store_true", help="start every server at once; each run goes to every server in turn"
     )
+    ap.add_argument(
+        "--assemble",
+        metavar="SINCE",
+        help="start nothing: build the run from the bench results a run with the same flags left (one cut short) "
+        "since SINCE (UTC, e.g. 2026-12-04T14:00; older files are an earlier run's)",
+    )
     args = ap.parse_args()
     started = time.time()
     if args.setup:
@@ -641,7 +673,9 @@ def main() -> int:
             print(f"[{name}] skipped: not installed (python benchmarks/vs_peers.py {server.setup_hint})")
             continue
         chosen.append((server, port))
-    if args.interleave and not args.dry_run:
+    if args.assemble:
+        entries = assemble(chosen, model, args)
+    elif args.interleave and not args.dry_run:
         entries = run_interleaved(chosen, model, args)
     else:
         entries = {server.name: run_server(server, port, model, args) for server, port in chosen}
