@@ -5,7 +5,8 @@ Servers (`--servers`, default: those of DEFAULT_SERVERS whose setup is done), al
 each run in turn (this VM's speed drifts by up to a third over minutes); the five together outgrow 24 GiB
 under load (vLLM's worker is OOM-killed), so plain `vllm` is left out unless asked for:
   inferd         `inferd serve`, defaults (no speculation)
-  inferd-ngram   the same with SPEC (vLLM's spelling, vLLM's values)
+  inferd-ngram   the same with SPEC (vLLM's spelling, vLLM's values; inferd's default draft policy, `cost`)
+  inferd-ngram8  the same with up to 8 drafts a request (SPEC8): the cost policy decides how many pay
   vllm           vLLM CPU, bf16 (vs_peers' `vllm`, with a 2 GiB KV cache like inferd's), no speculation
   vllm-ngram     the same with SPEC
   llama-server   Q4_K_M (vs_peers' `llama-server`), no speculation
@@ -43,9 +44,10 @@ from inferd.procs import free_port  # noqa: E402
 
 RAW_DIR = ROOT / "results" / "speculative" / "raw"  # each bench run's JSON (not committed)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC8 = SPEC | {"num_speculative_tokens": 8}
 WORKLOADS = {"quote": "quote", "open": "random"}  # name -> `inferd bench serve --dataset`
-SERVERS = ("inferd", "inferd-ngram", "vllm", "vllm-ngram", "llama-server")
-DEFAULT_SERVERS = ("inferd", "inferd-ngram", "vllm-ngram", "llama-server")
+SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "vllm", "vllm-ngram", "llama-server")
+DEFAULT_SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "vllm-ngram", "llama-server")
 KEYS = (
     "completed",
     "failed",
@@ -71,9 +73,9 @@ def server_table(model) -> tuple[dict[str, Server], dict[str, int]]:
     ports, table = {}, {}
     for name in SERVERS:
         ports[name] = free_port()
-        base = servers(model, ports[name])[name.removesuffix("-ngram")]
-        if name.endswith("-ngram"):
-            flags = ["--speculative-config", json.dumps(SPEC)]
+        base = servers(model, ports[name])[name.split("-ngram")[0]]
+        if "-ngram" in name:
+            flags = ["--speculative-config", json.dumps(SPEC8 if name.endswith("8") else SPEC)]
             base = dataclasses.replace(base, name=name, command=[*base.command, *flags])
         if name.startswith("vllm"):  # two vLLMs beside three servers on 24 GiB: its 4 GiB default left one OOM-killed
             base = dataclasses.replace(base, env=base.env | {"VLLM_CPU_KVCACHE_SPACE": "2"})
@@ -107,6 +109,9 @@ def ratios(entries: dict) -> dict:
         "vllm_ngram_over_off": ("vllm-ngram", "vllm"),
         "inferd_ngram_over_vllm_ngram": ("inferd-ngram", "vllm-ngram"),
         "inferd_ngram_over_llama_server": ("inferd-ngram", "llama-server"),
+        "inferd_ngram8_over_off": ("inferd-ngram8", "inferd"),
+        "inferd_ngram8_over_vllm_ngram": ("inferd-ngram8", "vllm-ngram"),
+        "inferd_ngram8_over_llama_server": ("inferd-ngram8", "llama-server"),
         "inferd_over_vllm": ("inferd", "vllm"),
     }
     out: dict = {}
@@ -174,7 +179,8 @@ def main() -> int:
         "benchmark": "speculative",
         "workload": {"endpoint": "/v1/completions", "datasets": {w: WORKLOADS[w] for w in workloads},
                      "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": True,
-                     "temperature": 0, "levels": levels, "runs": args.runs, "speculative_config": SPEC},
+                     "temperature": 0, "levels": levels, "runs": args.runs, "speculative_config": SPEC,
+                     "speculative_config_8": SPEC8},
         "servers": entries,
         "ratios": ratios(entries),
     }  # fmt: skip

@@ -109,13 +109,22 @@ class SpeculativeConfig:
         "it, greedy ones token-exact, sampled ones by rejection sampling. Default: none",
         choices=("ngram",),
     )
-    num_speculative_tokens: int = setting(4, "draft tokens proposed per request and step", minimum=1)
+    num_speculative_tokens: int = setting(
+        4, "the most draft tokens a request carries into a step (how many: --speculative-draft-policy)", minimum=1
+    )
     prompt_lookup_min: int = setting(2, "ngram: the shortest suffix matched", minimum=1)
     prompt_lookup_max: int = setting(4, "ngram: the longest suffix matched", minimum=1)
-    speculative_disable_by_batch_size: int = setting(
-        4,
-        "no drafts in a step whose batch has more running requests than this: a larger batch is no longer "
-        "bound by its weight bytes, so verifying drafts costs more than it saves",
+    speculative_draft_policy: str = setting(
+        "cost",
+        "how many of its proposed drafts a request carries: cost (each step, drafts while the step's tokens per "
+        "second grow, from the measured time of steps by rows and each request's acceptance rate) or all "
+        "(every draft, up to num_speculative_tokens, as vLLM does)",
+        choices=("cost", "all"),
+    )
+    speculative_disable_by_batch_size: int | None = setting(
+        None,
+        "no drafts at all in a step whose batch has more running requests than this (vLLM's rule; the cost "
+        "policy already drops drafts where a batch is bound by compute). Default: no limit",
         minimum=1,
     )
 
@@ -212,6 +221,7 @@ _SPECULATIVE_KEYS = {
     "prompt_lookup_min": "prompt_lookup_min",
     "prompt_lookup_max": "prompt_lookup_max",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
+    "draft_policy": "speculative_draft_policy",  # inferd's own
 }
 
 

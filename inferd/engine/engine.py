@@ -26,7 +26,7 @@ from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
-from inferd.engine.spec_decode import NgramProposer, SpecStats
+from inferd.engine.spec_decode import DraftPlanner, NgramProposer, SpecStats
 from inferd.errors import ConfigError, InvalidRequestError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
@@ -300,7 +300,10 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def _proposer(self, spec: SpeculativeConfig) -> NgramProposer | None:
-        return NgramProposer(spec, self.max_model_len) if spec.speculative_method == "ngram" else None
+        if spec.speculative_method != "ngram":
+            return None
+        planner = DraftPlanner(self.spec_stats) if spec.speculative_draft_policy == "cost" else None
+        return NgramProposer(spec, self.max_model_len, planner)
 
     def set_speculative(self, spec: SpeculativeConfig) -> None:
         """New speculative settings for an idle engine (the model and the cache stay): drafts are proposed
@@ -342,14 +345,20 @@ class Engine:
         if self.events is not None:  # the dashboard's step events (inferd/engine/events.py)
             self.events.record(self.scheduler, sched, sampled_tokens, started)
         if self.proposer is not None:
-            self._count_drafts(sched, runner_output)
+            self._count_drafts(sched, runner_output, time.perf_counter() - started)
             self.scheduler.set_drafts(self.proposer.propose(self.scheduler.running))
         return [self._make_output(p) for p in touched.values()]
 
-    def _count_drafts(self, sched, out) -> None:
+    def _count_drafts(self, sched, out, seconds: float) -> None:
+        planner = self.proposer.planner
         for chunk in sched.chunks:
             if chunk.num_drafts:
-                self.spec_stats.add(chunk.num_drafts, len(out.accepted_drafts.get(chunk.request_id, ())))
+                accepted = len(out.accepted_drafts.get(chunk.request_id, ()))
+                self.spec_stats.add(chunk.num_drafts, accepted)
+                if planner is not None:
+                    planner.observe_drafts(chunk.request_id, chunk.num_drafts, accepted)
+        if planner is not None and sched.chunks and not any(c.is_prefill for c in sched.chunks):  # decode rows only
+            planner.observe_step(sum(c.num_tokens for c in sched.chunks), seconds)
 
     def _on_token(self, seq: _Sequence, sampled: SampledToken) -> None:
         """Detokenize a sequence's new token and look for its stop strings."""

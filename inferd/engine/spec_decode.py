@@ -14,16 +14,26 @@ earlier occurrence of the request's last n tokens (n from `prompt_lookup_max` do
 in its prompt and output, and propose the k tokens that followed it. It costs no model and pays off where
 outputs repeat their context (extraction, code edits, summaries quoting the source, structured records).
 
-Who takes it: requests without logprobs, penalties, logit biases or a grammar, past `min_tokens`, and only in
-steps with at most `speculative_disable_by_batch_size` running requests: a larger batch is bound by compute,
-where verifying drafts that are then rejected costs real time. A sampled request (temperature > 0, top-k/p,
+Who takes it: requests without logprobs, penalties, logit biases or a grammar, past `min_tokens` (and, if
+set, only in steps with at most `speculative_disable_by_batch_size` running requests: vLLM's rule).
+
+How many drafts each one carries is planned per step (`DraftPlanner`), up to `num_speculative_tokens`: a
+draft is worth its row only while the step's tokens per second grow with it. The planner knows two measured
+things: what a step of T rows costs on this machine, t(T) (`StepCost`, learned from the engine's own decode
+steps), and how likely each request's next draft is to be kept, p (its recent acceptance, starting from the
+engine-wide rate). The i-th draft of a request adds p^i expected tokens; drafts are added best first while
+(tokens + p^i) / t(T + 1) beats tokens / t(T). At batch 1, where a step of ten rows costs about what one does,
+every draft the lookup finds goes in; in a large batch, bound by compute, only drafts very likely to be kept
+do, and none once their rows cost more than they give. A sampled request (temperature > 0, top-k/p,
 min-p) keeps each draft by rejection sampling (`Sampler.verify_drafts`), so its tokens are distributed as
 without drafts; a seeded one is reproducible, though its random draws differ from a run without drafts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,15 +99,112 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
+class StepCost:
+    """t(T): the seconds a decode step of T rows (decode tokens plus drafts) takes here, learned from the
+    engine's own steps (a moving average per row count). Between learned counts it interpolates; beyond the
+    largest it extends the slope of the last two (flat with one: untried sizes look cheap until tried, so the
+    planner tries them and learns)."""
+
+    ALPHA = 0.2  # weight of a new step in its row count's average
+
+    def __init__(self):
+        self.rows: list[int] = []  # sorted row counts seen
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows not in self.seconds:
+            bisect.insort(self.rows, rows)
+            self.seconds[rows] = seconds
+        else:
+            self.seconds[rows] += self.ALPHA * (seconds - self.seconds[rows])
+
+    def __call__(self, rows: int) -> float | None:
+        """The expected seconds of a step of `rows` rows; None before any step was seen."""
+        if not self.rows:
+            return None
+        if rows in self.seconds:
+            return self.seconds[rows]
+        i = bisect.bisect_left(self.rows, rows)
+        if i == 0:
+            return self.seconds[self.rows[0]]
+        if i < len(self.rows):
+            a, b = self.rows[i - 1], self.rows[i]
+            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (rows - a) / (b - a)
+        last = self.rows[-1]
+        if len(self.rows) == 1:
+            return self.seconds[last]
+        prev = self.rows[-2]
+        slope = max(0.0, (self.seconds[last] - self.seconds[prev]) / (last - prev))
+        return self.seconds[last] + slope * (rows - last)
+
+
+class DraftPlanner:
+    """How many of its proposed drafts each request carries into the next step (module docstring)."""
+
+    DECAY = 0.8  # weight of a request's earlier steps against its latest in its acceptance rate
+    PRIOR = 2.0  # how many drafts' worth the engine-wide rate counts for in a request's own
+
+    def __init__(self, stats: SpecStats):
+        self.stats = stats
+        self.cost = StepCost()
+        self._kept: dict[str, tuple[float, float]] = {}  # request -> (drafts kept, drafts rejected), decayed
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step of only decode rows (and drafts) and what it took."""
+        self.cost.observe(rows, seconds)
+
+    def observe_drafts(self, request_id: str, drafted: int, accepted: int) -> None:
+        kept, rejected = self._kept.get(request_id, (0.0, 0.0))
+        self._kept[request_id] = (kept * self.DECAY + accepted, rejected * self.DECAY + (accepted < drafted))
+
+    def acceptance(self, request_id: str) -> float:
+        """p: the chance the request's next draft is kept given the one before it was (each step keeps a run
+        of drafts, then rejects at most one), its own record weighed with the engine's."""
+        s = self.stats
+        overall = (s.num_accepted_tokens + 1) / (s.num_accepted_tokens + s.num_drafts + 2)  # a rejection a step
+        kept, rejected = self._kept.get(request_id, (0.0, 0.0))
+        return (kept + self.PRIOR * overall) / (kept + rejected + self.PRIOR)
+
+    def plan(self, drafts: dict[str, list[int]], decode_rows: int) -> dict[str, list[int]]:
+        """The drafts cut to what pays: `decode_rows` is the step's decoding requests, one row each."""
+        base = self.cost(decode_rows)
+        if base is None or not drafts:
+            return drafts
+        tokens, rows, seconds = float(decode_rows), decode_rows, base
+        chosen = dict.fromkeys(drafts, 0)
+        p = {rid: self.acceptance(rid) for rid in drafts}
+        heap = [(-p[rid], rid, 1) for rid in drafts]  # (-gain of the request's next draft, request, its index)
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, rid, i = heapq.heappop(heap)
+            t = self.cost(rows + 1)
+            if (tokens - neg_gain) / t <= tokens / seconds:
+                break  # gains only fall from here and each row costs at least as much
+            tokens, rows, seconds = tokens - neg_gain, rows + 1, t
+            chosen[rid] = i
+            if i < len(drafts[rid]):
+                heapq.heappush(heap, (neg_gain * p[rid], rid, i + 1))
+        return {rid: drafts[rid][:k] for rid, k in chosen.items() if k}
+
+    def forget(self, running: Iterable[str]) -> None:
+        """Drop the records of requests no longer running."""
+        keep = set(running)
+        for rid in [r for r in self._kept if r not in keep]:
+            del self._kept[rid]
+
+
 class NgramProposer:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, planner: DraftPlanner | None = None):
         self.config = config
         self.max_model_len = max_model_len
+        self.planner = planner
 
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
-        """Drafts for the requests that take them, within their max_tokens and the context length."""
+        """Drafts for the requests that take them, within their max_tokens and the context length, cut by
+        the planner to what pays in the next step."""
         c = self.config
-        if len(running) > c.speculative_disable_by_batch_size:
+        limit = c.speculative_disable_by_batch_size
+        if limit is not None and len(running) > limit:
             return {}
         drafts = {}
         for request in running:
@@ -114,4 +221,7 @@ class NgramProposer:
             draft = ngram_propose(prompt + output, k, c.prompt_lookup_min, c.prompt_lookup_max)
             if draft:
                 drafts[request.request_id] = draft
-        return drafts
+        if self.planner is None:
+            return drafts
+        self.planner.forget(r.request_id for r in running)
+        return self.planner.plan(drafts, len(running))

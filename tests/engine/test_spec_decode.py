@@ -8,7 +8,7 @@ import pytest
 
 from inferd import LLM, SamplingParams
 from inferd.config import make_engine_config
-from inferd.engine.spec_decode import ngram_propose
+from inferd.engine.spec_decode import DraftPlanner, SpecStats, StepCost, ngram_propose
 from inferd.errors import ConfigError
 from tests.conftest import VOCAB, assert_idle
 from tests.engine.echo_model import echo_model
@@ -49,6 +49,58 @@ def test_the_speculative_config_is_read_as_vllm_spells_it_and_checked():
             make_engine_config(speculative_config=bad).validate()
 
 
+def test_step_cost_interpolates_and_extends_what_it_measured():
+    cost = StepCost()
+    assert cost(4) is None
+    cost.observe(1, 0.010)
+    assert cost(1) == cost(9) == 0.010  # one size seen: others look as cheap until tried
+    cost.observe(9, 0.014)
+    assert cost(5) == pytest.approx(0.012) and cost(17) == pytest.approx(0.018)  # the last slope, extended
+    cost.observe(9, 0.024)  # a moving average, not the last step
+    assert cost(9) == pytest.approx(0.014 + 0.2 * 0.010)
+
+
+def _planner(costs: dict[int, float], kept: int = 95, drafts: int = 100) -> DraftPlanner:
+    """A planner that measured steps of these row counts, with `kept` of the engine's last drafts accepted."""
+    planner = DraftPlanner(SpecStats(num_drafts=drafts - kept, num_accepted_tokens=kept))
+    for rows, seconds in costs.items():
+        planner.observe_step(rows, seconds)
+    return planner
+
+
+def test_the_planner_keeps_drafts_while_they_pay_and_best_first():
+    proposed = {"a": [1, 2, 3, 4, 5, 6, 7, 8], "b": [1, 2, 3, 4, 5, 6, 7, 8]}
+    # bound by weight bytes (a step of 17 rows costs what one of 2 does): every draft goes in
+    assert _planner({2: 0.020, 18: 0.021}).plan(proposed, 2) == proposed
+    # bound by compute (each row costs what a request's step does): no draft pays for its row
+    assert _planner({2: 0.020, 18: 0.180}).plan(proposed, 2) == {}
+    # in between, a request that keeps its drafts gets more of them than one whose drafts fail
+    planner = _planner({2: 0.020, 18: 0.060})
+    for _ in range(5):
+        planner.observe_drafts("a", 4, 4)
+        planner.observe_drafts("b", 4, 0)
+    assert planner.acceptance("a") > 0.95 and planner.acceptance("b") < 0.4
+    assert planner.plan(proposed, 2) == {"a": proposed["a"]}
+    # a middling rate alone: the first drafts pay, the third would not (0.6, 0.36, then 0.21 of a token)
+    assert _planner({1: 0.010, 9: 0.030}, kept=60).plan({"c": [1, 2, 3, 4, 5, 6, 7, 8]}, 1) == {"c": [1, 2]}
+    planner.forget(["a"])
+    assert planner.acceptance("b") == planner.acceptance("new")  # its record went with it
+    assert _planner({}).plan(proposed, 2) == proposed  # nothing measured yet: every draft, to learn
+
+
+def test_the_cost_policy_is_exact_and_drafts_at_batch_one(tiny_models, tmp_path):
+    folder = str(echo_model(tiny_models["llama"], tmp_path / "echo", 0.0))
+    kw = dict(max_model_len=256, num_blocks=128, dtype="float32")
+    plain, spec = LLM(folder, **kw), LLM(folder, speculative_method="ngram", num_speculative_tokens=8, **kw)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for one in _repetitive_prompts():
+        assert _tokens(spec.generate([one], params)) == _tokens(plain.generate([one], params))
+    stats = spec.engine.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert spec.engine.proposer.planner.cost(1) is not None  # it measured the steps it planned with
+    assert_idle(spec)
+
+
 def _repetitive_prompts() -> list[list[int]]:
     """Prompts that repeat a phrase, so the lookup finds drafts from the first step on."""
     return [(p * 4)[:60] for p in prompt_set(VOCAB, lengths=(7, 11, 13))]
@@ -59,7 +111,8 @@ def pair(request, tiny_models, tmp_path_factory):
     folder = echo_model(tiny_models["llama"], tmp_path_factory.mktemp("echo") / "llama", request.param)
     kw = dict(max_model_len=256, num_blocks=128, dtype="float32")
     plain = LLM(str(folder), **kw)
-    spec = LLM(str(folder), speculative_method="ngram", num_speculative_tokens=4, **kw)
+    # every draft verified (vLLM's way): what these tests check does not hang on the cost model's timings
+    spec = LLM(str(folder), speculative_method="ngram", num_speculative_tokens=4, speculative_draft_policy="all", **kw)
     return plain, spec, request.param
 
 
