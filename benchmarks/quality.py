@@ -9,9 +9,9 @@ Agreement is reported three ways: the fraction of positions with the same token 
 continuations differ, so this counts divergence early), the mean common prefix as a fraction of T, and
 the fraction of sequences identical to the end.
 
-    .venv/bin/python benchmarks/quality.py                                # all modes, 64 x 64, 4096 ppl tokens
-    .venv/bin/python benchmarks/quality.py --modes fp32,bf16 --prompts 16 --new-tokens 32 --ppl-tokens 1024
-    .venv/bin/python benchmarks/quality.py --modes fp32,int8,int4 --rows 8
+    .venv/bin/python -m benchmarks.quality                                # all modes, 64 x 64, 4096 ppl tokens
+    .venv/bin/python -m benchmarks.quality --modes fp32,bf16 --prompts 16 --new-tokens 32 --ppl-tokens 1024
+    .venv/bin/python -m benchmarks.quality --modes fp32,int8,int4 --rows 8
 
 By default the prompts decode in one batch and each perplexity window is one prefill: every layer sees many
 rows. `--rows 8` decodes 8 sequences at a time and scores in prefill chunks of 8 tokens, so the kernels that
