@@ -108,9 +108,19 @@ def bench_serve(cmd: list[str], keys: tuple[str, ...], quiet: bool = True) -> di
     if done.returncode != 0:
         tail = f"\n{done.stderr[-2000:]}" if quiet else ""
         raise RuntimeError(f"inferd bench exited with {done.returncode}: {shlex.join(cmd)}{tail}")
-    raw = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+    raw = bench_result_file(cmd)
     result = json.loads(raw.read_text())
     write_json(raw, result)  # the same, without this machine's paths
+    return bench_summary(result, keys)
+
+
+def bench_result_file(cmd: list[str]) -> Path:
+    """Where an `inferd bench serve` command line saves its result."""
+    return Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+
+
+def bench_summary(result: dict, keys: tuple[str, ...]) -> dict:
+    """The `keys` of a saved one-level bench result."""
     run = result["runs"][0] if "runs" in result else result  # one level: the summary is the file itself
     return {k: run.get(k) for k in keys}
 

@@ -69,7 +69,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.common` importable
-from benchmarks.common import bench_serve, portable, results_path, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_result_file,
+    bench_serve,
+    bench_summary,
+    portable,
+    results_path,
+    write_json,
+)
 from inferd.bench import peers as peer_runs  # noqa: E402
 from inferd.bench import runs as run_files  # noqa: E402
 from inferd.cpu import cpu_flags  # noqa: E402
@@ -530,12 +537,11 @@ def assemble(chosen: list[tuple[Server, int]], model: Model, args: argparse.Name
                 got = []
                 for run in range(args.runs):
                     cmd = bench_command(server, port, model, workload, level, run_seed(workload, level, run))
-                    raw = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+                    raw = bench_result_file(cmd)
                     if not raw.exists() or raw.stat().st_mtime < since:
                         entry.setdefault("missing_runs", []).append(f"{workload} c={level} run {run}")
                         continue
-                    result = json.loads(raw.read_text())
-                    got.append({k: result.get(k) for k in SUMMARY_KEYS})
+                    got.append(bench_summary(json.loads(raw.read_text()), SUMMARY_KEYS))
                 if got:
                     figures = {"num_prompts": num_prompts(level), "runs": got, "median": median_of_runs(got)}
                     entry["workloads"].setdefault(workload, {})[f"concurrency={level}"] = figures
