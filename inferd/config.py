@@ -37,12 +37,15 @@ def parse_memory(text: str | int) -> int:
         raise ConfigError(f"cannot read memory size {text!r}; write e.g. 2GiB or 512MiB") from None
 
 
-def setting(default, help: str, *, choices: tuple | None = None, minimum: int | None = None, parse=None, shown=None):
+def setting(
+    default, help: str, *, choices: tuple | None = None, minimum: int | None = None, parse=None, shown=None, many=False
+):
     """A config field and what the CLI and the checks need to know about it.
 
-    `parse` reads the flag's text (default: the field's type); `shown` is the default as --help shows it.
+    `parse` reads the flag's text (default: the field's type); `shown` is the default as --help shows it;
+    `many`: the flag takes one or more values (`--lora-modules a=/x b=/y`), kept as a tuple.
     """
-    meta = {"help": help, "choices": choices, "minimum": minimum, "parse": parse, "shown": shown}
+    meta = {"help": help, "choices": choices, "minimum": minimum, "parse": parse, "shown": shown, "many": many}
     return field(default=default, metadata=meta)
 
 
@@ -136,6 +139,54 @@ class SpeculativeConfig:
             )
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """One `--lora-modules` item as vLLM writes it, `name=path` or `{"name": ..., "path": ...}` -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--lora-modules item is not JSON: {e}") from None
+        name, path = (item.get("name"), item.get("path")) if isinstance(item, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise ConfigError(f"--lora-modules takes name=path (or JSON with name and path), not {text!r}")
+    return name.strip(), path.strip()
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served over the base model (inferd/models/lora.py, inferd/engine/lora.py)."""
+
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (implied by --lora-modules; needed to load them at run time)"
+    )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "PEFT adapters to serve from the start, as name=path (or vLLM's JSON form); a request names one as its `model`",
+        many=True,
+        shown="none",
+    )
+    max_loras: int = setting(4, "adapters resident at once: a batch mixes at most this many", minimum=1)
+    max_lora_rank: int = setting(16, "the highest rank an adapter may have", minimum=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def modules(self) -> list[tuple[str, str]]:
+        """(name, path) of each --lora-modules item; a name given twice is a ConfigError."""
+        items = [lora_module(text) for text in self.lora_modules]
+        names = [name for name, _ in items]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--lora-modules names an adapter twice: {sorted(names)}")
+        return items
+
+    def validate(self) -> None:
+        _check_fields(self)
+        self.modules()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = setting(DEFAULT_MODEL, "default alias, Hugging Face folder, .gguf file or hub id")
@@ -174,6 +225,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def context_len(self, model_limit: int) -> int:
         """The engine's max_model_len: the setting, else the model's own limit, at most MAX_DEFAULT_LEN."""
@@ -184,6 +236,7 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.speculative.validate()
+        self.lora.validate()
 
 
 # -- the flat form: LLM(model, block_size=..., max_num_seqs=...) and the CLI -------------------------
@@ -203,6 +256,11 @@ def _settings() -> list[tuple[str | None, typing.Any, typing.Any]]:
                 kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
                 out.append((group, f, kinds[0]))
     return out
+
+
+def _many() -> set[str]:
+    """The settings whose flag takes several values."""
+    return {f.name for _, f, _ in _settings() if f.metadata["many"]}
 
 
 def engine_default(name: str) -> typing.Any:
@@ -252,7 +310,7 @@ def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
     for name, value in kwargs.items():
         if name not in known:
             raise ConfigError(f"unknown engine setting {name!r}; known: {', '.join(sorted(known))}")
-        nested[known[name]][name] = value
+        nested[known[name]][name] = tuple(value) if name in _many() and isinstance(value, list | tuple) else value
     parts = {group: cls(**nested[group]) for group, cls in _groups().items() if group is not None}
     return EngineConfig(model=model, **nested[None], **parts)
 
@@ -287,7 +345,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         parse = _cli_reader(meta["parse"]) if meta["parse"] else kind
-        g.add_argument(flag, type=parse, default=f.default, choices=meta["choices"], help=help_text)
+        many = {"nargs": "+"} if meta["many"] else {}
+        g.add_argument(flag, type=parse, default=f.default, choices=meta["choices"], help=help_text, **many)
     g.add_argument(
         "--speculative-config",
         type=_cli_reader(lambda text: speculative_settings(text) and text),
@@ -314,6 +373,8 @@ def engine_argv(settings: dict[str, typing.Any]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if kinds[name] is bool:
             argv.append(flag if value else "--no-" + flag[2:])
+        elif name in _many():
+            argv += [flag, *map(str, value)] if value else []
         else:
             argv += [flag, str(value)]
     return argv

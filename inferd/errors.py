@@ -26,6 +26,13 @@ class InvalidRequestError(InferdError):
     """A request (prompt or sampling parameters) that can never be served as given."""
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model (or LoRA adapter) this server does not serve: a 404 `model_not_found`."""
+
+    def __init__(self, message: str, param: str | None = "model"):
+        super().__init__(message, param)
+
+
 class ModelLoadError(InferdError):
     """A model that cannot be found, read or is of an architecture inferd does not have."""
 

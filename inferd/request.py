@@ -52,6 +52,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_key: str | None = None  # that adapter's identity in prefix-cache keys (LoRAAdapter.key)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
@@ -59,6 +61,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What the prefix cache salts this request's block keys with: its cache_salt, and its adapter, so a
+        block computed under one adapter (or none) is never reused under another."""
+        if self.lora_key is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_key}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,13 @@ def _add_serve(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
     g.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapters the server serves: each request asks for the next in turn (the tokenizer is --model's)",
+    )
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (env OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take in all")
@@ -225,6 +232,10 @@ def run_serve(args: argparse.Namespace) -> int:
         hint = f" (the server serves {served}, not {model!r}: check --model)" if unknown else ""
         raise InferdError(f"{e}{hint}") from None
     dataset = _make_dataset(args, tok)
+    if args.lora_modules:
+        from inferd.bench.datasets import ModelMix
+
+        dataset = ModelMix(dataset, list(args.lora_modules))
     client = ClientConfig(
         base_url=base_url,
         model=model,

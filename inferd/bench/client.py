@@ -74,7 +74,7 @@ def normalize_base_url(url: str) -> str:
 
 def build_body(cfg: ClientConfig, req: BenchRequest) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": cfg.model,
+        "model": req.model or cfg.model,
         "max_tokens": req.output_len,
         "temperature": cfg.temperature,
         "stream": True,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -29,6 +29,7 @@ class BenchRequest:
     output_len: int  # max_tokens asked for
     extra_body: dict | None = None  # fields of this request's own (a response_format), over the run's
     schema: dict | bool | None = None  # the JSON schema its output should follow, counted in schema_valid_rate
+    model: str | None = None  # the model (or LoRA adapter) it asks for, over the run's --model
 
 
 class Dataset(Protocol):
@@ -36,6 +37,31 @@ class Dataset(Protocol):
     default_count: int
 
     def take(self, count: int) -> list[BenchRequest]: ...
+
+
+@dataclass
+class ModelMix:
+    """Another dataset's requests, each asking for the next of `models` in turn (LoRA adapters served by one
+    server; vLLM's benchmark picks one at random per request, this gives each the same share)."""
+
+    inner: Dataset
+    models: list[str]
+    _next: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def default_count(self) -> int:
+        return self.inner.default_count
+
+    def take(self, count: int) -> list[BenchRequest]:
+        out = []
+        for r in self.inner.take(count):
+            out.append(replace(r, model=self.models[self._next % len(self.models)]))
+            self._next += 1
+        return out
 
 
 # Common words, each one token in most tokenizers: random sequences of them tokenize to predictable lengths,

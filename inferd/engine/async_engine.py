@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferd.engine.engine import Engine, EngineStats
 from inferd.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
@@ -35,6 +36,15 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     arrival_time: float
+    future: asyncio.Future
+    lora_name: str | None = None
+
+
+@dataclass
+class _Call:
+    """Something to do on the step thread between steps (loading a LoRA adapter), its result to the future."""
+
+    fn: Callable[[], Any]
     future: asyncio.Future
 
 
@@ -143,8 +153,9 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestStream:
-        """Queue a request and return its stream once the engine has accepted it.
+        """Queue a request and return its stream once the engine has accepted it (`lora_name`: its adapter).
 
         Raises InvalidRequestError (as the engine does) for a request that cannot run, and
         EngineOverloadedError when the waiting queue is full or the server is draining.
@@ -158,7 +169,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._num_pending += params.n
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, future))
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, future, lora_name))
         try:
             await future
         except BaseException:
@@ -181,6 +192,15 @@ class AsyncEngine:
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on the step thread between two steps (what changes the engine's state outside a
+        request: loading or unloading a LoRA adapter); its result, or its exception raised here."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed: {self.dead}")
+        future = self._loop.create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
 
     def abort(self, request_id: str) -> None:
         """Abort at the next step boundary and free its blocks. Unknown or finished ids are ignored."""
@@ -253,7 +273,7 @@ class AsyncEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Add):
+            if isinstance(item, _Add | _Call):
                 self._call_loop(_resolve, item.future, error)
 
     def _take_inbox(self, block: bool, timeout: float | None = None) -> bool:
@@ -266,6 +286,8 @@ class AsyncEngine:
         while item is not _STOP:
             if isinstance(item, _Add):
                 replies.append((item.future, self._add(item)))
+            elif isinstance(item, _Call):
+                self._call_loop(_settle, item.future, *_outcome(item.fn))
             else:
                 self._abort(item.request_id)
             try:
@@ -288,7 +310,9 @@ class AsyncEngine:
         if item.future.cancelled():
             return None
         try:
-            self.engine.add_request(item.request_id, item.prompt, item.params, item.cache_salt, item.arrival_time)
+            self.engine.add_request(
+                item.request_id, item.prompt, item.params, item.cache_salt, item.arrival_time, item.lora_name
+            )
         except Exception as e:
             return e
         self._live.add(item.request_id)
@@ -369,15 +393,26 @@ def free_openmp_pool() -> bool:
         return False
 
 
+def _outcome(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as e:
+        return None, e
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
+
+
 def _resolve_all(replies: list[tuple[asyncio.Future, BaseException | None]]) -> None:
     for future, error in replies:
         _resolve(future, error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+    _settle(future, None, error)

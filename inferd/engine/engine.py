@@ -24,10 +24,11 @@ from inferd.config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig, make_e
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
+from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
 from inferd.engine.spec_decode import DraftPlanner, NgramProposer, SpecStats
-from inferd.errors import ConfigError, InvalidRequestError
+from inferd.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from inferd.models.quant import check_quantization, resolve_quantization
@@ -62,6 +63,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[_Sequence] = field(default_factory=list)
+    lora_name: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -82,6 +84,15 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA: unfinished sequences per adapter, running and waiting (vLLM's lora_requests_info)
+    running_loras: dict[str, int] = field(default_factory=dict)
+    waiting_loras: dict[str, int] = field(default_factory=dict)
+    max_loras: int = 0  # slots (0: no LoRA)
+    lora_loads: int = 0
+    lora_load_seconds: float = 0.0
+    lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
+    lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    taken: float = field(default_factory=time.time)  # when (Unix time): lora_requests_info's value, as vLLM's
 
 
 class Engine:
@@ -128,6 +139,10 @@ class Engine:
         # structured outputs: the tokenizer's tables build in the background; requests compile their grammar
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.grammars = self.grammars
+        # LoRA adapters over the base model: slots wrapped around its layers, loaded as steps need them
+        self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora.enabled else None
+        self.runner.lora = self.lora
+        self.scheduler.max_loras = config.lora.max_loras if self.lora is not None else None
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
@@ -138,6 +153,8 @@ class Engine:
 
     def attach_kv_connector(self, connector) -> None:
         """Plug in a KV connector (inferd.engine.kv_connector) before the first step."""
+        if self.lora is not None:
+            raise ConfigError("LoRA adapters are not served by disaggregated prefill/decode roles yet")
         self.kv_connector = connector
         self.runner.kv_caches = connector.register_kv_caches(self.runner.kv_caches)
         self.runner.kv_connector = connector
@@ -202,15 +219,18 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Validate and queue a request; raises InvalidRequestError (and queues nothing) if it can't run."""
+        """Validate and queue a request; raises InvalidRequestError (and queues nothing) if it can't run.
+        `lora_name`: the LoRA adapter it runs under (None: the base model)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        lora_key = self._lora_key(lora_name)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = self._validate(token_ids, params)
-        parent = _Parent(request_id, text, token_ids)
+        parent = _Parent(request_id, text, token_ids, lora_name=lora_name)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
@@ -222,6 +242,8 @@ class Engine:
                 params=child_params,
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
+                lora_name=lora_name,
+                lora_key=lora_key,
                 times=RequestTimes(arrival=arrival),
             )
             seq = _Sequence(
@@ -243,6 +265,36 @@ class Engine:
         self._parents[request_id] = parent
         for seq in parent.seqs:
             self.scheduler.add(seq.request)
+
+    def _lora_key(self, name: str | None) -> str | None:
+        if name is None:
+            return None
+        if self.lora is None:
+            raise ModelNotFoundError(f"no LoRA adapter named {name!r}: this engine serves none")
+        if name not in self.lora.adapters:
+            known = ", ".join(sorted(self.lora.adapters)) or "none"
+            raise ModelNotFoundError(f"no LoRA adapter named {name!r} (served: {known})")
+        return self.lora.key(name)
+
+    # -- LoRA adapters at run time -------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (a LoRAError, and nothing changed, if it does not fit)."""
+        if self.lora is None:
+            raise ConfigError("this engine serves no LoRA adapters; start it with --enable-lora")
+        if name in self.lora.adapters and self._lora_in_use(name):  # its running requests keep their weights
+            raise InvalidRequestError(f"LoRA adapter {name!r} serves running requests; unload it when they end")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; refused while unfinished requests use it."""
+        if self.lora is None or name not in self.lora.adapters:
+            raise ModelNotFoundError(f"no LoRA adapter named {name!r}", param="lora_name")
+        if self._lora_in_use(name):
+            raise InvalidRequestError(f"LoRA adapter {name!r} serves running requests; unload it when they end")
+        self.lora.remove(name)
+
+    def _lora_in_use(self, name: str) -> bool:
+        return any(p.lora_name == name for p in self._parents.values())
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         n = len(token_ids)
@@ -327,7 +379,22 @@ class Engine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        s = self.lora.stats
+        return {
+            "running_loras": _count_adapters(self.scheduler.running),
+            "waiting_loras": _count_adapters(self.scheduler.waiting),
+            "max_loras": self.lora.max_loras,
+            "lora_loads": s.loads,
+            "lora_load_seconds": s.load_seconds,
+            "lora_prompt_tokens": dict(s.prompt_tokens),
+            "lora_generation_tokens": dict(s.generation_tokens),
+        }
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -405,6 +472,9 @@ class Engine:
                 )
             )
         if finished:
+            if parent.lora_name is not None and self.lora is not None:
+                generated = sum(len(s.request.output_token_ids) for s in parent.seqs)
+                self.lora.count_tokens(parent.lora_name, len(parent.prompt_token_ids), generated)
             self._parents.pop(parent.request_id, None)
             for seq in parent.seqs:
                 self._seqs.pop(seq.request.request_id, None)
@@ -436,6 +506,14 @@ class Engine:
         self.kv.check_idle()
 
 
+def _count_adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_name is not None:
+            counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+    return counts
+
+
 class LLM:
     """Offline batch generation: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
@@ -448,18 +526,24 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_name`: the LoRA adapter (by its name) every prompt runs under, or one per prompt (None: the
+        base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError("give one lora_name, or one per prompt")
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list, strict=True):
+            for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
                 rid = self.engine.new_request_id()
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_name=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:

@@ -170,7 +170,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:
             tokens = request.prompt_token_ids + request.output_token_ids
-            extend_block_hashes(hashes, tokens, self.block_size, request.cache_salt)
+            extend_block_hashes(hashes, tokens, self.block_size, request.prefix_salt)
         return hashes
 
     def find_computed_blocks(self, request: Request) -> ComputedBlocks:

@@ -49,6 +49,7 @@ class CachedRequest:
     output_token_ids: list[int] = field(default_factory=list)  # what this runner sampled (penalties read it)
     block_ids: list[int] = field(default_factory=list)
     matcher: Matcher | None = None  # a structured request's place in its grammar
+    lora_name: str | None = None  # the LoRA adapter its rows run under
 
 
 @dataclass
@@ -62,6 +63,7 @@ class StepInput:
     # verifies them: per request with drafts, its last known token's and every draft's, in order
     drafts: list[list[int]] = field(default_factory=list)
     verify_indices: list[int] = field(default_factory=list)
+    row_adapters: list[str | None] = field(default_factory=list)  # per row of input_ids: its LoRA adapter
 
 
 class ModelRunner:
@@ -94,6 +96,7 @@ class ModelRunner:
         self.kv_connector = None  # loads K/V from outside before a step (Engine.attach_kv_connector)
         self.grammars: GrammarCompiler | None = None  # structured outputs' compiled grammars (the engine's)
         self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self.lora = None  # LoRA adapters' slots in the model (inferd.engine.lora.LoRAManager), when served
 
     def _pick_decode_kernel(self, backend: str):
         if backend == "torch" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
@@ -144,7 +147,7 @@ class ModelRunner:
         if any(step.drafts):
             return self._compute_with_drafts(step)
         masks = self._fill_masks(step.sampling)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        hidden = self._forward(step)
         if not step.sampling:
             return RunnerOutput()
         token_ids, logprobs = self.sample(hidden[step.logits_indices], step.sampling, masks and masks.result())
@@ -158,7 +161,7 @@ class ModelRunner:
         A sampled one keeps each draft by rejection sampling (`Sampler.verify_drafts`)."""
         plain = [i for i, d in enumerate(step.drafts) if not d]
         masks = self._fill_masks([step.sampling[i] for i in plain])
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        hidden = self._forward(step)
         token_ids: list[int] = [0] * len(step.sampling)
         logprobs: list = [None] * len(step.sampling)
         if plain:
@@ -193,6 +196,16 @@ class ModelRunner:
         new = [[*accepted.get(s.request_id, ()), t] for s, t in zip(step.sampling, token_ids, strict=True)]
         self._append(step.sampling, new)
         return RunnerOutput([s.request_id for s in step.sampling], token_ids, logprobs, accepted)
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The model over the flat batch, each row under its request's LoRA adapter (if any)."""
+        if self.lora is None:
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        self.lora.activate(step.row_adapters)
+        try:
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        finally:
+            self.lora.deactivate()
 
     @staticmethod
     def _append(states: list[CachedRequest], tokens: list[list[int]]) -> None:
@@ -256,7 +269,13 @@ class ModelRunner:
                 raise ConfigError("a structured request reached a runner without a grammar compiler")
             matcher = self.grammars.matcher(new.params.structured)
         return CachedRequest(
-            new.request_id, new.prompt_token_ids, new.params, new.eos_token_ids, generator, matcher=matcher
+            new.request_id,
+            new.prompt_token_ids,
+            new.params,
+            new.eos_token_ids,
+            generator,
+            matcher=matcher,
+            lora_name=new.lora_name,
         )
 
     def prepare(self, sched: SchedulerOutput) -> StepInput:
@@ -284,8 +303,10 @@ class ModelRunner:
         chunks: list[PrefillChunk] = []
         block_tables: list[list[int]] = []
         seq_lens: list[int] = []
+        adapters: list[str | None] = []
         for c, j in rows:
             table, p = self.requests[c.request_id].block_ids, c.start + j
+            adapters.append(self.requests[c.request_id].lora_name)
             at.setdefault(c.request_id, []).append(len(ids))
             ids.append(c.token_ids[j])
             positions.append(p)
@@ -295,6 +316,7 @@ class ModelRunner:
         for c in multis:
             table, start, n = self.requests[c.request_id].block_ids, c.start, c.num_tokens
             at[c.request_id] = list(range(len(ids), len(ids) + n))
+            adapters.extend([self.requests[c.request_id].lora_name] * n)
             chunks.append(PrefillChunk(len(ids), n, start, self._tensor(table[: -(-(start + n) // bs)])))
             ids.extend(c.token_ids)
             positions.extend(range(start, start + n))
@@ -317,7 +339,14 @@ class ModelRunner:
         )
         meta.decode_groups = self._decode_groups(block_tables, seq_lens)
         return StepInput(
-            self._tensor(ids), self._tensor(positions), meta, self._tensor(logits_indices), sampling, drafts, verify
+            self._tensor(ids),
+            self._tensor(positions),
+            meta,
+            self._tensor(logits_indices),
+            sampling,
+            drafts,
+            verify,
+            adapters,
         )
 
     def _decode_groups(self, tables: list[list[int]], seq_lens: list[int]) -> list[DecodeGroup]:

@@ -74,6 +74,8 @@ class Scheduler:
         self.loading: dict[str, tuple[Request, int]] = {}
         # speculative decoding: drafts for the next step by request (`set_drafts`), used once
         self.drafts: dict[str, list[int]] = {}
+        # LoRA: the most adapters running requests may use at once (the model's slots); None without LoRA
+        self.max_loras: int | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -141,9 +143,27 @@ class Scheduler:
             request.num_tokens,
         )
 
+    def adapter_fits(self, request: Request) -> bool:
+        """Whether `request` may join the running ones without their adapters outnumbering the LoRA slots."""
+        if self.max_loras is None or request.lora_name is None:
+            return True
+        active = {r.lora_name for r in self.running} | {r.lora_name for r, _ in self.loading.values()}
+        active.discard(None)
+        return request.lora_name in active or len(active) < self.max_loras
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []  # their adapter has no slot this step: they keep their place in line
+        try:
+            self._admit(out, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self.adapter_fits(request):
+                skipped.append(self.waiting.popleft())
+                continue
             # a request holding blocks already had its K/V loaded by the KV connector
             loaded = self.kv.num_blocks_of(request.request_id) > 0
             # waiting requests (new or preempted) have nothing computed: all they reuse comes from the cache
@@ -165,7 +185,13 @@ class Scheduler:
             if request.status == RequestStatus.WAITING:  # new to the runner; a preempted one it still knows
                 request.num_cached_tokens = start
                 out.new_requests.append(
-                    NewRequest(request.request_id, request.prompt_token_ids, request.params, request.eos_token_ids)
+                    NewRequest(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.params,
+                        request.eos_token_ids,
+                        request.lora_name,
+                    )
                 )
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()

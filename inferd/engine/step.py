@@ -30,6 +30,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
+    lora_name: str | None = None  # the LoRA adapter its rows run under
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from inferd.server.body import BodyLimit, CheckedRoute
 from inferd.server.chat import create_chat_completion
 from inferd.server.completions import create_completion
 from inferd.server.dashboard import DashboardHub, install_dashboard
-from inferd.server.errors import APIError, install_error_handlers, model_not_found
+from inferd.server.errors import APIError, install_error_handlers
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import (
     ChatCompletionChunk,
@@ -34,10 +34,12 @@ from inferd.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from inferd.server.state import ServerSettings, ServerState, public_root
 from inferd.server.vllm_metrics import exposition_registry
@@ -156,19 +158,49 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     def card(name: str) -> ModelCard:
         dtype, quant = engine.dtype_choice.name, engine.quantization
+        adapter = state.adapters().get(name) if name not in settings.served_model_names else None
         return ModelCard(
-            id=name, created=created, root=root, max_model_len=engine.max_model_len, dtype=dtype, quantization=quant
+            id=name,
+            created=created,
+            root=root if adapter is None else public_root(str(adapter.path)),
+            parent=None if adapter is None else state.model_name,
+            max_model_len=engine.max_model_len,
+            dtype=dtype,
+            quantization=quant,
         )
 
     @app.get("/v1/models", responses=_errors(*auth))
     async def list_models() -> ModelList:
-        return ModelList(data=[card(n) for n in settings.served_model_names])
+        return ModelList(data=[card(n) for n in [*settings.served_model_names, *sorted(state.adapters())]])
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(*auth, 404))
     async def get_model(model_id: str) -> ModelCard:
-        if model_id not in settings.served_model_names:
-            raise model_not_found(model_id, state.model_name)
+        state.check_model(model_id)
         return card(model_id)
+
+    @app.post("/v1/load_lora_adapter", response_class=Response, responses=_errors(400, *auth, 503))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's API: serve a PEFT adapter as a model from now on (checked against the base model first)."""
+        st = serving()
+        if engine.lora is None:
+            raise APIError(400, "this server serves no LoRA adapters; start it with --enable-lora", param="lora_name")
+        if body.lora_name in settings.served_model_names:
+            raise APIError(400, f"`{body.lora_name}` is the base model's name", param="lora_name")
+        if body.lora_name in st.adapters() and not body.load_inplace:
+            raise APIError(
+                400,
+                f"the LoRA adapter `{body.lora_name}` is already loaded (send load_inplace: true to replace it)",
+                param="lora_name",
+                code="adapter_exists",
+            )
+        await st.async_engine.call(lambda: engine.add_lora(body.lora_name, body.lora_path))
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", response_class=Response, responses=_errors(400, *auth, 404, 503))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        st = serving()
+        await st.async_engine.call(lambda: engine.remove_lora(body.lora_name))
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post(
         "/v1/completions",

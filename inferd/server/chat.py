@@ -29,14 +29,14 @@ from inferd.structured.tool_plan import ToolPlan
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
-    state.check_model(req.model)
+    lora_name = state.check_model(req.model)
     tools = state.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     params = chat_params(req, tools)
     prompt = await state.chat_prompt(
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools=tools
     )
     request_id = new_id("chatcmpl")
-    streams = await submit(state.async_engine, request_id, [prompt], params, req.cache_salt)
+    streams = await submit(state.async_engine, request_id, [prompt], params, req.cache_salt, lora_name)
     headers = {"X-Request-Id": request_id}
     if req.stream:
         body = _stream(state, req, tools, request_id, streams, len(prompt))
@@ -74,7 +74,11 @@ def _response(
     usage = UsageInfo()
     usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
     return ChatCompletionResponse(
-        id=request_id, model=state.model_name, choices=choices, usage=usage, kv_transfer_params=out.kv_transfer_params
+        id=request_id,
+        model=state.response_model(req.model),
+        choices=choices,
+        usage=usage,
+        kv_transfer_params=out.kv_transfer_params,
     )
 
 
@@ -92,7 +96,7 @@ async def _stream(
             usage = UsageInfo()
             usage.add(prompt_len, generated.get(choice.index, 0))
         body = ChatCompletionChunk(
-            id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage
+            id=request_id, created=created, model=state.response_model(req.model), choices=[choice], usage=usage
         )
         return event(body, exclude)
 
@@ -130,7 +134,9 @@ async def _stream(
             if out.finished:
                 usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         if include_usage:
-            body = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=[], usage=usage)
+            body = ChatCompletionChunk(
+                id=request_id, created=created, model=state.response_model(req.model), choices=[], usage=usage
+            )
             yield event(body)
     except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it
         yield stream_error(e, request_id)

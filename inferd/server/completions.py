@@ -38,11 +38,11 @@ async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[st
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
-    state.check_model(req.model)
+    lora_name = state.check_model(req.model)
     params = completion_params(req)
     prompt_ids, prompt_texts = await _prompts(state, req.prompt)
     request_id = new_id("cmpl")
-    streams = await submit(state.async_engine, request_id, prompt_ids, params, req.cache_salt)
+    streams = await submit(state.async_engine, request_id, prompt_ids, params, req.cache_salt, lora_name)
     try:
         echoes = [
             (t if t is not None else await state.decode_async(ids)) if req.echo else ""
@@ -89,7 +89,7 @@ def _response(
             )
     kv = finals[0].kv_transfer_params if len(finals) == 1 else None
     return CompletionResponse(
-        id=request_id, model=state.model_name, choices=choices, usage=usage, kv_transfer_params=kv
+        id=request_id, model=state.response_model(req.model), choices=choices, usage=usage, kv_transfer_params=kv
     )
 
 
@@ -111,7 +111,9 @@ async def _stream(
         if continuous:  # vLLM's continuous_usage_stats: the choice's own counts so far on every chunk
             usage = UsageInfo()
             usage.add(prompt_lens[choice.index // req.n], generated.get(choice.index, 0))
-        body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[choice], usage=usage)
+        body = CompletionResponse(
+            id=request_id, created=created, model=state.response_model(req.model), choices=[choice], usage=usage
+        )
         return event(body, exclude)
 
     offsets: dict[int, int] = {}
@@ -140,7 +142,9 @@ async def _stream(
             if out.finished:
                 usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         if include_usage:
-            body = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage)
+            body = CompletionResponse(
+                id=request_id, created=created, model=state.response_model(req.model), choices=[], usage=usage
+            )
             yield event(body, {"kv_transfer_params"})
     except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it
         yield stream_error(e, request_id)

@@ -19,6 +19,7 @@ from inferd.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InferdError,
+    ModelNotFoundError,
     RequestFailedError,
     clean,
     error_body,
@@ -71,6 +72,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), "server_error", code="overloaded", headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(404, str(exc), param=exc.param, code="model_not_found")
     if isinstance(exc, InferdError):
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, DrainTimeoutError):

@@ -76,6 +76,34 @@ class _EngineStateCollector(Collector):
         for pos, n in enumerate(stats.spec_accepted_per_pos):
             per_pos.add_metric([*values, str(pos)], n)
         yield per_pos
+        yield from _lora_families(stats, labels, values)
+
+
+def _lora_families(stats: EngineStats, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """vLLM's `lora_requests_info` (the adapters of running and waiting sequences, the slots; its value the
+    time of the stats, as vLLM sets it), which llm-d's LoRA-affinity scorer reads, and per-adapter counters."""
+    info = GaugeMetricFamily(
+        P + "lora_requests_info",
+        "Running stats on LoRA requests.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    info.add_metric([",".join(sorted(stats.running_loras)), ",".join(sorted(stats.waiting_loras)),
+                     str(stats.max_loras)], stats.taken)  # fmt: skip
+    yield info
+    loads = CounterMetricFamily(P + "lora_loads", "LoRA adapters loaded into a slot since start.", labels=labels)
+    loads.add_metric(values, stats.lora_loads)
+    yield loads
+    load_time = CounterMetricFamily(P + "lora_load_seconds", "Time spent loading LoRA adapters.", labels=labels)
+    load_time.add_metric(values, stats.lora_load_seconds)
+    yield load_time
+    for kind, counts in (("prompt", stats.lora_prompt_tokens), ("generation", stats.lora_generation_tokens)):
+        family = CounterMetricFamily(
+            P + f"lora_{kind}_tokens", f"{kind.capitalize()} tokens of finished requests, per LoRA adapter.",
+            labels=[*labels, "lora_name"],
+        )  # fmt: skip
+        for name, n in sorted(counts.items()):
+            family.add_metric([*values, name], n)
+        yield family
 
 
 class ServerMetrics:

@@ -139,6 +139,19 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter: serve the PEFT adapter at `lora_path` as model `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    #: replace the weights of an adapter already served under this name (vLLM's flag)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1)
+
+
 # -- responses ---------------------------------------------------------------------------------------
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
@@ -254,6 +267,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "inferd"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
     max_model_len: int | None = None
     dtype: str | None = None  # what the engine runs in (after --dtype auto)
     quantization: str | None = None

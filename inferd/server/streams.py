@@ -22,7 +22,12 @@ class ClientDisconnected(Exception):
 
 
 async def submit(
-    engine: AsyncEngine, base_id: str, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None
+    engine: AsyncEngine,
+    base_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    cache_salt: str | None,
+    lora_name: str | None = None,
 ) -> list[tuple[str, RequestStream]]:
     """Queue every prompt as one engine request; if any is refused, abort the others and raise its error.
 
@@ -32,7 +37,7 @@ async def submit(
     engine.check_admission(len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
     ids = [base_id if len(prompts) == 1 else sub_request_id(base_id, i) for i in range(len(prompts))]
     results = await asyncio.gather(
-        *(engine.add_request(rid, p, params, cache_salt) for rid, p in zip(ids, prompts, strict=True)),
+        *(engine.add_request(rid, p, params, cache_salt, lora_name) for rid, p in zip(ids, prompts, strict=True)),
         return_exceptions=True,
     )
     errors = [r for r in results if isinstance(r, BaseException)]

@@ -4,18 +4,17 @@ inferd's metrics already follow vLLM's names and buckets with its own prefix; to
 look for `vllm:` (llm-d's endpoint picker reads `vllm:num_requests_waiting` and
 `vllm:kv_cache_usage_perc`, KEDA queries and vLLM's Grafana dashboards use the rest). With this on,
 the same samples are exposed twice, under both prefixes, plus the names older vLLM versions used
-(`vllm:gpu_cache_usage_perc`, `vllm:time_per_output_token_seconds`) and `vllm:lora_requests_info`
-(no adapters), which the picker's LoRA scorer expects to find. The aliases are computed at scrape
+(`vllm:gpu_cache_usage_perc`, `vllm:time_per_output_token_seconds`); `vllm:lora_requests_info`, which
+the picker's LoRA scorer reads, is `inferd:lora_requests_info` renamed like the rest. The aliases are computed at scrape
 time from the same collectors, so they can never disagree with the `inferd:` values.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 CHOICES = ("inferd", "vllm")
@@ -47,13 +46,6 @@ class VllmAliases(Collector):
             yield _renamed(family, VLLM_PREFIX + base)
             if base in LEGACY:
                 yield _renamed(family, VLLM_PREFIX + LEGACY[base])
-        lora = GaugeMetricFamily(
-            VLLM_PREFIX + "lora_requests_info",
-            "Running stats on LoRA requests (inferd serves no adapters).",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        lora.add_metric(["", "", "0"], time.time())
-        yield lora
 
 
 def exposition_registry(source: CollectorRegistry, names: str) -> CollectorRegistry:

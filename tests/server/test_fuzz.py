@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -73,6 +74,8 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/load_lora_adapter"),  # this server serves no adapters: always a 400
+    ("POST", "/v1/unload_lora_adapter"),
 ]
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 # invalid data for every operation with a body; the others take no body and any path string is valid
@@ -121,7 +124,11 @@ def test_schemathesis_coverage_phase(fuzz_server, tmp_path):
            "--exclude-checks", "negative_data_rejection,positive_data_acceptance", "--request-timeout", "30",
            "--workers", "1", "--no-color"]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)  # its cache goes there
-    assert run.returncode == 0 and "No issues found" in run.stdout, run.stdout[-5000:] + run.stderr[-2000:]
+    # every generated case passed; warnings may remain (the LoRA routes of a server without adapters answer
+    # every valid body with 400 or 404, which schemathesis reports as missing test data)
+    counts = re.search(r"(\d+) generated, (\d+) passed\s*$", run.stdout.rpartition("Test cases:")[2].split("Seed")[0])
+    ok = run.returncode == 0 and counts is not None and counts[1] == counts[2]
+    assert ok, run.stdout[-5000:] + run.stderr[-2000:]
     fuzz_server.wait_idle()
 
 

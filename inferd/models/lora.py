@@ -1,0 +1,290 @@
+"""LoRA adapters on a loaded model: PEFT's format read and checked, every adapter's products batched per step.
+
+A LoRA adapter adds to a linear layer W a low-rank product: y = W x + s B (A x), with A [r, in], B [out, r]
+and s = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA). PEFT saves A and B as `<layer>.lora_A.weight` and
+`<layer>.lora_B.weight` in `adapter_model.safetensors`, beside an `adapter_config.json` (rank, alpha, target
+modules, base model). inferd adapts the layers every model family has: q/k/v/o and the MLP's gate/up/down.
+
+`install_lora` wraps each such layer of a loaded model, once, in a `LoRALinear` with `max_loras` slots of A
+and B zero-padded to `max_lora_rank`, whatever the base layer computes with (float, int8 or int4 weights,
+packed or dense): the base output is what it is without adapters, and the adapters' products are added. A
+fused layer (q/k/v, gate/up) keeps one A and B per part, as the checkpoint has them.
+
+One step may mix adapters and the base model. `LoRABatch` holds, per token row, a mask over the slots in use
+(`activate`): each part computes shrink = x A^T over every slot up to the highest one in use (one matmul),
+keeps in each row only its own slot's r columns, and adds expand = shrink B (one matmul). The matmuls are the
+same two per part however many adapters the batch mixes, and they read each resident adapter's weights once
+per step; rows of the base model add exact zeros. `benchmarks/lora.py --kernels` measures this against one
+pair of matmuls per adapter on its rows (docs/lora.md). With no adapter in the step (`mask` None) a layer
+is its base layer and nothing more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from inferd.errors import InvalidRequestError
+
+#: the layers an adapter may target, by the names checkpoints (and PEFT's target_modules) give them
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class LoRAError(InvalidRequestError):
+    """An adapter that cannot be served on this model: missing, malformed, too large a rank, or made for
+    another base model."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="lora_path")
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """An adapter as read from its folder and checked against the model (its tensors stay on disk)."""
+
+    name: str
+    path: Path
+    rank: int
+    scaling: float
+    targets: tuple[str, ...]  # the layer names it adapts (q_proj, ...)
+    base_model: str | None  # adapter_config.json's base_model_name_or_path
+    digest: str  # sha256 of the weights file: what the prefix cache keys this adapter's blocks by
+
+    @property
+    def key(self) -> str:
+        """The adapter's identity in prefix-cache keys: blocks computed under it are never another's."""
+        return f"{self.name}@{self.digest[:16]}"
+
+
+@dataclass
+class LoRABatch:
+    """Which slot each token row of the current forward pass uses, shared by every `LoRALinear` of a model:
+    `mask` [rows, width] has a row's own slot's `rank` columns at 1 (None: no adapter in this pass)."""
+
+    rank: int
+    mask: torch.Tensor | None = None
+    width: int = 0  # columns of A and B in use: (highest slot in use + 1) x rank
+
+    def activate(self, slots: torch.Tensor, dtype: torch.dtype) -> None:
+        """`slots`: per token row its adapter slot, -1 for the base model."""
+        top = int(slots.max()) if slots.numel() else -1
+        if top < 0:
+            self.mask, self.width = None, 0
+            return
+        self.width = (top + 1) * self.rank
+        columns = torch.arange(self.width, device=slots.device) // self.rank
+        self.mask = (slots[:, None] == columns[None, :]).to(dtype)
+
+    def clear(self) -> None:
+        self.mask, self.width = None, 0
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer (of any weight format) plus `max_loras` slots of LoRA weights per output part."""
+
+    def __init__(self, base: nn.Module, batch: LoRABatch, max_loras: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        self.out_sizes = list(getattr(base, "out_sizes", None) or [base.out_features])
+        self.offsets = [sum(self.out_sizes[:i]) for i in range(len(self.out_sizes))]
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        rows = max_loras * batch.rank
+        # A as [slots x rank, in] and B transposed, [slots x rank, out]: a slot's rows are contiguous
+        self.lora_a = [torch.zeros(rows, self.in_features, dtype=dtype, device=device) for _ in self.out_sizes]
+        self.lora_b = [torch.zeros(rows, size, dtype=dtype, device=device) for size in self.out_sizes]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.out_sizes, dim=-1)
+
+    def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Write one part's A [r, in] and scaled B [out, r] into `slot` (None: zeros, the part not adapted)."""
+        r = self.batch.rank
+        rows = slice(slot * r, (slot + 1) * r)
+        self.lora_a[part][rows].zero_()
+        self.lora_b[part][rows].zero_()
+        if a is not None and b is not None:
+            self.lora_a[part][rows][: a.shape[0]].copy_(a)
+            self.lora_b[part][rows][: b.shape[1]].copy_(b.T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        mask = self.batch.mask
+        if mask is None:
+            return y
+        width = self.batch.width
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for a, b, offset, size in zip(self.lora_a, self.lora_b, self.offsets, self.out_sizes, strict=True):
+            shrink = torch.mm(x2, a[:width].T).mul_(mask)
+            y2[:, offset : offset + size].addmm_(shrink, b[:width])
+        return y
+
+    def extra_repr(self) -> str:
+        return f"parts={self.out_sizes}, slots={self.lora_a[0].shape[0] // self.batch.rank}, rank={self.batch.rank}"
+
+
+@dataclass
+class LoRALayers:
+    """A model's wrapped layers by module path, and what maps a checkpoint layer name onto them."""
+
+    batch: LoRABatch
+    layers: dict[str, LoRALinear]
+    # checkpoint module path (model.layers.0.self_attn.q_proj) -> (wrapped module path, part)
+    parts: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def shapes(self, module: str) -> tuple[int, int]:
+        """(in, out) of a checkpoint layer's part."""
+        path, part = self.parts[module]
+        layer = self.layers[path]
+        return layer.in_features, layer.out_sizes[part]
+
+
+def install_lora(
+    model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+) -> LoRALayers:
+    """Wrap every q/k/v/o and gate/up/down layer of `model` (after it is loaded, quantized and packed)."""
+    batch = LoRABatch(max_rank)
+    layers: dict[str, LoRALinear] = {}
+    parts: dict[str, tuple[str, int]] = {}
+    fused = {target: shard for target, shard in getattr(model, "fused_shards", {}).items() if target in TARGETS}
+    fused_names = {name for name, _ in fused.values()}
+    for parent_path, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if child_name not in fused_names and child_name not in TARGETS:
+                continue
+            path = f"{parent_path}.{child_name}" if parent_path else child_name
+            wrapped = LoRALinear(child, batch, max_loras, dtype, device)
+            setattr(parent, child_name, wrapped)
+            layers[path] = wrapped
+            if child_name in fused_names:
+                for target, (name, shard) in fused.items():
+                    if name == child_name:
+                        parts[f"{parent_path}.{target}"] = (path, shard)
+            else:
+                parts[path] = (path, 0)
+    return LoRALayers(batch, layers, parts)
+
+
+# -- PEFT's format ---------------------------------------------------------------------------------------------
+def read_adapter(name: str, path: str | Path, lora: LoRALayers, checkpoint_prefixes, max_rank: int) -> LoRAAdapter:
+    """An adapter folder read and checked against the model: every failure is a LoRAError saying what to fix."""
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise LoRAError(f"adapter {name!r}: {folder} is not a folder (PEFT's: {CONFIG_FILE}, {WEIGHTS_FILE})")
+    config = _read_config(name, folder)
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1:
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} has no valid rank `r` (got {rank!r})")
+    if rank > max_rank:
+        raise LoRAError(f"adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}; raise it to {rank}")
+    for key, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("rank_pattern", "rank_pattern"),
+                      ("alpha_pattern", "alpha_pattern")):  # fmt: skip
+        if config.get(key):
+            raise LoRAError(f"adapter {name!r} uses {what}, which inferd does not serve (plain LoRA only)")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"adapter {name!r} trains biases (bias={config['bias']!r}); inferd serves bias='none' only")
+    _check_targets(name, config.get("target_modules"), lora)
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+        raise LoRAError(f"adapter {name!r}: {folder} has no {WEIGHTS_FILE} (it holds {found})")
+    targets: set[str] = set()
+    try:
+        with safe_open(weights, "pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    except Exception as e:  # a truncated or foreign file: safetensors' own message says which
+        raise LoRAError(f"adapter {name!r}: cannot read {weights.name}: {e}") from None
+    pairs: dict[str, dict[str, tuple]] = {}
+    for key, shape in shapes.items():
+        module, ab = _module_of(name, key, checkpoint_prefixes)
+        pairs.setdefault(module, {})[ab] = shape
+    if not pairs:
+        raise LoRAError(f"adapter {name!r}: {weights.name} holds no lora_A/lora_B weights")
+    base = config.get("base_model_name_or_path")
+    for module, ab in pairs.items():
+        if module not in lora.parts:
+            leaf = module.rpartition(".")[2]
+            if leaf in TARGETS:
+                raise LoRAError(f"adapter {name!r} adapts {module}, which this model does not have{_made_for(base)}")
+            raise LoRAError(f"adapter {name!r} adapts {module}; inferd adapts only {', '.join(TARGETS)}")
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"adapter {name!r}: {module} has lora_{'A' if 'B' in ab else 'B'} missing")
+        n_in, n_out = lora.shapes(module)
+        if ab["A"] != (rank, n_in) or ab["B"] != (n_out, rank):
+            raise LoRAError(
+                f"adapter {name!r}: {module} has A {list(ab['A'])} and B {list(ab['B'])}, but this model's layer "
+                f"takes {n_in} inputs to {n_out} outputs at rank {rank}{_made_for(base)}"
+            )
+        targets.add(module.rpartition(".")[2])
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    return LoRAAdapter(name, folder, rank, float(scaling), tuple(sorted(targets)), base, digest)
+
+
+def _made_for(base: str | None) -> str:
+    return f" (the adapter was trained on {base})" if base else " (it was trained on another base model)"
+
+
+def _read_config(name: str, folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise LoRAError(f"adapter {name!r}: {folder} has no {CONFIG_FILE}")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoRAError(f"adapter {name!r} is a {config['peft_type']} adapter; inferd serves LORA adapters")
+    return config
+
+
+def _check_targets(name: str, targets, lora: LoRALayers) -> None:
+    """A list of target modules must name layers the model has and inferd adapts (a regex or "all-linear" is
+    checked through the weights instead)."""
+    if not isinstance(targets, list):
+        return
+    have = {m.rpartition(".")[2] for m in lora.parts}
+    for t in targets:
+        if t not in TARGETS:
+            raise LoRAError(f"adapter {name!r} targets {t!r}; inferd adapts only {', '.join(TARGETS)}")
+        if t not in have:
+            raise LoRAError(f"adapter {name!r} targets {t!r}, which this model does not have")
+
+
+def _module_of(name: str, key: str, checkpoint_prefixes) -> tuple[str, str]:
+    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> ('model.layers.0.self_attn.q_proj', 'A')."""
+    m = _KEY.match(key)
+    if m is None:
+        raise LoRAError(f"adapter {name!r}: {key} is not a LoRA weight (lora_A/lora_B)")
+    module = m["module"].removeprefix("base_model.model.")
+    for src, dst in checkpoint_prefixes:
+        if module.startswith(src):
+            module = dst + module[len(src) :]
+            break
+    return module, m["ab"]
+
+
+def load_adapter_weights(adapter: LoRAAdapter, checkpoint_prefixes) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Checkpoint module path -> (A [r, in], B [out, r] times the adapter's scaling), in float32."""
+    from safetensors.torch import load_file
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(adapter.path / WEIGHTS_FILE).items():
+        module, ab = _module_of(adapter.name, key, checkpoint_prefixes)
+        pairs.setdefault(module, {})[ab] = tensor.float()
+    return {module: (ab["A"], ab["B"] * adapter.scaling) for module, ab in pairs.items()}
