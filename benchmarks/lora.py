@@ -151,57 +151,82 @@ class _NoBase:
         return torch.zeros(x.shape[0], self.out_features, dtype=x.dtype)
 
 
-def _per_adapter(layer, x, groups, rank: int):
-    """One shrink and one expand per adapter, on its rows only (the alternative to LoRALinear's batched pair)."""
+def _per_adapter(layer, x, slots, rank: int, kernel=None):
+    """One shrink and one expand per adapter, on its rows only."""
     y = layer.base(x)
-    for a, b, offset, size in zip(layer.lora_a, layer.lora_b, layer.offsets, layer.out_sizes, strict=True):
-        for slot, rows in groups:
-            r = slice(slot * rank, (slot + 1) * rank)
+    for slot in slots.unique().tolist():
+        rows, r = (slots == slot).nonzero().flatten(), slice(slot * rank, (slot + 1) * rank)
+        for a, b, offset, size in zip(layer.lora_a, layer.lora_b, layer.offsets, layer.out_sizes, strict=True):
             y[:, offset : offset + size].index_add_(0, rows, (x.index_select(0, rows) @ a[r].T) @ b[r])
     return y
 
 
+def _masked(layer, x, slots, rank: int, kernel=None):
+    """A shrink and an expand per part over every slot up to the highest in use, each row keeping its own."""
+    import torch
+
+    y = layer.base(x)
+    width = (int(slots.max()) + 1) * rank
+    mask = (slots[:, None] == (torch.arange(width) // rank)[None, :]).to(x.dtype)
+    for a, b, offset, size in zip(layer.lora_a, layer.lora_b, layer.offsets, layer.out_sizes, strict=True):
+        y[:, offset : offset + size].addmm_(torch.mm(x, a[:width].T).mul_(mask), b[:width])
+    return y
+
+
+def _native(layer, x, slots, rank: int, kernel=None):
+    y = layer.base(x)
+    kernel(y, x, layer.lora_a, layer.lora_b, layer.offsets, slots, rank)
+    return y
+
+
+def _each(layers, xs, fn):
+    """`fn(layer, x)` over every layer, as one function of no arguments (for `alternated`)."""
+    import torch
+
+    return lambda: torch.cat([fn(layer, x) for layer, x in zip(layers, xs, strict=True)], dim=1)
+
+
 def kernels(rank: int, repeats: int) -> dict:
-    """The batched LoRA product (`inferd.models.lora.LoRALinear`: one shrink and one expand per part over every
-    slot in use, masked per row) against one shrink and expand per adapter on its rows, on Gemma 3 270M's
-    layer shapes (q/k/v, o, gate/up, down), 16 bf16 rows (a decode step at c=16) spread over 1, 4 and 16
-    adapters: ms for the four layers of one decoder layer, their base layers excluded."""
+    """Ways to add a step's LoRA products, on Gemma 3 270M's layer shapes (q/k/v, o, gate/up, down) in
+    bfloat16, over 1, 4 and 16 adapters: a decode step (16 rows, adapters in turn) and a prefill step (256 rows in
+    one contiguous run per adapter). `native_kernel`: `lora_add` for every row (inferd's path on CPU);
+    `run_matmuls`: inferd's path without the kernel (dense matmuls on runs of LONG_RUN rows or more, masked
+    matmuls over every slot in use for the rest); `masked_matmuls`: the masked pair for every row;
+    `per_adapter`: a shrink and an expand per adapter on its rows. ms for the four layers of one decoder
+    layer, their base layers excluded."""
     import functools
 
     import torch
 
     from benchmarks.common import alternated
-    from inferd.models.lora import LoRABatch, LoRALinear
+    from inferd.models.cpu_kernels import lora_kernel
+    from inferd.models.lora import LONG_RUN, LoRABatch, LoRALinear
 
-    dtype, rows = torch.bfloat16, 16
+    dtype, cpu = torch.bfloat16, torch.device("cpu")
     shapes = [(640, [1024, 256, 256]), (1024, [640]), (640, [2048, 2048]), (2048, [640])]
-    out: dict = {"rows": rows, "rank": rank, "dtype": "bfloat16", "ms_per_decoder_layer": {}}
-    for count in (1, 4, 16):
-        batch = LoRABatch(rank)
-        layers = [LoRALinear(_NoBase(k, parts), batch, count, dtype, torch.device("cpu")) for k, parts in shapes]
-        for layer in layers:
-            for t in (*layer.lora_a, *layer.lora_b):
-                t.normal_(std=0.03)
-        xs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
-        slots = torch.arange(rows) % count
-        groups = [(s, (slots == s).nonzero().flatten()) for s in range(count)]
-        batch.activate(slots, dtype)
-        fns = {
-            "batched": functools.partial(_each, layers, xs, lambda layer, x: layer(x)),
-            "per_adapter": functools.partial(_each, layers, xs, functools.partial(_per_adapter, groups=groups,
-                                                                                  rank=rank)),
-        }  # fmt: skip
-        torch.testing.assert_close(fns["batched"](), fns["per_adapter"](), rtol=0.05, atol=0.05)  # the same sums
-        times = alternated(fns, repeats)
-        out["ms_per_decoder_layer"][str(count)] = times
-        print(f"{count} adapters: {out['ms_per_decoder_layer'][str(count)]}", flush=True)
+    out: dict = {"rank": rank, "dtype": "bfloat16", "long_run": LONG_RUN, "ms_per_decoder_layer": {}}
+    for step, rows in (("decode", 16), ("prefill", 256)):
+        for count in (1, 4, 16):
+            batch = LoRABatch(rank, native=False)
+            layers = [LoRALinear(_NoBase(k, parts), batch, count, dtype, cpu) for k, parts in shapes]
+            kernel = lora_kernel()
+            for layer in layers:
+                for t in (*layer.lora_a, *layer.lora_b):
+                    t.normal_(std=0.03)
+            xs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
+            slots = torch.arange(rows) % count if step == "decode" else torch.arange(rows) * count // rows
+            batch.activate(slots.tolist(), cpu)  # as without the kernel: runs, and the masked pair for the rest
+            fns = {"run_matmuls": _each(layers, xs, lambda layer, x: layer(x))}
+            for name, fn in (("native_kernel", _native), ("masked_matmuls", _masked), ("per_adapter", _per_adapter)):
+                if name != "native_kernel" or kernel is not None:
+                    fns[name] = _each(layers, xs, functools.partial(fn, slots=slots, rank=rank, kernel=kernel))
+            want = fns["per_adapter"]()
+            for fn in fns.values():
+                torch.testing.assert_close(fn(), want, rtol=0.05, atol=0.05)  # the same sums, however added
+            times = alternated(fns, repeats)
+            out["ms_per_decoder_layer"][f"{step},rows={rows},adapters={count}"] = times
+            print(f"{step}, {rows} rows, {count} adapters: {times}", flush=True)
     return out
-
-
-def _each(layers, xs, fn):
-    import torch
-
-    return torch.cat([fn(layer, x) for layer, x in zip(layers, xs, strict=True)], dim=1)
 
 
 def main() -> int:

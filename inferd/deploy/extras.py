@@ -185,7 +185,7 @@ def http_route(models: list[ModelSpec], opts: K8sOptions) -> Manifest:
         }
         match: dict = {"path": {"type": "PathPrefix", "value": "/v1"}}
         if len(models) > 1:
-            for name in [m.name, *m.aliases]:
+            for name in [m.name, *m.aliases, *m.adapters()]:  # an adapter's requests go to its base model's pool
                 header = {"type": "Exact", "name": "X-Gateway-Model-Name", "value": name}
                 rules.append(rule | {"matches": [match | {"headers": [header]}]})
             continue

@@ -91,7 +91,7 @@ class LoRAManager:
         for name in needed - self.resident.keys():
             self._load(name, self._free_slot(needed))
         slots = [-1 if a is None else self.resident[a] for a in row_adapters]
-        self.layers.batch.activate(torch.tensor(slots, dtype=torch.long, device=self.device), self.dtype)
+        self.layers.batch.activate(slots, self.device)
 
     def deactivate(self) -> None:
         self.layers.batch.clear()

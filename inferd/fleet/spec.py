@@ -174,6 +174,12 @@ class ModelSpec(_Model):
         is the engine's default (`inferd.config`)."""
         return engine_config_from_argv(["--model", self.model, *self.engine_flags(pool)])
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters its replicas serve from the start (`lora_modules` in `engine`), by name: clients
+        send them as `model` too."""
+        names = [name for p in self.pools for name, _ in self.engine_config(p).lora.modules()]
+        return list(dict.fromkeys(names))
+
 
 class FleetSpec(_Model):
     models: list[ModelSpec] = Field(min_length=1)
@@ -183,9 +189,9 @@ class FleetSpec(_Model):
     def _check(self) -> FleetSpec:
         names: set[str] = set()
         for i, m in enumerate(self.models):
-            for n in [m.name, *m.aliases]:
+            for n in [m.name, *m.aliases, *m.adapters()]:
                 if n in names:
-                    raise RefError(("models", i, "name"), f"model name or alias {n!r} is used twice")
+                    raise RefError(("models", i, "name"), f"model name, alias or adapter {n!r} is used twice")
                 names.add(n)
         pools = [p.name for m in self.models for p in m.pools]
         if len(set(pools)) != len(pools):
@@ -224,7 +230,8 @@ class FleetSpec(_Model):
             for p in front:
                 block_size = m.engine_config(p).cache.block_size
                 pools.append({"name": p.name, "model": m.name, "block_size": block_size} | endpoints[p.name])
-            routes.append({"name": m.name, "aliases": m.aliases, "backends": [{"pool": p.name} for p in front]})
+            backends = [{"pool": p.name} for p in front]
+            routes.append({"name": m.name, "aliases": m.aliases, "adapters": m.adapters(), "backends": backends})
         return GatewayConfig.model_validate(self.gateway | {"pools": pools, "models": routes})
 
 

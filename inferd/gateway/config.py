@@ -51,6 +51,9 @@ class Scorers(_Model):
         0.0, ge=0, description="prompt + max_tokens in flight: long requests weigh more than short ones"
     )
     prefix: float = Field(2.0, ge=0)
+    lora_affinity: float = Field(
+        1.0, ge=0, description="a LoRA adapter's requests: replicas running it first, then those with a free slot"
+    )
 
 
 class Saturation(_Model):
@@ -159,6 +162,9 @@ class Fallback(_Model):
 class RouteConfig(_Model):
     name: str = Field(min_length=1)
     aliases: list[str] = Field(default_factory=list)
+    #: LoRA adapters the route's replicas serve (`inferd serve --lora-modules`): a request naming one goes where
+    #: the route goes, under the adapter's name, to a replica that runs it or has room for it
+    adapters: list[str] = Field(default_factory=list)
     backends: list[Backend] = Field(min_length=1)
     fallbacks: list[Fallback] = Field(default_factory=list)
 
@@ -240,10 +246,11 @@ class GatewayConfig(_Model):
                 raise RefError(("pools", i, "name"), f"pool name {p.name!r} is used twice")
         names: set[str] = set()
         for i, r in enumerate(self.models):
-            for j, n in enumerate([r.name, *r.aliases]):
+            fields = [("name",), *(("aliases", k) for k in range(len(r.aliases))),
+                      *(("adapters", k) for k in range(len(r.adapters)))]  # fmt: skip
+            for n, where in zip([r.name, *r.aliases, *r.adapters], fields, strict=True):
                 if n in names:
-                    where = ("models", i, "name") if j == 0 else ("models", i, "aliases", j - 1)
-                    raise RefError(where, f"model name or alias {n!r} is used twice")
+                    raise RefError(("models", i, *where), f"model name, alias or adapter {n!r} is used twice")
                 names.add(n)
         for i, r in enumerate(self.models):
             for kind, refs in (("backends", r.backends), ("fallbacks", r.fallbacks)):

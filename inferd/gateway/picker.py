@@ -24,6 +24,7 @@ class Candidate:
     replica: Replica
     load: Load | None  # None: unknown
     prefix: float = 0.0  # matched fraction of the request's full blocks
+    adapter: str | None = None  # the LoRA adapter the request asks for
 
 
 class AllSaturated(Exception):
@@ -63,12 +64,26 @@ def score_prefix(c: Candidate) -> float:
     return c.prefix
 
 
+def score_lora_affinity(c: Candidate) -> float:
+    """As the Gateway API Inference Extension's LoRA affinity: 1 where the adapter already runs (or waits), 0.5
+    where the replica has a free adapter slot (it loads the adapter without evicting one in use), else 0;
+    a request for the base model scores every replica alike."""
+    if c.adapter is None:
+        return 1.0
+    if c.load is None or c.load.max_loras is None:
+        return 0.0
+    if c.adapter in c.load.lora_active:
+        return 1.0
+    return 0.5 if len(c.load.lora_active) < c.load.max_loras else 0.0
+
+
 SCORERS: dict[str, Callable[[Candidate], float]] = {
     "queue": score_queue,
     "kv_cache": score_kv_cache,
     "in_flight": score_in_flight,
     "in_flight_tokens": score_in_flight_tokens,
     "prefix": score_prefix,
+    "lora_affinity": score_lora_affinity,
 }
 
 
@@ -92,10 +107,12 @@ class Picker:
         # the scorers that count, read once (a config is never changed in place: a reload builds a new Picker)
         self.weights = {n: w for n, w in routing.scorers.model_dump().items() if w > 0}
 
-    def candidates(self, replicas: list[Replica], exclude: set[str], prefix: dict[str, float]) -> list[Candidate]:
+    def candidates(
+        self, replicas: list[Replica], exclude: set[str], prefix: dict[str, float], adapter: str | None = None
+    ) -> list[Candidate]:
         now = time.monotonic()
         return [
-            Candidate(r, r.fresh_load(now, self.stale_after_s), prefix.get(r.url, 0.0))
+            Candidate(r, r.fresh_load(now, self.stale_after_s), prefix.get(r.url, 0.0), adapter)
             for r in replicas
             if r.available(now) and r.url not in exclude
         ]

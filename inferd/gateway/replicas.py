@@ -12,6 +12,7 @@ before the pick is returned, so a burst of requests sees each other.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -45,6 +46,9 @@ class Load:
     kv_usage: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    # vLLM's lora_requests_info: adapters of running or waiting requests, and the slots (None: not published)
+    lora_active: frozenset[str] = frozenset()
+    max_loras: int | None = None
 
 
 def parse_load(text: str, at: float) -> Load:
@@ -53,6 +57,9 @@ def parse_load(text: str, at: float) -> Load:
     values: dict[tuple[str, tuple], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in ("inferd:lora_requests_info", "vllm:lora_requests_info"):
+                _read_lora_info(load, sample.labels)
+                continue
             name = sample.name.split(":", 1)[-1].removesuffix("_total")
             attr = _LOAD_NAMES.get(name)
             if attr is None or not sample.name.startswith(("inferd:", "vllm:")):
@@ -65,6 +72,13 @@ def parse_load(text: str, at: float) -> Load:
     for (attr, _), value in values.items():
         setattr(load, attr, getattr(load, attr) + value)
     return load
+
+
+def _read_lora_info(load: Load, labels: dict[str, str]) -> None:
+    names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+    load.lora_active = load.lora_active | {n for n in names.split(",") if n}
+    with contextlib.suppress(ValueError):  # a label that is no number: the slots stay unknown
+        load.max_loras = max(load.max_loras or 0, int(labels.get("max_lora", "0")))
 
 
 @dataclass(eq=False)

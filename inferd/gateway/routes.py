@@ -1,8 +1,10 @@
-"""Model routing: the request's `model` (a name or an alias) → an ordered list of pools to try.
+"""Model routing: the request's `model` (a name, an alias or a LoRA adapter) → an ordered list of pools to try.
 
 The first target is one of the route's backends, drawn by weight (a canary at weight 5 next to 95
 gets 5% of the traffic). If no replica of that pool can serve, the route's fallbacks follow in order:
-another pool, or another model's whole plan (loops are cut).
+another pool, or another model's whole plan (loops are cut). A LoRA adapter's request goes to the same
+pools under the adapter's own name (the replicas serve it by that name); another model cannot serve it, so
+only the route's pool fallbacks follow.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from inferd.gateway.replicas import Pool
 class Target:
     pool: Pool
     model: str  # the model name sent upstream
+    adapter: str | None = None  # the LoRA adapter asked for (then also `model`)
 
 
 class ModelRouter:
@@ -25,9 +28,11 @@ class ModelRouter:
         self.pools = pools
         self.rng = rng or random.Random()
         self.routes: dict[str, RouteConfig] = {}
+        self.adapters: set[str] = set()
         for r in config.models:
-            for name in [r.name, *r.aliases]:
+            for name in [r.name, *r.aliases, *r.adapters]:
                 self.routes[name] = r
+            self.adapters.update(r.adapters)
 
     def names(self) -> list[str]:
         return list(self.routes)
@@ -42,6 +47,9 @@ class ModelRouter:
         seen = _seen | {route.name}
         backends = [b for b in route.backends if b.weight > 0]
         first = backends[0] if len(backends) == 1 else self.rng.choices(backends, [b.weight for b in backends])[0]
+        if name in self.adapters:
+            pools = [self.pools[first.pool], *(self.pools[fb.pool] for fb in route.fallbacks if fb.pool is not None)]
+            return list(dict.fromkeys(Target(pool, name, name) for pool in pools))
         targets = [self._target(route, first)]
         if not route.fallbacks:
             return targets

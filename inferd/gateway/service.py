@@ -372,6 +372,8 @@ class Gateway:
     ) -> Response | None:
         """Up to 1 + retries replicas of one pool; None if none could serve (the next target follows)."""
         pool = target.pool
+        if target.adapter is not None:  # an adapter's blocks are its own on the replica: never the base model's
+            salt = f"{salt or ''}\x00lora:{target.adapter}"
         hashes = block_hashes(prompt.ids, pool.config.block_size, salt) if prompt and prompt.ids else []
         matched = await self.prefix_index.match(list(pool.replicas), hashes) if hashes else {}
         fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}
@@ -382,7 +384,7 @@ class Gateway:
         flight.expected_tokens = (prompt.count if prompt else 0) + output
         tried: set[str] = set()
         for attempt in range(1 + st.config.retries):
-            pick = await self._pick(st, flight, pool, tried, fractions, deadline)
+            pick = await self._pick(st, flight, pool, tried, fractions, deadline, target.adapter)
             if pick is None:
                 return None
             flight.picked(pick)
@@ -422,13 +424,14 @@ class Gateway:
         tried: set[str],
         fractions: dict[str, float],
         deadline: float,
+        adapter: str | None = None,
     ) -> Pick | None:
         """A replica of the pool, waiting in the gateway's queue while every one is saturated, or while the
         pool lists none at all (scaled to zero, or its first replica still starting: `inferd up`)."""
         seq = None
         priority = flight.tenant.priority if flight.tenant else 0
         while True:
-            cands = st.picker.candidates(list(pool.replicas.values()), tried, fractions)
+            cands = st.picker.candidates(list(pool.replicas.values()), tried, fractions, adapter)
             try:
                 if not pool.replicas and not tried and not pool.config.replicas:  # discovered, none yet
                     raise AllSaturated()

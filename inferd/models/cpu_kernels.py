@@ -25,6 +25,7 @@ _INT8_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.cpp"
 _INT4_SOURCE = Path(__file__).parent / "kernels" / "int4_linear_cpu.cpp"
 _NORM_SOURCE = Path(__file__).parent / "kernels" / "norm_rope_cpu.cpp"
 _PREFILL_SOURCE = Path(__file__).parent / "kernels" / "prefill_attention_cpu.cpp"
+_LORA_SOURCE = Path(__file__).parent / "kernels" / "lora_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -160,6 +161,17 @@ def argmax_update_kernel() -> Callable | None:
     return None if module is None else module.argmax_update
 
 
+@functools.cache
+def _lora_module():
+    return _build("inferd_lora", _LORA_SOURCE, "CPU LoRA kernel")
+
+
+def lora_kernel() -> Callable | None:
+    """The compiled `lora_add(y, x, a_parts, b_parts, offsets, slots, rank)` (inferd/models/lora.py)."""
+    module = _lora_module()
+    return None if module is None else module.lora_add
+
+
 def build_all() -> dict[str, bool]:
     """Compile (or load from the cache) every native kernel now, and say which are available. A process that
     starts servers (the tests, a benchmark) calls it first: a server's first start on a new machine otherwise
@@ -179,6 +191,7 @@ MODULES: dict[str, Callable] = {
     "int4_linear": int4_kernels,
     "norm_rope": _norm_rope_module,
     "prefill_attention": _prefill_attention_module,
+    "lora": _lora_module,
 }
 
 

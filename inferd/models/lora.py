@@ -10,13 +10,16 @@ and B zero-padded to `max_lora_rank`, whatever the base layer computes with (flo
 packed or dense): the base output is what it is without adapters, and the adapters' products are added. A
 fused layer (q/k/v, gate/up) keeps one A and B per part, as the checkpoint has them.
 
-One step may mix adapters and the base model. `LoRABatch` holds, per token row, a mask over the slots in use
-(`activate`): each part computes shrink = x A^T over every slot up to the highest one in use (one matmul),
-keeps in each row only its own slot's r columns, and adds expand = shrink B (one matmul). The matmuls are the
-same two per part however many adapters the batch mixes, and they read each resident adapter's weights once
-per step; rows of the base model add exact zeros. `benchmarks/lora.py --kernels` measures this against one
-pair of matmuls per adapter on its rows (docs/lora.md). With no adapter in the step (`mask` None) a layer
-is its base layer and nothing more.
+One step may mix adapters and the base model. `LoRABatch.activate` reads the step's rows (each row's adapter
+slot, -1 for the base model) once per step. On CPU every layer then adds all its rows' products in one call of
+the native kernel `lora_add` (inferd/models/kernels/lora_cpu.cpp): each row reads only its own adapter's A and
+B, so the cost follows the rows and the adapters they use. Elsewhere (a GPU, or no compiler), rows in runs of
+LONG_RUN or more under one adapter (a prefill chunk's rows are contiguous) take two dense matmuls per part on
+their slice, and the other rows a masked pair of matmuls over every slot up to the highest in use, each row
+keeping only its own slot's columns. Rows of the base model get nothing added. On this CPU the kernel was
+faster than the matmuls in every case measured, decode and prefill (`benchmarks/lora.py --kernels`,
+docs/lora.md): bf16 matmuls of rank 8 pay a fixed cost each and compute little. With no adapter in the step a
+layer is its base layer and nothing more.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from inferd.errors import InvalidRequestError
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+#: without the native kernel: rows under one adapter from which a run takes dense matmuls on its slice
+LONG_RUN = 32
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -68,25 +73,48 @@ class LoRAAdapter:
 
 @dataclass
 class LoRABatch:
-    """Which slot each token row of the current forward pass uses, shared by every `LoRALinear` of a model:
-    `mask` [rows, width] has a row's own slot's `rank` columns at 1 (None: no adapter in this pass)."""
+    """Which adapter slot the rows of the current forward pass use, shared by every `LoRALinear` of a model:
+    `runs` (start, end, slot) of LONG_RUN or more rows under one adapter, and `slots` the other rows' slots
+    (-1 for the base model and the runs' rows; None when none of them has an adapter)."""
 
     rank: int
-    mask: torch.Tensor | None = None
-    width: int = 0  # columns of A and B in use: (highest slot in use + 1) x rank
+    native: bool = False  # the layers add with the native kernel: every row goes to `slots`, no runs
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    slots: torch.Tensor | None = None
+    width: int = 0  # the masked matmuls' columns: (highest slot in `slots` + 1) x rank
+    mask: torch.Tensor | None = None  # built on first use, without the native kernel
 
-    def activate(self, slots: torch.Tensor, dtype: torch.dtype) -> None:
+    def activate(self, slots: list[int], device: torch.device) -> None:
         """`slots`: per token row its adapter slot, -1 for the base model."""
-        top = int(slots.max()) if slots.numel() else -1
-        if top < 0:
-            self.mask, self.width = None, 0
-            return
-        self.width = (top + 1) * self.rank
-        columns = torch.arange(self.width, device=slots.device) // self.rank
-        self.mask = (slots[:, None] == columns[None, :]).to(dtype)
+        self.clear()
+        short = list(slots)
+        i = 0
+        while i < len(slots):
+            j = i
+            while j < len(slots) and slots[j] == slots[i]:
+                j += 1
+            if slots[i] >= 0 and j - i >= LONG_RUN and not self.native:
+                self.runs.append((i, j, slots[i]))
+                short[i:j] = [-1] * (j - i)
+            i = j
+        top = max(short, default=-1)
+        if top >= 0:
+            self.slots = torch.tensor(short, dtype=torch.long, device=device)
+            self.width = (top + 1) * self.rank
+
+    @property
+    def active(self) -> bool:
+        return self.slots is not None or bool(self.runs)
+
+    def masked(self, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, width]: 1 in a row's own slot's columns."""
+        if self.mask is None:
+            columns = torch.arange(self.width, device=self.slots.device) // self.rank
+            self.mask = (self.slots[:, None] == columns[None, :]).to(dtype)
+        return self.mask
 
     def clear(self) -> None:
-        self.mask, self.width = None, 0
+        self.runs, self.slots, self.width, self.mask = [], None, 0, None
 
 
 class LoRALinear(nn.Module):
@@ -104,6 +132,7 @@ class LoRALinear(nn.Module):
         # A as [slots x rank, in] and B transposed, [slots x rank, out]: a slot's rows are contiguous
         self.lora_a = [torch.zeros(rows, self.in_features, dtype=dtype, device=device) for _ in self.out_sizes]
         self.lora_b = [torch.zeros(rows, size, dtype=dtype, device=device) for size in self.out_sizes]
+        self.native = _native_kernel() if batch.native else None  # lora_add
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_sizes, dim=-1)
@@ -120,11 +149,21 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mask = self.batch.mask
-        if mask is None:
+        batch = self.batch
+        if not batch.active:
             return y
-        width = self.batch.width
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        r = batch.rank
+        for start, end, slot in batch.runs:  # long runs under one adapter: dense matmuls on their slice
+            rows, ranks = slice(start, end), slice(slot * r, (slot + 1) * r)
+            for a, b, offset, size in zip(self.lora_a, self.lora_b, self.offsets, self.out_sizes, strict=True):
+                y2[rows, offset : offset + size].addmm_(torch.mm(x2[rows], a[ranks].T), b[ranks])
+        if batch.slots is None:
+            return y
+        if self.native is not None:  # the other rows: each reads its own adapter's A and B
+            self.native(y2, x2, self.lora_a, self.lora_b, self.offsets, batch.slots, r)
+            return y
+        mask, width = batch.masked(x.dtype), batch.width
         for a, b, offset, size in zip(self.lora_a, self.lora_b, self.offsets, self.out_sizes, strict=True):
             shrink = torch.mm(x2, a[:width].T).mul_(mask)
             y2[:, offset : offset + size].addmm_(shrink, b[:width])
@@ -132,6 +171,12 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"parts={self.out_sizes}, slots={self.lora_a[0].shape[0] // self.batch.rank}, rank={self.batch.rank}"
+
+
+def _native_kernel():
+    from inferd.models.cpu_kernels import lora_kernel
+
+    return lora_kernel()
 
 
 @dataclass
@@ -154,7 +199,8 @@ def install_lora(
     model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
 ) -> LoRALayers:
     """Wrap every q/k/v/o and gate/up/down layer of `model` (after it is loaded, quantized and packed)."""
-    batch = LoRABatch(max_rank)
+    native = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _native_kernel() is not None
+    batch = LoRABatch(max_rank, native)
     layers: dict[str, LoRALinear] = {}
     parts: dict[str, tuple[str, int]] = {}
     fused = {target: shard for target, shard in getattr(model, "fused_shards", {}).items() if target in TARGETS}

@@ -25,7 +25,7 @@ FLEET = """\
 models:
   - name: gemma
     aliases: [g, gemma-3]
-    engine: {max_num_seqs: 16, block_size: 32}
+    engine: {max_num_seqs: 16, block_size: 32, lora_modules: [sql=/adapters/sql]}
     pools:
       - name: gemma-both
         replicas: 2
@@ -305,7 +305,7 @@ def test_kserve_and_inference_extension_objects(rendered):
     assert pool["targetPorts"] == [{"number": 8000}] and pool["selector"]["matchLabels"]["inferd.dev/model"] == "gemma"
     route = _by(rendered, "HTTPRoute", "inferd")["spec"]
     headers = [r["matches"][0]["headers"][0]["value"] for r in route["rules"]]
-    assert headers == ["gemma", "g", "gemma-3", "qwen"]
+    assert headers == ["gemma", "g", "gemma-3", "sql", "qwen"]  # an adapter goes to its base model's pool
 
 
 @pytest.mark.parametrize(

@@ -79,3 +79,17 @@ def test_the_shipped_examples_are_valid_specs():
     assert len(examples) >= 2
     for path in examples:
         assert load_fleet(path).models
+
+
+def test_adapters_in_the_engine_settings_reach_the_gateway_and_stay_unique():
+    spec = parse_fleet(GOOD.replace("block_size: 32,", "block_size: 32, lora_modules: [sql=/a/sql, chat=/a/chat],"))
+    (gm, both), *_ = spec.pools()
+    argv = spec.serve_argv(gm, both)
+    assert argv[argv.index("--lora-modules") + 1 : argv.index("--lora-modules") + 3] == ["sql=/a/sql", "chat=/a/chat"]
+    gw = spec.gateway_config({"gemma-both": {"replicas": ["http://h:1"]}, "split-decode": {"replicas_file": "f"}})
+    assert gw.models[0].adapters == ["sql", "chat"] and gw.models[1].adapters == []
+    clash = GOOD.replace("block_size: 32,", "block_size: 32, lora_modules: [split=/a/s],")
+    with pytest.raises(ConfigError, match="adapter 'split' is used twice"):
+        parse_fleet(clash)
+    with pytest.raises(ConfigError, match="name=path"):
+        parse_fleet(GOOD.replace("block_size: 32,", "block_size: 32, lora_modules: [sql],"))
