@@ -18,7 +18,15 @@ base model alone (`inferd`), and inferd-lora over vllm-lora per mix.
 
     python benchmarks/lora.py                            # inferd, inferd-lora, vllm-lora where installed
     python benchmarks/lora.py --servers inferd,inferd-lora --runs 1
-    python benchmarks/lora.py --kernels                  # the batched product against per-adapter slices
+    python benchmarks/lora.py --kernels                  # the ways to add a step's adapter products
+    python benchmarks/lora.py --gateway                  # gateway LoRA affinity against round robin
+
+`--gateway`: two `inferd serve` replicas of the default model (one thread each, `--gateway-slots` adapter slots
+each, default 2) behind `inferd gateway`, `--gateway-adapters` adapters (default 8, more than the 4 slots in
+all) asked for at random, `--gateway-requests` requests (default 96) at `--gateway-concurrency` (default 8),
+each 64 prompt and 32 output tokens, through three pickers in turn: round robin, scored without LoRA affinity
+(`lora_affinity: 0`) and scored with it (the default). Per picker: TTFT mean and p99 at the client, output
+tok/s, and the adapter loads the replicas counted (`inferd:lora_loads`).
 
 Results: one run appended to benchmarks/results/lora-<CPU kind>.json (`--out NAME`, `--fresh`).
 """
@@ -29,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -229,6 +238,99 @@ def kernels(rank: int, repeats: int) -> dict:
     return out
 
 
+async def _stream_all(url: str, requests: list[tuple[str, str]], concurrency: int, max_tokens: int):
+    """Stream every (model, prompt) through `url`, `concurrency` at a time: their TTFTs (s), and the seconds
+    the whole took."""
+    import asyncio
+
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    ttfts: list[float] = []
+
+    async def one(client, model: str, prompt: str) -> None:
+        async with sem:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                    "ignore_eos": True, "temperature": 0}  # fmt: skip
+            t = time.perf_counter()
+            async with client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"{model}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                first = True
+                async for _ in r.aiter_raw():
+                    if first:
+                        ttfts.append(time.perf_counter() - t)
+                        first = False
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(one(client, m, p) for m, p in requests))
+    return ttfts, time.perf_counter() - started
+
+
+def gateway_affinity(args) -> dict:
+    """Round robin, scored without and with LoRA affinity, when adapters outnumber the replicas' slots."""
+    import asyncio
+    import random
+
+    from benchmarks.procs import replica_metrics, start_gateway, wait_http
+    from inferd.bench.datasets import WORDS
+    from inferd.measure.stats import percentile
+    from inferd.procs import start_serve
+
+    model = default_model(convert=False)
+    adapters = make_adapters(model.hf_folder, args.gateway_adapters, args.rank)
+    modules = [f"{name}={path}" for name, path in adapters]
+    flags = ["--lora-modules", *modules, "--max-loras", str(args.gateway_slots), "--max-lora-rank", str(args.rank),
+             "--max-model-len", "512", "--kv-cache-memory", "256MiB"]  # fmt: skip
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    reps = [start_serve("gemma3-270m", LOG_DIR, "m", *flags) for _ in range(2)]
+    pickers = {
+        "round_robin": {"picker": "round_robin"},
+        "scored_without_lora_affinity": {"scorers": {"lora_affinity": 0}},
+        "scored_with_lora_affinity": {},
+    }
+    out: dict = {"replicas": 2, "slots_per_replica": args.gateway_slots, "adapters": args.gateway_adapters,
+                 "requests": args.gateway_requests, "concurrency": args.gateway_concurrency, "prompt_words": 64,
+                 "output_tokens": 32, "runs": args.runs, "pickers": {}}  # fmt: skip
+    try:
+        for r in reps:
+            wait_http(r, "/health", timeout=600)
+        pool = {"name": "p", "replicas": [r.url for r in reps], "model": "m"}
+        names = [name for name, _ in adapters]
+        figures: dict[str, list[dict]] = {name: [] for name in pickers}
+        for run in range(args.runs):
+            for name, routing in pickers.items():  # alternated: each run of each picker with its own prompts
+                rng = random.Random(run * 100 + list(pickers).index(name))
+                requests = [(rng.choice(names), " ".join(rng.choice(WORDS) for _ in range(64)))
+                            for _ in range(args.gateway_requests)]  # fmt: skip
+                cfg = {"pools": [pool], "models": [{"name": "m", "adapters": names, "backends": [{"pool": "p"}]}],
+                       "routing": routing, "scrape": {"interval_s": 0.2}}  # fmt: skip
+                gw = start_gateway(cfg, LOG_DIR)
+                try:
+                    before = [replica_metrics(r.url) for r in reps]
+                    ttfts, seconds = asyncio.run(
+                        _stream_all(gw.url + "/v1/completions", requests, args.gateway_concurrency, 32)
+                    )
+                    after = [replica_metrics(r.url) for r in reps]
+                finally:
+                    gw.stop()
+                loads = sum(a.get("inferd:lora_loads_total", 0) - b.get("inferd:lora_loads_total", 0)
+                            for a, b in zip(after, before, strict=True))  # fmt: skip
+                fig = {"ttft_mean_s": statistics.mean(ttfts), "ttft_p99_s": percentile(ttfts, 99),
+                       "output_tok_s": 32 * len(ttfts) / seconds, "adapter_loads": loads}  # fmt: skip
+                figures[name].append(fig)
+                print(f"[{name}] run {run}: {fig}", flush=True)
+        for name, runs in figures.items():
+            out["pickers"][name] = {"runs": runs, "median": {k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+    finally:
+        for r in reps:
+            r.stop()
+    rr, aff = out["pickers"]["round_robin"]["median"], out["pickers"]["scored_with_lora_affinity"]["median"]
+    out["ttft_mean_round_robin_over_affinity"] = rr["ttft_mean_s"] / aff["ttft_mean_s"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default=None, help=f"comma-separated of {', '.join(SERVERS)} (default: installed)")
@@ -240,12 +342,18 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--kernels", action="store_true", help="only the kernel comparison (no servers)")
+    p.add_argument("--gateway", action="store_true", help="only the gateway's LoRA affinity against round robin")
+    p.add_argument("--gateway-adapters", type=int, default=8)
+    p.add_argument("--gateway-slots", type=int, default=2, help="adapter slots per replica (--max-loras)")
+    p.add_argument("--gateway-requests", type=int, default=96)
+    p.add_argument("--gateway-concurrency", type=int, default=8)
     p.add_argument("--out", default=None, help="results file name (default: lora-<CPU kind>)")
     p.add_argument("--fresh", action="store_true", help="the results file holds this run alone")
     args = p.parse_args()
     started = time.time()
-    if args.kernels:
-        result = {"benchmark": "lora", "kernels": kernels(args.rank, repeats=200)}
+    if args.kernels or args.gateway:
+        part = {"kernels": kernels(args.rank, repeats=200)} if args.kernels else {"gateway": gateway_affinity(args)}
+        result = {"benchmark": "lora", **part}
         path = record_run("lora", result, sys.argv, args.out, args.fresh, started)
         print(f"wrote {path}")
         return 0

@@ -57,6 +57,7 @@ def report() -> dict:
         "int8 weights": f"native kernel ({int8})" if int8 else "PyTorch reference",
         "int4 weights": f"native kernel ({int4})" if int4 else "unavailable (int4 needs its native kernel)",
         "RMS norm, rotary, gated activations": "native kernels" if built["norm_rope"] else "PyTorch reference",
+        "LoRA adapters' products": "native kernel" if built["lora"] else "PyTorch matmuls",
     }
     if device.type == "cuda":
         paths = {

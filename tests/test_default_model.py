@@ -71,3 +71,30 @@ def test_logits_match_transformers_reading_the_same_gguf(llm):
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() < 1e-3
     assert_idle(llm)
+
+
+def test_a_lora_adapter_on_the_default_model_matches_transformers_and_peft(tmp_path):
+    """A small random adapter (rank 4 on q/v and down) made with peft on the converted default model: inferd's
+    greedy tokens under it are transformers + peft's, in fp32, and the adapter changes them. int8 (the default
+    mode) takes it too."""
+    from inferd.config import DEFAULT_MODEL
+    from inferd.models.loader import resolve_model
+    from tests.engine.lora_adapters import make_adapter, peft_greedy
+
+    folder = resolve_model(DEFAULT_MODEL)
+    adapter = make_adapter(folder, tmp_path / "a", ("q_proj", "v_proj", "down_proj"), r=4, alpha=4, seed=7)
+    lora = LLM(max_model_len=256, kv_cache_memory=64 * 1024**2, dtype="float32", quantization="none",
+               lora_modules=[f"a={adapter}"])  # fmt: skip
+    prompt = lora.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    (out,) = lora.generate([prompt], params, lora_name="a")
+    (base,) = lora.generate([prompt], params)
+    assert out.outputs[0].token_ids == peft_greedy(folder, adapter, prompt, 8)
+    assert out.outputs[0].token_ids != base.outputs[0].token_ids
+    assert_idle(lora)
+    del lora
+    int8 = LLM(max_model_len=256, kv_cache_memory=64 * 1024**2, lora_modules=[f"a={adapter}"])
+    (got,) = int8.generate([prompt], params, lora_name="a")
+    (plain,) = int8.generate([prompt], params)
+    assert int8.engine.quantization == "int8" and got.outputs[0].token_ids != plain.outputs[0].token_ids
+    assert_idle(int8)

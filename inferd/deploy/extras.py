@@ -87,6 +87,13 @@ def llm_inference_service(spec: FleetSpec, model: ModelSpec, opts: K8sOptions) -
     }
     if not downloaded:
         body["storageInitializer"] = {"enabled": False}
+    lora = model.engine_config(pool).lora
+    if lora.lora_modules:  # the adapters the container serves (its --lora-modules), declared to KServe too
+        body["model"]["lora"] = {
+            "adapters": [{"name": name, "uri": path} for name, path in lora.modules()],
+            "maxAdapters": lora.max_loras,
+            "maxRank": lora.max_lora_rank,
+        }
     return {
         "apiVersion": "serving.kserve.io/v1alpha2",
         "kind": "LLMInferenceService",

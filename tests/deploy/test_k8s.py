@@ -304,6 +304,8 @@ def test_kserve_and_inference_extension_objects(rendered):
     pool = _by(rendered, "InferencePool", "inferd-gemma-both")["spec"]
     assert pool["targetPorts"] == [{"number": 8000}] and pool["selector"]["matchLabels"]["inferd.dev/model"] == "gemma"
     route = _by(rendered, "HTTPRoute", "inferd")["spec"]
+    assert gemma["model"]["lora"] == {"adapters": [{"name": "sql", "uri": "/adapters/sql"}], "maxAdapters": 4,
+                                      "maxRank": 16}  # fmt: skip
     headers = [r["matches"][0]["headers"][0]["value"] for r in route["rules"]]
     assert headers == ["gemma", "g", "gemma-3", "sql", "qwen"]  # an adapter goes to its base model's pool
 

@@ -258,3 +258,19 @@ def test_lora_settings():
     argv = engine_argv({"lora_modules": ("a=/x", "b=/y"), "max_lora_rank": 8})
     assert argv == ["--lora-modules", "a=/x", "b=/y", "--max-lora-rank", "8"]
     assert engine_config_from_argv(argv).lora.lora_modules == ("a=/x", "b=/y")
+
+
+def test_preempted_requests_resume_under_their_adapter(tiny_models, adapters):
+    """A cache too small for the batch preempts requests; they are recomputed under their own adapter."""
+    folder, mine = tiny_models["llama"], adapters["llama"]
+    prompts = prompt_set(VOCAB, lengths=(40, 57, 80, 31, 66, 50))
+    names = ["all", "mlp", None, "attn", "all", "mlp"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(folder), max_model_len=256, dtype="float32", num_blocks=20, block_size=16, lora_modules=[
+        f"{n}={p}" for n, p in mine.items()])  # fmt: skip
+    got = _tokens(llm.generate(prompts, params, lora_name=names))
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache must be small enough to preempt"
+    roomy = _llm(folder, mine)
+    for p, name, tokens in zip(prompts, names, got, strict=True):
+        assert tokens == _tokens(roomy.generate([p], params, lora_name=name))[0], name
+    assert_idle(llm)

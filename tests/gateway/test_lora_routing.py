@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 
-from inferd.gateway.config import GatewayConfig, RefError
+from inferd.gateway.config import GatewayConfig
 from inferd.gateway.picker import Candidate, Picker, score_lora_affinity
 from inferd.gateway.replicas import Load, Pool, Replica, parse_load
 from inferd.gateway.routes import ModelRouter
@@ -50,11 +50,11 @@ def test_lora_affinity_prefers_running_then_free_slots():
 
 
 def _config(urls: list[str], adapters: list[str]) -> dict:
-    pools = [{"name": "p", "replicas": urls, "model": "tiny"}, {"name": "spare", "replicas": urls, "model": "tiny"}]
+    pools = [{"name": n, "replicas": urls, "model": "tiny"} for n in ("p", "spare", "third")]
     models = [
         {"name": "tiny", "adapters": adapters, "backends": [{"pool": "p"}],
          "fallbacks": [{"pool": "spare"}, {"model": "other"}]},
-        {"name": "other", "backends": [{"pool": "spare"}]},
+        {"name": "other", "backends": [{"pool": "third"}]},
     ]  # fmt: skip
     return base_config(pools, models)
 
@@ -66,8 +66,9 @@ def test_adapters_route_under_their_own_name():
     assert set(router.names()) == {"tiny", "sql", "chat", "other"}
     plan = router.plan("sql")
     assert [(t.pool.name, t.model, t.adapter) for t in plan] == [("p", "sql", "sql"), ("spare", "sql", "sql")]
-    assert [t.adapter for t in router.plan("tiny")] == [None, None, None]  # the base model follows every fallback
-    with pytest.raises(RefError, match="adapter 'other' is used twice"):
+    base = router.plan("tiny")  # the base model follows every fallback, another model's too
+    assert [(t.pool.name, t.adapter) for t in base] == [("p", None), ("spare", None), ("third", None)]
+    with pytest.raises(ValueError, match="adapter .other. is used twice"):
         GatewayConfig.model_validate(_config(["http://a"], ["other"]))
 
 
