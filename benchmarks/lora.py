@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -49,11 +48,12 @@ from benchmarks.vs_peers import (  # noqa: E402
     LOG_DIR,
     PEERS_DIR,
     Server,
+    chosen_servers,
     default_model,
     inferd_server,
     median_of_runs,
-    start,
-    stop,
+    running,
+    server_entry,
     vllm_server,
 )
 from inferd.procs import free_port  # noqa: E402
@@ -363,20 +363,11 @@ def main() -> int:
     model = default_model(convert=False)
     adapters = make_adapters(model.hf_folder, args.adapters, args.rank)
     table, ports = server_table(model, adapters, args.rank)
-    chosen = args.servers.split(",") if args.servers else [n for n in SERVERS if table[n].ready]
-    if missing := [n for n in chosen if n not in table or not table[n].ready]:
-        raise SystemExit(f"unknown or not set up: {missing} (vLLM: python benchmarks/vs_peers.py --setup vllm)")
+    chosen = chosen_servers(args.servers, table, SERVERS)
     RAW_DIR.mkdir(parents=True, exist_ok=True)
-    entries: dict[str, dict] = {
-        n: {"dtype": table[n].dtype, "quantization": table[n].quantization,
-            "start_command": shlex.join(table[n].command), "mixes": {}}
-        for n in chosen
-    }  # fmt: skip
+    entries = {n: server_entry(table[n], mixes={}) for n in chosen}
     names = [name for name, _ in adapters]
-    procs = []
-    try:
-        for name in chosen:
-            procs.append(start(table[name], ports[name], entries[name]))
+    with running([(table[n], ports[n], entries[n]) for n in chosen]):
         runs: dict[tuple[str, int], list[dict]] = {}
         for run in range(args.runs):
             for mix in mixes:
@@ -392,9 +383,6 @@ def main() -> int:
             entries[name]["mixes"][str(mix)] = {"runs": got, "median": median_of_runs(got, KEYS)}
         if "inferd-lora" in chosen:
             entries["inferd-lora"]["adapter_loads"] = load_cost(ports["inferd-lora"])
-    finally:
-        for proc in procs:
-            stop(proc)
     result = {
         "benchmark": "lora",
         "workload": {"endpoint": "/v1/completions", "dataset": "random", "input_len": args.input_len,

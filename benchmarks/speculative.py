@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.*` importable
 from benchmarks.common import bench_serve, record_run  # noqa: E402
-from benchmarks.vs_peers import LOG_DIR, Server, default_model, median_of_runs, servers, start, stop  # noqa: E402
+from benchmarks.vs_peers import (  # noqa: E402
+    LOG_DIR,
+    Server,
+    chosen_servers,
+    default_model,
+    median_of_runs,
+    running,
+    server_entry,
+    servers,
+)
 from inferd.procs import free_port  # noqa: E402
 
 RAW_DIR = ROOT / "results" / "speculative" / "raw"  # each bench run's JSON (not committed)
@@ -144,22 +152,12 @@ def main() -> int:
     started = time.time()
     model = default_model(convert=False)
     table, ports = server_table(model)
-    chosen = args.servers.split(",") if args.servers else [n for n in DEFAULT_SERVERS if table[n].ready]
-    missing = [n for n in chosen if n not in table or not table[n].ready]
-    if missing:
-        raise SystemExit(f"unknown or not set up: {missing} (see python benchmarks/vs_peers.py --help: --setup)")
+    chosen = chosen_servers(args.servers, table, DEFAULT_SERVERS)
     workloads = args.workloads.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     RAW_DIR.mkdir(parents=True, exist_ok=True)
-    entries: dict[str, dict] = {
-        n: {"dtype": table[n].dtype, "quantization": table[n].quantization,
-            "start_command": shlex.join(table[n].command), "workloads": {}}
-        for n in chosen
-    }  # fmt: skip
-    procs = []
-    try:
-        for name in chosen:
-            procs.append(start(table[name], ports[name], entries[name]))
+    entries = {n: server_entry(table[n], workloads={}) for n in chosen}
+    with running([(table[n], ports[n], entries[n]) for n in chosen]):
         for level in levels:
             runs: dict[tuple[str, str], list[dict]] = {}
             for run in range(args.runs):
@@ -172,9 +170,6 @@ def main() -> int:
             for (name, workload), got in runs.items():
                 fig = {"num_prompts": num_prompts(level), "runs": got, "median": median_of_runs(got, KEYS)}
                 entries[name]["workloads"].setdefault(workload, {})[f"concurrency={level}"] = fig
-    finally:
-        for proc in procs:
-            stop(proc)
     result = {
         "benchmark": "speculative",
         "workload": {"endpoint": "/v1/completions", "datasets": {w: WORKLOADS[w] for w in workloads},

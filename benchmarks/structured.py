@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -43,7 +42,16 @@ import httpx
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.*` importable
 from benchmarks.common import bench_serve, record_run  # noqa: E402
-from benchmarks.vs_peers import LOG_DIR, Server, default_model, median_of_runs, servers, start, stop  # noqa: E402
+from benchmarks.vs_peers import (  # noqa: E402
+    LOG_DIR,
+    Server,
+    chosen_servers,
+    default_model,
+    median_of_runs,
+    running,
+    server_entry,
+    servers,
+)
 from inferd.procs import free_port  # noqa: E402
 
 RAW_DIR = ROOT / "results" / "structured" / "raw"  # each bench run's JSON (not committed)
@@ -170,19 +178,11 @@ def main() -> int:
     for name in ("inferd", "vllm"):
         ports[name] = free_port()
         table[name] = servers(model, ports[name])[name]
-    chosen = args.servers.split(",") if args.servers else [n for n in table if table[n].ready]
-    unknown = [n for n in chosen if n not in table or not table[n].ready]
-    if unknown:
-        raise SystemExit(f"unknown or not set up: {unknown} (vllm: python benchmarks/vs_peers.py --setup vllm)")
+    chosen = chosen_servers(args.servers, table, table)
     levels = [int(c) for c in args.concurrency.split(",")]
     RAW_DIR.mkdir(parents=True, exist_ok=True)
-    entries: dict[str, dict] = {
-        n: {"dtype": table[n].dtype, "start_command": shlex.join(table[n].command), "levels": {}} for n in chosen
-    }
-    procs = []
-    try:
-        for name in chosen:
-            procs.append(start(table[name], ports[name], entries[name]))
+    entries = {n: server_entry(table[n], levels={}) for n in chosen}
+    with running([(table[n], ports[n], entries[n]) for n in chosen]):
         probes = probe_schemas(args.probes)
         for name in chosen:  # before any bench run has compiled these schemas
             entries[name]["compile"] = compile_latency(table[name], ports[name], probes)
@@ -205,9 +205,6 @@ def main() -> int:
             for (name, mode), got in runs.items():
                 fig = {"num_prompts": num_prompts(level), "runs": got, "median": median_of_runs(got, KEYS)}
                 entries[name]["levels"].setdefault(f"concurrency={level}", {})[mode] = fig
-    finally:
-        for proc in procs:
-            stop(proc)
     for entry in entries.values():
         entry["constrained_over_free"] = ratios(entry)
     result = {

@@ -61,6 +61,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -462,6 +464,35 @@ def start(server: Server, port: int, entry: dict) -> subprocess.Popen:
     return proc
 
 
+def chosen_servers(requested: str | None, table: dict[str, Server], default) -> list[str]:
+    """The servers a run asks for (`--servers a,b`), else those of `default` whose setup is done; a name that is
+    unknown or not set up ends the run, naming it and the setup."""
+    chosen = requested.split(",") if requested else [n for n in default if table[n].ready]
+    if missing := [n for n in chosen if n not in table or not table[n].ready]:
+        raise SystemExit(f"unknown or not set up: {missing} (see python benchmarks/vs_peers.py --help: --setup)")
+    return chosen
+
+
+def server_entry(server: Server, **figures) -> dict:
+    """A server's record in a result: what it computes in, how it was started, then its figures."""
+    return {"dtype": server.dtype, "quantization": server.quantization, "start_command": shlex.join(server.command),
+            **figures}  # fmt: skip
+
+
+@contextmanager
+def running(servers: list[tuple[Server, int, dict]]) -> Iterator[None]:
+    """Each (server, port, entry) started and healthy (its start-up time goes into the entry), and all of them
+    stopped when the block ends, however it ends."""
+    procs = []
+    try:
+        for server, port, entry in servers:
+            procs.append(start(server, port, entry))
+        yield
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
 def report(name: str, workload: str, level: int, figures: dict) -> None:
     m = figures["median"]
     print(f"[{name}] {workload} c={level}: {m.get('output_throughput', 0):.1f} out tok/s, "
@@ -499,29 +530,29 @@ def run_interleaved(chosen: list[tuple[Server, int]], model: Model, args: argpar
     server after another would count as a difference between servers."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     entries = {server.name: new_entry(server, port, model, args) for server, port in chosen}
-    procs = []
     try:
-        for server, port in chosen:
-            procs.append(start(server, port, entries[server.name]))
-        for workload in args.workloads:
-            for level in args.concurrency:
-                runs: dict[str, list[dict]] = {server.name: [] for server, _ in chosen}
-                for run in range(args.runs):
-                    for server, port in chosen:
-                        runs[server.name].append(bench_run(server, port, model, workload, level, run))
-                for server, _ in chosen:
-                    figures = {"num_prompts": num_prompts(level), "runs": runs[server.name],
-                               "median": median_of_runs(runs[server.name])}  # fmt: skip
-                    entries[server.name]["workloads"].setdefault(workload, {})[f"concurrency={level}"] = figures
-                    report(server.name, workload, level, figures)
+        with running([(server, port, entries[server.name]) for server, port in chosen]):
+            _interleaved_runs(chosen, model, args, entries)
     except (RuntimeError, OSError, ValueError, KeyError) as e:
         for entry in entries.values():
             entry["error"] = str(e)
         print(f"interleaved run failed: {e}", flush=True)
-    finally:
-        for proc in procs:
-            stop(proc)
     return entries
+
+
+def _interleaved_runs(chosen: list[tuple[Server, int]], model: Model, args: argparse.Namespace, entries: dict) -> None:
+    """Every run of every level, each sent to every server in turn; figures into `entries`."""
+    for workload in args.workloads:
+        for level in args.concurrency:
+            runs: dict[str, list[dict]] = {server.name: [] for server, _ in chosen}
+            for run in range(args.runs):
+                for server, port in chosen:
+                    runs[server.name].append(bench_run(server, port, model, workload, level, run))
+            for server, _ in chosen:
+                figures = {"num_prompts": num_prompts(level), "runs": runs[server.name],
+                           "median": median_of_runs(runs[server.name])}  # fmt: skip
+                entries[server.name]["workloads"].setdefault(workload, {})[f"concurrency={level}"] = figures
+                report(server.name, workload, level, figures)
 
 
 def assemble(chosen: list[tuple[Server, int]], model: Model, args: argparse.Namespace) -> dict[str, dict]:

@@ -26,9 +26,9 @@ def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gw-logs")
 
 
-@pytest.fixture(scope="session")
-def replicas(tiny_llama, logs) -> Iterator[list[Proc]]:
-    procs = [start_replica(tiny_llama, logs) for _ in range(2)]
+def healthy_replicas(model: Path, logs: Path, count: int, *extra: str) -> Iterator[list[Proc]]:
+    """`count` replicas of `model` with these flags, healthy, for a fixture to yield; stopped after it."""
+    procs = [start_replica(model, logs, *extra) for _ in range(count)]
     try:
         for p in procs:
             wait_http(p, "/health", timeout=120)
@@ -36,6 +36,11 @@ def replicas(tiny_llama, logs) -> Iterator[list[Proc]]:
     finally:
         for p in procs:
             p.stop()
+
+
+@pytest.fixture(scope="session")
+def replicas(tiny_llama, logs) -> Iterator[list[Proc]]:
+    yield from healthy_replicas(tiny_llama, logs, 2)
 
 
 @pytest.fixture

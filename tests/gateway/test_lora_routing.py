@@ -14,8 +14,7 @@ from inferd.gateway.picker import Candidate, Picker, score_lora_affinity
 from inferd.gateway.replicas import Load, Pool, Replica, parse_load
 from inferd.gateway.routes import ModelRouter
 from tests.engine.lora_adapters import make_adapter
-from tests.gateway.conftest import base_config, wait_until
-from tests.gateway.procs import start_replica, wait_http
+from tests.gateway.conftest import base_config, healthy_replicas, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,14 +75,7 @@ def test_adapters_route_under_their_own_name():
 def lora_replicas(tiny_llama, logs, tmp_path_factory):
     root = tmp_path_factory.mktemp("gw-adapters")
     modules = [f"{n}={make_adapter(tiny_llama, root / n, seed=i)}" for i, n in enumerate(["sql", "chat"])]
-    procs = [start_replica(tiny_llama, logs, "--lora-modules", *modules, "--max-loras", "1") for _ in range(2)]
-    try:
-        for p in procs:
-            wait_http(p, "/health", timeout=120)
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    yield from healthy_replicas(tiny_llama, logs, 2, "--lora-modules", *modules, "--max-loras", "1")
 
 
 def test_adapter_requests_through_a_gateway(lora_replicas, gateway):
