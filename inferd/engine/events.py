@@ -9,10 +9,11 @@ One event:
 
 - `id`, `ts` (wall clock, s), `dur_ms` (schedule + execute + update), `tokens` scheduled and `budget`
   (`--max-num-batched-tokens`), `running` / `waiting` after the step;
-- `reqs`: one `[request id, tokens computed, kind, flags, constraint]` per chunk, in the scheduler's
-  order, where kind is `"p"` (a prefill chunk, or a recompute after preemption) or `"d"` (one decode
-  token), flags is `""`, `"f"` (finished this step) or `"s"` (sampled a token and goes on), and
-  constraint is the kind of a structured output's grammar (`"json"`, `"regex"`, ...) or `""`;
+- `reqs`: one `[request id, tokens computed, kind, flags, constraint, adapter]` per chunk, in the
+  scheduler's order, where kind is `"p"` (a prefill chunk, or a recompute after preemption) or `"d"` (one
+  decode token), flags is `""`, `"f"` (finished this step) or `"s"` (sampled a token and goes on),
+  constraint is the kind of a structured output's grammar (`"json"`, `"regex"`, ...) or `""`, and adapter
+  the LoRA adapter the request runs under or `""`;
 - `preempted`: ids preempted this step;
 - `ttft_ms` / `itl_ms`: the time to first token and inter-token gaps of the tokens sampled this step,
   from the engine's own timestamps;
@@ -149,6 +150,8 @@ class StepEvents:
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
     # the constraint kind of each live structured request, learnt as it enters the batch
     _constrained: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    # the LoRA adapter of each live request that has one, learnt likewise
+    _adapters: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _next_kv: float = field(default=0.0, init=False, repr=False)
     _last_runs: list[int] | None = field(default=None, init=False, repr=False)
     _last_owners: list[str] | None = field(default=None, init=False, repr=False)
@@ -178,21 +181,26 @@ class StepEvents:
         now = time.perf_counter()
         live = scheduler.requests
         sampled_ids = {s.request.request_id for s in sampled}
-        constrained = self._constrained
+        constrained, adapters = self._constrained, self._adapters
         for rid in sched.finished_ids:  # ended (or aborted) before this step
             constrained.pop(rid, None)
+            adapters.pop(rid, None)
         for new in sched.new_requests:
             if new.params.structured is not None:
                 constrained[new.request_id] = new.params.structured.kind
+            if new.lora_name is not None:
+                adapters[new.request_id] = new.lora_name
         reqs = []
         tokens = 0
         for c in sched.chunks:
             rid = c.request_id
             flag = "f" if rid not in live else ("s" if rid in sampled_ids else "")
-            reqs.append([rid, c.num_tokens, "p" if c.is_prefill else "d", flag, constrained.get(rid, "")])
+            kind = "p" if c.is_prefill else "d"
+            reqs.append([rid, c.num_tokens, kind, flag, constrained.get(rid, ""), adapters.get(rid, "")])
             tokens += c.num_tokens
             if flag == "f":
                 constrained.pop(rid, None)
+                adapters.pop(rid, None)
         ttft, itl = [], []
         for s in {s.request.request_id: s for s in reversed(sampled)}.values():  # a request's first token this step
             times = s.request.times

@@ -55,6 +55,8 @@ class LoRAManager:
         """An adapter checked against the model, not yet served (a LoRAError says what is wrong)."""
         if not name or not name.strip():
             raise LoRAError("an adapter needs a name (lora_name)")
+        if "," in name:  # lora_requests_info lists adapters joined by commas, as vLLM does
+            raise LoRAError(f"an adapter's name may not hold a comma: {name!r}")
         return read_adapter(name, path, self.layers, self.prefixes, self.config.max_lora_rank)
 
     def add(self, name: str, path: str) -> LoRAAdapter:

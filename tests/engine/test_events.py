@@ -37,6 +37,20 @@ def test_rows_of_a_structured_output_name_its_constraint(tiny_llama):
     assert_idle(llm)
 
 
+def test_rows_name_their_lora_adapter(tiny_llama, tmp_path):
+    from tests.engine.lora_adapters import make_adapter
+
+    adapter = make_adapter(tiny_llama, tmp_path / "sql")
+    llm = _llm(tiny_llama, lora_modules=[f"sql={adapter}"])
+    events = llm.engine.events = StepEvents(kv_interval=0.0, kv_budget=1.0)
+    llm.generate([list(range(3, 20)), list(range(5, 30))], GREEDY, lora_name=["sql", None])
+    rows = [r for e in events.ring.drain() if e["type"] == "step" for r in e["reqs"]]
+    marks = {rid: {r[5] for r in rows if r[0] == rid} for rid in {r[0] for r in rows}}
+    assert sorted(marks.values(), key=sorted) == [{""}, {"sql"}]
+    assert events._adapters == {}  # forgotten once finished
+    assert_idle(llm)
+
+
 def test_run_length_round_trips():
     rng = np.random.default_rng(0)
     for size in (0, 1, 7, 1000):

@@ -240,6 +240,12 @@ def test_bad_adapters_are_refused(tiny_models, adapters, tmp_path, case):
         _llm(tiny_models["llama"], {"a": path})
 
 
+def test_an_adapter_name_with_a_comma_is_refused(tiny_models, adapters):
+    llm = _llm(tiny_models["llama"], {})
+    with pytest.raises(LoRAError, match="comma"):
+        llm.engine.add_lora("a,b", str(adapters["llama"]["all"]))
+
+
 def test_adapter_for_another_base_model_is_refused(tiny_models, adapters):
     """Qwen3's heads are 32 wide, Llama's 16: the shapes say the adapter was made for another base model."""
     llm = _llm(tiny_models["llama"], {})

@@ -121,3 +121,37 @@ def test_without_the_key_the_page_says_so(replica, browser):
     page.goto(f"{replica.url}/dashboard")
     page.wait_for_function("document.getElementById('conn').textContent.includes('API key')", timeout=20_000)
     assert errors == []
+
+
+def test_the_batch_view_names_each_rows_lora_adapter(tiny_models, browser, tmp_path):
+    """A request under a LoRA adapter shows the adapter's name on its row, as text (a name is never markup)."""
+    import threading
+
+    import httpx
+
+    from tests.engine.lora_adapters import make_adapter
+
+    name = "sql<b>x</b>"
+    adapter = make_adapter(tiny_models["llama"], tmp_path / "sql")
+    proc = start_replica(tiny_models["llama"], tmp_path, "--api-key", KEY, "--lora-modules", f"{name}={adapter}")
+    try:
+        wait_http(proc, "/health", timeout=90)
+        page = browser.new_page()
+        page.goto(f"{proc.url}/dashboard?key={KEY}")
+        page.wait_for_function("window.dashboard.hello !== null", timeout=20_000)
+        page.evaluate("""() => {
+          window.seen = [];
+          new MutationObserver(() => document.querySelectorAll('#batch-table .adapter')
+            .forEach(e => window.seen.push(e.textContent))).observe(document.body, {subtree: true, childList: true});
+        }""")
+        body = {"model": name, "prompt": "The quick brown fox " * 8, "max_tokens": 200, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        sent = threading.Thread(target=lambda: httpx.post(f"{proc.url}/v1/completions", json=body, headers=headers,
+                                                          timeout=120))  # fmt: skip
+        sent.start()
+        page.wait_for_function("window.seen.length > 0", timeout=60_000)
+        sent.join(120)
+        assert set(page.evaluate("window.seen")) == {name}
+        assert page.locator("#batch-table b").count() == 0  # the name was not rendered as markup
+    finally:
+        proc.stop()

@@ -250,7 +250,7 @@ function drawBatchTable() {
       (s.preempted.length ? ` · preempted ${s.preempted.join(", ")}` : "");
   $("step-line").dataset.idle = idle ? "1" : "0";
   const rows = idle ? [] : s.reqs.slice(0, 24);
-  body.replaceChildren(...rows.map(([id, tokens, kind, flag, constraint]) => {
+  body.replaceChildren(...rows.map(([id, tokens, kind, flag, constraint, adapter]) => {
     const tr = document.createElement("tr");
     const state_ = flag === "f" ? "finished" : flag === "s" ? "sampled" : "computing";
     // a structured output's rows say which grammar masks their tokens
@@ -258,6 +258,13 @@ function drawBatchTable() {
     tr.innerHTML = `<td><span class="dot"></span></td><td>${tokens}</td><td>${kind === "p" ? "prefill" : "decode"}${grammar}</td>` +
       `<td>${state_}</td>`;
     tr.cells[0].append(id);
+    if (adapter) { // the LoRA adapter the row runs under (its name as text, never as markup)
+      const tag = document.createElement("span");
+      tag.className = "adapter";
+      tag.title = "LoRA adapter";
+      tag.textContent = adapter;
+      tr.cells[0].append(" ", tag);
+    }
     tr.querySelector(".dot").style.background = requestColour(id);
     if (isPlay(id)) tr.style.fontWeight = "bold";
     return tr;
