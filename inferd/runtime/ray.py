@@ -72,6 +72,7 @@ class RoutedRequest:
     headers: list[tuple[str, str]]
     stream: bool
     block_hashes: list[bytes] = field(default_factory=list)
+    adapter: str | None = None  # the LoRA adapter asked for: the router prefers replicas running it
 
 
 # -- the engine replica ------------------------------------------------------------------------------
@@ -187,8 +188,11 @@ class EngineReplica:
         }
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Read by the request router (every `request_routing_stats_period_s` of the deployment's options)."""
-        return self._signals() | {"replica": self.replica_id, "requests": float(self.requests)}
+        """Read by the request router (every `request_routing_stats_period_s` of the deployment's options):
+        the load, and the LoRA adapters running or waiting here and the slots, as `lora_requests_info` says."""
+        st = self.state.async_engine.stats
+        lora = {"lora_active": sorted(st.running_loras.keys() | st.waiting_loras.keys()), "max_loras": st.max_loras}
+        return self._signals() | lora | {"replica": self.replica_id, "requests": float(self.requests)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by the autoscaling policy, averaged by Serve over the look-back window."""
@@ -215,15 +219,19 @@ class InferdRequestRouter(RequestRouter):
         self.index = MemoryPrefixIndex(capacity_blocks)
         self.rng = random.Random()
 
-    def _candidate(self, r: RunningReplica, hashes: list[bytes], matched: dict[str, int], now: float) -> Candidate:
+    def _candidate(
+        self, r: RunningReplica, hashes: list[bytes], matched: dict[str, int], now: float, adapter: str | None
+    ) -> Candidate:
         rid = r.replica_id.to_full_id_str()
         rep = Replica(url=rid, pool="")
         rep.in_flight = self._replica_queue_len_cache.get(r.replica_id) or 0
         stats = r.routing_stats or {}
         load = None
         if stats:
-            load = Load(at=now, waiting=stats.get("waiting", 0.0), kv_usage=stats.get("kv_cache_usage", 0.0))
-        return Candidate(rep, load, matched.get(rid, 0) / len(hashes) if hashes else 0.0)
+            active = frozenset(stats.get("lora_active", ()))
+            load = Load(now, stats.get("waiting", 0.0), kv_usage=stats.get("kv_cache_usage", 0.0),
+                        lora_active=active, max_loras=stats.get("max_loras"))  # fmt: skip
+        return Candidate(rep, load, matched.get(rid, 0) / len(hashes) if hashes else 0.0, adapter)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -234,7 +242,8 @@ class InferdRequestRouter(RequestRouter):
         matched = await self.index.match(ids, hashes) if hashes else {}
         now = time.monotonic()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        cands = [self._candidate(r, hashes, matched, now) for r in candidate_replicas]
+        adapter = getattr(req, "adapter", None)
+        cands = [self._candidate(r, hashes, matched, now, adapter) for r in candidate_replicas]
         self.rng.shuffle(cands)  # ties go to a random replica
         return [[by_id[c.replica.url]] for _, c in rank(cands, self.weights)]
 
@@ -334,6 +343,7 @@ class Route:
     model: ModelSpec
     block_sizes: dict[str, int]
     tokenizer: Any  # tokenizers.Tokenizer or None (no prefix affinity)
+    adapters: frozenset[str] = frozenset()  # its LoRA adapters' names (a request may name one as `model`)
 
 
 def _load_tokenizer(model: ModelSpec):
@@ -349,8 +359,9 @@ def model_routes(spec: FleetSpec) -> dict[str, Route]:
     """Each name and alias a client may send as `model` -> its route."""
     routes = {}
     for m in spec.models:
-        route = Route(m, {p.name: m.engine_config(p).cache.block_size for p in m.pools}, _load_tokenizer(m))
-        routes |= dict.fromkeys([m.name, *m.aliases], route)
+        sizes = {p.name: m.engine_config(p).cache.block_size for p in m.pools}
+        route = Route(m, sizes, _load_tokenizer(m), frozenset(m.adapters()))
+        routes |= dict.fromkeys([m.name, *m.aliases, *route.adapters], route)  # an adapter: its base model's pools
     return routes
 
 
@@ -395,6 +406,8 @@ class OpenAIIngress:
         else:
             ids = prompt
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        if body.get("model") in route.adapters:  # an adapter's blocks are its own (as the gateway keys them)
+            salt = f"{salt or ''}\x00lora:{body['model']}"
         hashes = block_hashes(ids, route.block_sizes[pool], salt)
         return hashes[:-1] if cut else hashes  # a token may straddle the cut: its block is not trusted
 
@@ -410,7 +423,8 @@ class OpenAIIngress:
         pool = random.choice(list(route.block_sizes))
         headers = [(k, v) for k, v in request.headers.items() if k in ("content-type", "authorization", "accept")]
         stream = body.get("stream") is True
-        req = RoutedRequest(request.url.path, raw, headers, stream, self._hashes(route, pool, kind, body))
+        adapter = body["model"] if body["model"] in route.adapters else None
+        req = RoutedRequest(request.url.path, raw, headers, stream, self._hashes(route, pool, kind, body), adapter)
         return await self._forward(pool, req)
 
     async def _forward(self, pool: str, req: RoutedRequest) -> Response:

@@ -140,12 +140,15 @@ def ray_app(tiny_models, tmp_path_factory):
     from ray import serve
 
     from inferd.runtime.ray import build
+    from tests.engine.lora_adapters import make_adapter
 
+    adapter = make_adapter(tiny_models["llama"], tmp_path_factory.mktemp("ray-adapter") / "sql")
     fleet = f"""\
 models:
   - name: {MODEL}
     model: {tiny_models["llama"]}
-    engine: {{max_model_len: 512, kv_cache_memory: 32MiB, num_threads: 1, max_num_seqs: 8, attention_backend: torch}}
+    engine: {{max_model_len: 512, kv_cache_memory: 32MiB, num_threads: 1, max_num_seqs: 8, attention_backend: torch,
+              lora_modules: ["sql={adapter}"]}}
     pools:
       - name: tiny-both
         replicas: 2
@@ -203,7 +206,7 @@ def _complete(url: str, prompt: str, max_tokens: int = 4, **extra) -> httpx.Resp
 @pytest.mark.timeout(420)
 def test_openai_requests_and_streams_through_ray_serve(ray_app):
     models = httpx.get(ray_app + "/v1/models", timeout=30).json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [m["id"] for m in models["data"]] == [MODEL, "sql"]
     r = _complete(ray_app, "hello there")
     assert r.status_code == 200, r.text
     out = r.json()
@@ -223,6 +226,19 @@ def test_openai_requests_and_streams_through_ray_serve(ray_app):
         ray_app + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}, timeout=60
     )
     assert invalid.status_code == 400 and invalid.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_lora_adapter_is_served_through_ray_under_its_name(ray_app):
+    """The ingress routes an adapter's requests to its base model's pool; the replica runs them under it."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    adapted = httpx.post(ray_app + "/v1/completions", json={"model": "sql", "prompt": "hello there", "max_tokens": 6}
+                         | greedy, timeout=120)  # fmt: skip
+    assert adapted.status_code == 200, adapted.text
+    assert adapted.json()["model"] == "sql"
+    base = _complete(ray_app, "hello there", max_tokens=6, ignore_eos=True)
+    assert base.json()["choices"][0]["text"] != adapted.json()["choices"][0]["text"]
 
 
 @pytest.mark.slow
