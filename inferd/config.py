@@ -96,6 +96,13 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = setting(
         0, "cap on one prefill chunk, so long prompts share steps more finely (0: the whole budget)", minimum=0
     )
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs (arrival order) or priority (a request's `priority`, lower first, then arrival: waiting requests are "
+        "admitted in that order, a running request of a later class is preempted for an earlier one that finds "
+        "no room, and KV pressure preempts the latest class first), as vLLM's --scheduling-policy",
+        choices=("fcfs", "priority"),
+    )
 
     def validate(self) -> None:
         _check_fields(self)

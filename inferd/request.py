@@ -54,6 +54,7 @@ class Request:
     cache_salt: str | None = None
     lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
     lora_key: str | None = None  # that adapter's identity in prefix-cache keys (LoRAAdapter.key)
+    priority: int = 0  # with --scheduling-policy priority: lower runs first (vLLM's field)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
@@ -61,6 +62,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
+
+    @property
+    def order(self) -> tuple[int, float, str]:
+        """Its place under the priority policy: priority class, then arrival."""
+        return self.priority, self.times.arrival, self.request_id
 
     @property
     def prefix_salt(self) -> str | None:

@@ -38,6 +38,7 @@ class _Add:
     arrival_time: float
     future: asyncio.Future
     lora_name: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -154,8 +155,10 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
-        """Queue a request and return its stream once the engine has accepted it (`lora_name`: its adapter).
+        """Queue a request and return its stream once the engine has accepted it (`lora_name`: its adapter;
+        `priority`: its class under the priority policy).
 
         Raises InvalidRequestError (as the engine does) for a request that cannot run, and
         EngineOverloadedError when the waiting queue is full or the server is draining.
@@ -169,7 +172,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._num_pending += params.n
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, future, lora_name))
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, future, lora_name, priority))
         try:
             await future
         except BaseException:
@@ -311,8 +314,9 @@ class AsyncEngine:
             return None
         try:
             self.engine.add_request(
-                item.request_id, item.prompt, item.params, item.cache_salt, item.arrival_time, item.lora_name
-            )
+                item.request_id, item.prompt, item.params, item.cache_salt, item.arrival_time, item.lora_name,
+                item.priority,
+            )  # fmt: skip
         except Exception as e:
             return e
         self._live.add(item.request_id)

@@ -220,13 +220,19 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError (and queues nothing) if it can't run.
-        `lora_name`: the LoRA adapter it runs under (None: the base model)."""
+        `lora_name`: the LoRA adapter it runs under (None: the base model); `priority`: its class under
+        `--scheduling-policy priority` (lower first)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         lora_key = self._lora_key(lora_name)
+        if priority != 0 and not self.scheduler.priority:
+            raise InvalidRequestError(
+                "priority needs the priority scheduling policy (--scheduling-policy priority)", param="priority"
+            )
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = self._validate(token_ids, params)
@@ -244,6 +250,7 @@ class Engine:
                 cache_salt=cache_salt,
                 lora_name=lora_name,
                 lora_key=lora_key,
+                priority=priority,
                 times=RequestTimes(arrival=arrival),
             )
             seq = _Sequence(
@@ -527,9 +534,10 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_name: str | Sequence[str | None] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """`lora_name`: the LoRA adapter (by its name) every prompt runs under, or one per prompt (None: the
-        base model)."""
+        base model); `priority`: every prompt's class, or one per prompt (`scheduling_policy="priority"`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -537,13 +545,14 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidRequestError("give one SamplingParams, or one per prompt")
         loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
-        if len(loras) != len(prompts):
-            raise InvalidRequestError("give one lora_name, or one per prompt")
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        if len(loras) != len(prompts) or len(priorities) != len(prompts):
+            raise InvalidRequestError("give one lora_name (and priority), or one per prompt")
         ids = []
         try:
-            for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
+            for prompt, p, lora, prio in zip(prompts, params_list, loras, priorities, strict=True):
                 rid = self.engine.new_request_id()
-                self.engine.add_request(rid, prompt, p, lora_name=lora)
+                self.engine.add_request(rid, prompt, p, lora_name=lora, priority=prio)
                 ids.append(rid)
         except Exception:
             for rid in ids:

@@ -11,9 +11,11 @@ The scheduler is also the one place where a request moves forward: `update_from_
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from inferd.config import SchedulerConfig
@@ -48,6 +50,41 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int
     return None
 
 
+class PriorityQueue:
+    """The waiting requests in `Request.order` (priority, then arrival), with the deque operations the
+    scheduler uses: under the priority policy every insertion, the front ones included, goes to its place."""
+
+    def __init__(self) -> None:
+        self._items: list[Request] = []
+
+    def _insert(self, request: Request) -> None:
+        bisect.insort(self._items, request, key=lambda r: r.order)
+
+    append = appendleft = _insert
+
+    def extendleft(self, requests: Iterable[Request]) -> None:
+        for r in requests:
+            self._insert(r)
+
+    def popleft(self) -> Request:
+        return self._items.pop(0)
+
+    def remove(self, request: Request) -> None:
+        self._items.remove(request)
+
+    def __getitem__(self, i: int) -> Request:
+        return self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._items
+
+
 @dataclass
 class SampledToken:
     """A token appended to a request this step, for the engine to detokenize and report."""
@@ -64,7 +101,8 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self.waiting: deque[Request] = deque()
+        self.priority = config.scheduling_policy == "priority"
+        self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if self.priority else deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # for the next step record: the runner drops their state
@@ -92,8 +130,11 @@ class Scheduler:
         if self.connector is not None:
             self.connector.housekeeping(self.kv)
         budget = self.config.max_num_batched_tokens
+        if self.priority:
+            self._preempt_for_priority(out)
+        for_priority = len(out.preempted_ids)
         budget = self._schedule_running(out, budget)
-        if not out.preempted_ids:  # under KV pressure, admit nothing new this step
+        if len(out.preempted_ids) == for_priority:  # under KV pressure, admit nothing new this step
             self._schedule_waiting(out, budget)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
@@ -119,7 +160,7 @@ class Scheduler:
             draft = draft[: n - remaining]
             num_blocks = self.kv.num_blocks_of(request.request_id)
             while not self.kv.allocate_slots(request, n):
-                victim = self.running.pop()  # the newest arrival has the lowest priority
+                victim = self._victim(i)
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -128,6 +169,31 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _victim(self, i: int) -> Request:
+        """The running request to preempt for KV room, among those not scheduled yet this step (from the i-th
+        on): the newest arrival, or under the priority policy the latest class's newest (it leaves `running`)."""
+        if not self.priority:
+            return self.running.pop()
+        victim = max(self.running[i:], key=lambda r: r.order)
+        self.running.remove(victim)
+        return victim
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Before anything is scheduled: while the first waiting request comes before the last running one and
+        finds no room (every sequence slot taken, or too few free KV blocks for its first chunk), preempt the
+        last running one (recomputed later, as any preemption)."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            worst = max(self.running, key=lambda r: r.order)
+            if worst.order <= head.order:
+                return
+            first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
+            full = len(self.running) + len(self.loading) >= self.config.max_num_seqs
+            if not full and self.kv.blocks_needed(first_chunk) <= self.kv.pool.num_free_blocks:
+                return
+            self.running.remove(worst)
+            self._preempt(worst, out)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)

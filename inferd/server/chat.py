@@ -36,7 +36,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools=tools
     )
     request_id = new_id("chatcmpl")
-    streams = await submit(state.async_engine, request_id, [prompt], params, req.cache_salt, lora_name)
+    streams = await submit(state.async_engine, request_id, [prompt], params, req.cache_salt, lora_name, req.priority)
     headers = {"X-Request-Id": request_id}
     if req.stream:
         body = _stream(state, req, tools, request_id, streams, len(prompt))

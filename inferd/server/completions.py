@@ -42,7 +42,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = completion_params(req)
     prompt_ids, prompt_texts = await _prompts(state, req.prompt)
     request_id = new_id("cmpl")
-    streams = await submit(state.async_engine, request_id, prompt_ids, params, req.cache_salt, lora_name)
+    streams = await submit(state.async_engine, request_id, prompt_ids, params, req.cache_salt, lora_name, req.priority)
     try:
         echoes = [
             (t if t is not None else await state.decode_async(ids)) if req.echo else ""

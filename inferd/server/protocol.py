@@ -71,6 +71,8 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    #: the request's class under `--scheduling-policy priority` (lower first); other than 0 a 400 under fcfs
+    priority: Int64 = 0
     #: disaggregated prefill/decode (docs/disaggregation.md), as vLLM names it
     kv_transfer_params: dict[str, Any] | None = None
     # structured outputs (docs/structured.md): OpenAI's response_format, vLLM's structured_outputs and its

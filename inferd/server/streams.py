@@ -28,6 +28,7 @@ async def submit(
     params: SamplingParams,
     cache_salt: str | None,
     lora_name: str | None = None,
+    priority: int = 0,
 ) -> list[tuple[str, RequestStream]]:
     """Queue every prompt as one engine request; if any is refused, abort the others and raise its error.
 
@@ -37,7 +38,10 @@ async def submit(
     engine.check_admission(len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
     ids = [base_id if len(prompts) == 1 else sub_request_id(base_id, i) for i in range(len(prompts))]
     results = await asyncio.gather(
-        *(engine.add_request(rid, p, params, cache_salt, lora_name) for rid, p in zip(ids, prompts, strict=True)),
+        *(
+            engine.add_request(rid, p, params, cache_salt, lora_name, priority)
+            for rid, p in zip(ids, prompts, strict=True)
+        ),
         return_exceptions=True,
     )
     errors = [r for r in results if isinstance(r, BaseException)]

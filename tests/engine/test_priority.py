@@ -1,0 +1,99 @@
+"""`--scheduling-policy priority`: waiting requests in (priority, arrival) order, a later class preempted for an
+earlier one that finds no room, KV pressure preempting the latest class first; every output as without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferd import LLM, SamplingParams
+from inferd.errors import InvalidRequestError
+from tests.conftest import VOCAB, assert_idle
+from tests.engine.hf_reference import prompt_set
+
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _llm(folder, **settings) -> LLM:
+    return LLM(str(folder), dtype="float32", **{"max_model_len": 256, "num_blocks": 128, **settings})
+
+
+def _run(llm: LLM, jobs: list[tuple[str, list[int], int]], add_after: dict[int, list] | None = None):
+    """Add `jobs` (id, prompt, priority), step to the end (adding `add_after[step]` jobs at that step); the
+    order requests finished in, and each one's tokens."""
+    engine, order, tokens = llm.engine, [], {}
+    for rid, prompt, prio in jobs:
+        engine.add_request(rid, prompt, PARAMS, priority=prio)
+    step = 0
+    while engine.has_unfinished_requests():
+        for rid, prompt, prio in (add_after or {}).get(step, []):
+            engine.add_request(rid, prompt, PARAMS, priority=prio)
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+                tokens[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return order, tokens
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny_models):
+    llm = _llm(tiny_models["llama"], scheduling_policy="priority", max_num_seqs=1)
+    prompts = prompt_set(VOCAB, lengths=(9, 11, 13, 15))
+    order, _ = _run(llm, [("late", prompts[0], 2), ("mid", prompts[1], 1), ("first", prompts[2], 0),
+                          ("also-mid", prompts[3], 1)])  # fmt: skip
+    assert order == ["first", "mid", "also-mid", "late"]
+    assert_idle(llm)
+
+
+def test_an_earlier_class_preempts_a_running_later_one(tiny_models):
+    """Two low-priority requests fill the batch; a high-priority arrival takes the newest one's place at once,
+    and every request still gets the tokens it gets alone."""
+    folder = tiny_models["llama"]
+    prompts = prompt_set(VOCAB, lengths=(20, 30, 25))
+    llm = _llm(folder, scheduling_policy="priority", max_num_seqs=2)
+    jobs = [("low-a", prompts[0], 5), ("low-b", prompts[1], 5)]
+    order, tokens = _run(llm, jobs, add_after={3: [("high", prompts[2], 0)]})
+    assert llm.engine.scheduler.num_preemptions >= 1
+    assert order.index("high") < order.index("low-b")  # low-b, the newest of the class, gave way
+    alone = _llm(folder)
+    for rid, prompt in [("low-a", prompts[0]), ("low-b", prompts[1]), ("high", prompts[2])]:
+        assert tokens[rid] == alone.generate([prompt], PARAMS)[0].outputs[0].token_ids, rid
+    assert_idle(llm)
+
+
+def test_kv_pressure_preempts_the_latest_class_not_the_newest_arrival(tiny_models):
+    """Both fit at first and outgrow the cache together: FCFS would preempt the newest (the high-priority
+    request); the priority policy preempts the low-priority one."""
+    folder = tiny_models["llama"]
+    prompts = prompt_set(VOCAB, lengths=(40, 40))
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    results = {}
+    for policy in ("fcfs", "priority"):
+        llm = _llm(folder, scheduling_policy=policy, num_blocks=12, block_size=16, max_model_len=160)
+        engine = llm.engine
+        engine.add_request("low", prompts[0], params, priority=5 if policy == "priority" else 0)
+        engine.step()
+        engine.add_request("high", prompts[1], params)
+        preempted = {"low": 0, "high": 0}
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for rid in preempted:
+                req = engine.scheduler.requests.get(rid)
+                if req is not None:
+                    preempted[rid] = req.num_preemptions
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        results[policy] = (preempted, tokens)
+        assert_idle(llm)
+    assert results["fcfs"][0]["high"] > 0  # the newest arrival gave way
+    assert results["priority"][0] == {"low": results["priority"][0]["low"], "high": 0}
+    assert results["priority"][0]["low"] > 0
+    assert results["priority"][1] == results["fcfs"][1]  # the same tokens either way
+
+
+def test_priority_needs_the_priority_policy(tiny_models):
+    llm = _llm(tiny_models["llama"])
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
+        llm.generate([[5, 6, 7]], PARAMS, priority=1)
+    assert llm.generate([[5, 6, 7]], PARAMS, priority=0)[0].finished
+    assert_idle(llm)
