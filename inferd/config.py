@@ -176,6 +176,12 @@ class LoRAConfig:
     )
     max_loras: int = setting(4, "adapters resident at once: a batch mixes at most this many", minimum=1)
     max_lora_rank: int = setting(16, "the highest rank an adapter may have", minimum=1)
+    max_cpu_loras: int | None = setting(
+        None,
+        "adapters whose weights stay in host memory after a slot load, least recently used out (vLLM's flag; "
+        "default: --max-loras); a load of another one reads its file",
+        minimum=1,
+    )
 
     @property
     def enabled(self) -> bool:

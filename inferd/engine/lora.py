@@ -4,8 +4,9 @@
 before it is served; `remove` refuses one that running requests use); a request names its adapter by `model`,
 as in vLLM. The slots are the `max_loras` places in the model's wrapped layers (inferd/models/lora.py): before
 each step the runner calls `activate` with each token row's adapter, which loads the adapters the step needs
-into free slots or the least recently used ones the step does not need (an adapter's weights are read from
-disk on load: a few MB), and tells the layers which slot each row uses. The scheduler keeps the adapters of
+into free slots or the least recently used ones the step does not need, and tells the layers which slot each
+row uses. A load reads the adapter's file (a few MB) unless its weights are among the `max_cpu_loras` most
+recently loaded, which stay in host memory. The scheduler keeps the adapters of
 running requests within `max_loras` (`Scheduler.adapter_fits`), so a step never needs more slots than there
 are: a request for an adapter that does not fit waits, and is never failed for it.
 """
@@ -32,6 +33,7 @@ class LoRAStats:
     loads: int = 0
     load_seconds: float = 0.0
     evictions: int = 0
+    file_reads: int = 0  # loads that read the adapter's file (the others found it in host memory)
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     generation_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -46,6 +48,9 @@ class LoRAManager:
         self.layers: LoRALayers = install_lora(model, config.max_loras, config.max_lora_rank, dtype, device)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
+        # adapter -> its weights as loaded, least recently used first, at most max_cpu_loras
+        self.host: OrderedDict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.max_cpu_loras = config.max_cpu_loras or config.max_loras
         self.stats = LoRAStats()
         for name, path in config.modules():
             self.add(name, path)
@@ -63,7 +68,8 @@ class LoRAManager:
         adapter = self.read(name, path)
         old = self.adapters.get(name)
         if old is not None and old.digest != adapter.digest:
-            self.drop(name)  # new weights under an old name: the slot's copy is stale
+            self.drop(name)  # new weights under an old name: the slot's and the host's copies are stale
+            self.host.pop(name, None)
         self.adapters[name] = adapter
         logger.info("LoRA adapter %s: rank %d on %s, from %s", name, adapter.rank, ", ".join(adapter.targets), path)
         return adapter
@@ -71,6 +77,7 @@ class LoRAManager:
     def remove(self, name: str) -> None:
         self.adapters.pop(name)
         self.drop(name)
+        self.host.pop(name, None)
 
     def drop(self, name: str) -> None:
         """Free `name`'s slot, if it has one (its weights are zeroed, so the slot adds nothing)."""
@@ -109,7 +116,14 @@ class LoRAManager:
 
     def _load(self, name: str, slot: int) -> None:
         started = time.perf_counter()
-        self._write(slot, load_adapter_weights(self.adapters[name], self.prefixes))
+        weights = self.host.pop(name, None)
+        if weights is None:
+            weights = load_adapter_weights(self.adapters[name], self.prefixes)
+            self.stats.file_reads += 1
+        self.host[name] = weights  # the most recently used
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+        self._write(slot, weights)
         self.resident[name] = slot
         self.stats.loads += 1
         self.stats.load_seconds += time.perf_counter() - started

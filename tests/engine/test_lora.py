@@ -280,3 +280,19 @@ def test_preempted_requests_resume_under_their_adapter(tiny_models, adapters):
     for p, name, tokens in zip(prompts, names, got, strict=True):
         assert tokens == _tokens(roomy.generate([p], params, lora_name=name))[0], name
     assert_idle(llm)
+
+
+def test_host_memory_keeps_recent_adapters_between_slot_loads(tiny_models, adapters):
+    """One slot, two adapters in turn: every turn is a slot load, but with room for both in host memory only
+    the first load of each reads its file; with room for one, every load does."""
+    folder, mine = tiny_models["llama"], adapters["llama"]
+    names = ["all", "mlp", "all", "mlp", "all"]
+    reads = {}
+    for cpu in (2, 1):
+        llm = _llm(folder, mine, max_loras=1, max_cpu_loras=cpu)
+        got = [_tokens(llm.generate(PROMPTS[:1], GREEDY, lora_name=n))[0] for n in names]
+        assert got == [peft_greedy(folder, mine[n], PROMPTS[0], NEW) for n in names]
+        stats = llm.engine.lora.stats
+        reads[cpu] = (stats.loads, stats.file_reads)
+        assert_idle(llm)
+    assert reads == {2: (5, 2), 1: (5, 5)}
