@@ -54,6 +54,13 @@ def extend_block_hashes(
     return hashes
 
 
+def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
+    """The salt of a request run under a LoRA adapter: its cache_salt and the adapter, so blocks computed under
+    one adapter (or none) never share keys with another's. The engine names an adapter by its name and weights
+    digest, the gateway and the Ray ingress (which know no digest) by its name."""
+    return salt if adapter is None else f"{salt or ''}\x00lora:{adapter}"
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[BlockHash]:
     """The keys of every full block of a prompt."""
     return extend_block_hashes([], token_ids, block_size, salt)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from inferd.outputs import RequestTimes
+from inferd.prefix_hash import adapter_salt
 from inferd.sampling import SamplingParams
 
 
@@ -72,9 +73,7 @@ class Request:
     def prefix_salt(self) -> str | None:
         """What the prefix cache salts this request's block keys with: its cache_salt, and its adapter, so a
         block computed under one adapter (or none) is never reused under another."""
-        if self.lora_key is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\x00lora:{self.lora_key}"
+        return adapter_salt(self.cache_salt, self.lora_key)
 
     @property
     def num_prompt_tokens(self) -> int:

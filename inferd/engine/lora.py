@@ -138,8 +138,8 @@ class LoRAManager:
                 layer.set_slot(slot, part, a, b)
 
     # -- what requests and metrics read -----------------------------------------------------------------
-    def key(self, name: str | None) -> str | None:
-        return None if name is None else self.adapters[name].key
+    def key(self, name: str) -> str:
+        return self.adapters[name].key
 
     def count_tokens(self, name: str, prompt: int, generated: int) -> None:
         self.stats.prompt_tokens[name] = self.stats.prompt_tokens.get(name, 0) + prompt

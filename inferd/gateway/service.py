@@ -51,7 +51,7 @@ from inferd.gateway.replicas import Pool
 from inferd.gateway.routes import ModelRouter, Target
 from inferd.gateway.store import redis_client
 from inferd.gateway.tokens import PoolTokenizer, PromptTokens
-from inferd.prefix_hash import block_hashes
+from inferd.prefix_hash import adapter_salt, block_hashes
 from inferd.prompts import check_prompt
 
 logger = logging.getLogger(__name__)
@@ -372,8 +372,7 @@ class Gateway:
     ) -> Response | None:
         """Up to 1 + retries replicas of one pool; None if none could serve (the next target follows)."""
         pool = target.pool
-        if target.adapter is not None:  # an adapter's blocks are its own on the replica: never the base model's
-            salt = f"{salt or ''}\x00lora:{target.adapter}"
+        salt = adapter_salt(salt, target.adapter)  # an adapter's blocks are its own on the replica
         hashes = block_hashes(prompt.ids, pool.config.block_size, salt) if prompt and prompt.ids else []
         matched = await self.prefix_index.match(list(pool.replicas), hashes) if hashes else {}
         fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}

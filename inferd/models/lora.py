@@ -89,11 +89,11 @@ class LoRABatch:
         self.clear()
         short = list(slots)
         i = 0
-        while i < len(slots):
+        while i < len(slots) and not self.native:  # the kernel takes every row: no runs to find
             j = i
             while j < len(slots) and slots[j] == slots[i]:
                 j += 1
-            if slots[i] >= 0 and j - i >= LONG_RUN and not self.native:
+            if slots[i] >= 0 and j - i >= LONG_RUN:
                 self.runs.append((i, j, slots[i]))
                 short[i:j] = [-1] * (j - i)
             i = j

@@ -54,7 +54,7 @@ from inferd.gateway.errors import GatewayError, model_not_found, parse_json_body
 from inferd.gateway.picker import SCORERS, Candidate
 from inferd.gateway.prefix import MemoryPrefixIndex
 from inferd.gateway.replicas import Load, Replica
-from inferd.prefix_hash import block_hashes
+from inferd.prefix_hash import adapter_salt, block_hashes
 from inferd.prompts import check_prompt, prompt_items
 
 logger = logging.getLogger(__name__)
@@ -406,9 +406,8 @@ class OpenAIIngress:
         else:
             ids = prompt
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        if body.get("model") in route.adapters:  # an adapter's blocks are its own (as the gateway keys them)
-            salt = f"{salt or ''}\x00lora:{body['model']}"
-        hashes = block_hashes(ids, route.block_sizes[pool], salt)
+        adapter = body["model"] if body.get("model") in route.adapters else None
+        hashes = block_hashes(ids, route.block_sizes[pool], adapter_salt(salt, adapter))  # keyed as the gateway
         return hashes[:-1] if cut else hashes  # a token may straddle the cut: its block is not trusted
 
     async def _openai(self, request: Request, kind: str) -> Response:

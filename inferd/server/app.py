@@ -158,7 +158,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     def card(name: str) -> ModelCard:
         dtype, quant = engine.dtype_choice.name, engine.quantization
-        adapter = state.adapters().get(name) if name not in settings.served_model_names else None
+        adapter = state.adapter(name) if name not in settings.served_model_names else None
         return ModelCard(
             id=name,
             created=created,
@@ -171,7 +171,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", responses=_errors(*auth))
     async def list_models() -> ModelList:
-        return ModelList(data=[card(n) for n in [*settings.served_model_names, *sorted(state.adapters())]])
+        return ModelList(data=[card(n) for n in [*settings.served_model_names, *state.adapter_names()]])
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(*auth, 404))
     async def get_model(model_id: str) -> ModelCard:
@@ -186,7 +186,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             raise APIError(400, "this server serves no LoRA adapters; start it with --enable-lora", param="lora_name")
         if body.lora_name in settings.served_model_names:
             raise APIError(400, f"`{body.lora_name}` is the base model's name", param="lora_name")
-        if body.lora_name in st.adapters() and not body.load_inplace:
+        if st.adapter(body.lora_name) is not None and not body.load_inplace:
             raise APIError(
                 400,
                 f"the LoRA adapter `{body.lora_name}` is already loaded (send load_inplace: true to replace it)",

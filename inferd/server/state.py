@@ -130,7 +130,7 @@ class ServerState:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for a name not served."""
         if name is None or name in self.settings.served_model_names:
             return None
-        if name in self.adapters():
+        if self.adapter(name) is not None:
             return name
         raise model_not_found(name, self.model_name)
 
@@ -138,11 +138,16 @@ class ServerState:
         """The `model` a response names: the LoRA adapter the request asked for, else the served model."""
         return name if name is not None and name not in self.settings.served_model_names else self.model_name
 
-    def adapters(self) -> dict:
-        """The LoRA adapters served now, by name (read from the step thread's registry: a dict is replaced
-        entry by entry there, and a name removed between this check and the request is a 404 from the engine)."""
+    def adapter(self, name: str):
+        """The LoRA adapter served as `name` now (a `LoRAAdapter`), or None. It is read from the step thread's
+        registry, whose dict changes entry by entry there; a name removed between this check and the request
+        is a 404 from the engine."""
         lora = self.async_engine.engine.lora
-        return dict(lora.adapters) if lora is not None else {}
+        return lora.adapters.get(name) if lora is not None else None
+
+    def adapter_names(self) -> list[str]:
+        lora = self.async_engine.engine.lora
+        return sorted(lora.adapters) if lora is not None else []
 
     def token_text(self, token_id: int) -> str:
         return self._token_text(token_id)

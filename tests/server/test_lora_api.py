@@ -101,7 +101,7 @@ def test_load_and_unload_at_run_time(lora_server, tiny_models, adapters, tmp_pat
     for body, message in bad:
         r = _post(lora_server, "/v1/load_lora_adapter", body)
         assert r.status_code == 400 and message in r.json()["error"]["message"] + str(r.json()["error"]["param"])
-    assert "x" not in lora_server.state.adapters()
+    assert lora_server.state.adapter("x") is None
     r = _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert r.status_code == 200 and "removed" in r.text
     assert _complete(lora_server, "chat").status_code == 404
