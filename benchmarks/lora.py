@@ -123,11 +123,9 @@ def bench_run(server: Server, port: int, hf_folder: Path, names: list[str], leve
 
 def load_cost(port: int) -> dict:
     """inferd's own count of adapter loads into slots and their time, from /metrics."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
+    from benchmarks.procs import replica_metrics
 
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    values = replica_metrics(f"http://127.0.0.1:{port}")
     loads, seconds = values.get("inferd:lora_loads_total", 0.0), values.get("inferd:lora_load_seconds_total", 0.0)
     return {"loads": loads, "seconds": seconds, "mean_ms": 1000 * seconds / loads if loads else None}
 
@@ -238,43 +236,14 @@ def kernels(rank: int, repeats: int) -> dict:
     return out
 
 
-async def _stream_all(url: str, requests: list[tuple[str, str]], concurrency: int, max_tokens: int):
-    """Stream every (model, prompt) through `url`, `concurrency` at a time: their TTFTs (s), and the seconds
-    the whole took."""
-    import asyncio
-
-    import httpx
-
-    sem = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
-
-    async def one(client, model: str, prompt: str) -> None:
-        async with sem:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                    "ignore_eos": True, "temperature": 0}  # fmt: skip
-            t = time.perf_counter()
-            async with client.stream("POST", url, json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"{model}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-                first = True
-                async for _ in r.aiter_raw():
-                    if first:
-                        ttfts.append(time.perf_counter() - t)
-                        first = False
-
-    started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(one(client, m, p) for m, p in requests))
-    return ttfts, time.perf_counter() - started
-
-
 def gateway_affinity(args) -> dict:
     """Round robin, scored without and with LoRA affinity, when adapters outnumber the replicas' slots."""
-    import asyncio
     import random
 
     from benchmarks.procs import replica_metrics, start_gateway, wait_http
-    from inferd.bench.datasets import WORDS
+    from inferd.bench.client import send_all
+    from inferd.bench.datasets import WORDS, BenchRequest
+    from inferd.bench.metrics import ttft
     from inferd.measure.stats import percentile
     from inferd.procs import start_serve
 
@@ -302,16 +271,19 @@ def gateway_affinity(args) -> dict:
         for run in range(args.runs):
             for name, routing in pickers.items():  # alternated: each run of each picker with its own prompts
                 rng = random.Random(run * 100 + list(pickers).index(name))
-                requests = [(rng.choice(names), " ".join(rng.choice(WORDS) for _ in range(64)))
-                            for _ in range(args.gateway_requests)]  # fmt: skip
+                prompts = [" ".join(rng.choice(WORDS) for _ in range(64)) for _ in range(args.gateway_requests)]
+                requests = [BenchRequest(p, 64, 32, model=rng.choice(names)) for p in prompts]
                 cfg = {"pools": [pool], "models": [{"name": "m", "adapters": names, "backends": [{"pool": "p"}]}],
                        "routing": routing, "scrape": {"interval_s": 0.2}}  # fmt: skip
                 gw = start_gateway(cfg, LOG_DIR)
                 try:
                     before = [replica_metrics(r.url) for r in reps]
-                    ttfts, seconds = asyncio.run(
-                        _stream_all(gw.url + "/v1/completions", requests, args.gateway_concurrency, 32)
-                    )
+                    started = time.perf_counter()
+                    outs = send_all(gw.url, requests, concurrency=args.gateway_concurrency)
+                    seconds = time.perf_counter() - started
+                    if failed := next((o for o in outs if not o.success), None):
+                        raise RuntimeError(f"a request through the gateway failed: {failed.error}")
+                    ttfts = [ttft(o) for o in outs]
                     after = [replica_metrics(r.url) for r in reps]
                 finally:
                     gw.stop()
