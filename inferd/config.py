@@ -201,6 +201,48 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events (inferd/engine/kv_events.py): what the prefix cache stores and evicts, published over ZMQ
+    in vLLM's wire format for routers and indexers (the gateway's exact prefix routing)."""
+
+    enable_kv_cache_events: bool = setting(
+        False, "publish KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) as vLLM does"
+    )
+    kv_events_publisher: str = setting("zmq", "zmq, or null (record nothing)", choices=("zmq", "null"))
+    kv_events_endpoint: str = setting(
+        "tcp://*:5557",
+        "where the events are published: a bind address (tcp://*:5557; tcp://127.0.0.1:* takes a free port, "
+        "shown at /kv_events) or a subscriber's address to connect to (tcp://indexer:5557)",
+    )
+    kv_events_replay_endpoint: str | None = setting(
+        "tcp://*:5558",
+        "where a subscriber asks for the batches it missed (a ROUTER socket; 'none' for no replay); a start "
+        "older than the buffer is answered with a snapshot of the whole cache",
+        parse=lambda text: None if text.lower() in ("", "none") else text,
+    )
+    kv_events_topic: str = setting("", "the topic frame of every event message")
+    kv_events_buffer_steps: int = setting(10000, "event batches kept for replay", minimum=1)
+    kv_events_hwm: int = setting(100000, "ZMQ high-water mark of the publishing socket", minimum=1)
+    kv_events_max_queue_size: int = setting(
+        100000,
+        "event batches waiting for the publishing thread; past it batches are dropped and the next one is a "
+        "snapshot of the cache, so subscribers resynchronise (a step never waits)",
+        minimum=1,
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.kv_events_publisher == "zmq"
+
+    def validate(self) -> None:
+        _check_fields(self)
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{name} must be a ZMQ address (tcp://host:port, ipc://path), got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = setting(DEFAULT_MODEL, "default alias, Hugging Face folder, .gguf file or hub id")
     tokenizer: str | None = setting(None, "tokenizer folder, if not the model's")
@@ -239,6 +281,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def context_len(self, model_limit: int) -> int:
         """The engine's max_model_len: the setting, else the model's own limit, at most MAX_DEFAULT_LEN."""
@@ -250,6 +293,7 @@ class EngineConfig:
         self.scheduler.validate()
         self.speculative.validate()
         self.lora.validate()
+        self.kv_events.validate()
 
 
 # -- the flat form: LLM(model, block_size=..., max_num_seqs=...) and the CLI -------------------------
@@ -296,28 +340,51 @@ _SPECULATIVE_KEYS = {
 }
 
 
-def speculative_settings(spec: str | dict | None) -> dict[str, typing.Any]:
-    """vLLM's speculative config (`'{"method": "ngram", "num_speculative_tokens": 4}'`, JSON text or a dict) as
-    flat settings; an unknown key or malformed JSON is a ConfigError."""
+# vLLM's --kv-events-config keys -> our flat settings
+_KV_EVENTS_KEYS = {
+    "enable_kv_cache_events": "enable_kv_cache_events",
+    "publisher": "kv_events_publisher",
+    "endpoint": "kv_events_endpoint",
+    "replay_endpoint": "kv_events_replay_endpoint",
+    "topic": "kv_events_topic",
+    "buffer_steps": "kv_events_buffer_steps",
+    "hwm": "kv_events_hwm",
+    "max_queue_size": "kv_events_max_queue_size",
+}
+
+# the JSON flags vLLM takes for a group of settings: (flag, its keys -> our flat settings)
+_JSON_CONFIGS = {"speculative_config": _SPECULATIVE_KEYS, "kv_events_config": _KV_EVENTS_KEYS}
+
+
+def json_settings(what: str, spec: str | dict | None) -> dict[str, typing.Any]:
+    """One of vLLM's JSON configs (`what`: speculative_config, kv_events_config), as JSON text or a dict, as flat
+    settings; an unknown key or malformed JSON is a ConfigError."""
+    keys, label = _JSON_CONFIGS[what], what.replace("_", " ")
     if spec is None or spec == "":
         return {}
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"speculative config is not JSON: {e}") from None
+            raise ConfigError(f"{label} is not JSON: {e}") from None
     if not isinstance(spec, dict):
-        raise ConfigError("speculative config must be a JSON object")
-    unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
+        raise ConfigError(f"{label} must be a JSON object")
+    unknown = sorted(set(spec) - set(keys))
     if unknown:
-        raise ConfigError(f"unknown speculative config keys {unknown}; known: {', '.join(_SPECULATIVE_KEYS)}")
-    return {_SPECULATIVE_KEYS[k]: v for k, v in spec.items()}
+        raise ConfigError(f"unknown {label} keys {unknown}; known: {', '.join(keys)}")
+    return {keys[k]: v for k, v in spec.items()}
+
+
+def speculative_settings(spec: str | dict | None) -> dict[str, typing.Any]:
+    """vLLM's speculative config (`'{"method": "ngram", "num_speculative_tokens": 4}'`) as flat settings."""
+    return json_settings("speculative_config", spec)
 
 
 def make_engine_config(model: str = DEFAULT_MODEL, **kwargs) -> EngineConfig:
-    """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig. `speculative_config`
-    (vLLM's form) sets the speculative settings it names."""
-    kwargs |= speculative_settings(kwargs.pop("speculative_config", None))
+    """Flat keyword settings (as the CLI and LLM take them) -> the nested EngineConfig. `speculative_config` and
+    `kv_events_config` (vLLM's JSON forms) set the settings they name."""
+    for what in _JSON_CONFIGS:
+        kwargs |= json_settings(what, kwargs.pop(what, None))
     nested: dict[str | None, dict] = {group: {} for group in _groups()}
     known = {f.name: group for group, f, _ in _settings()}
     for name, value in kwargs.items():
@@ -360,19 +427,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         parse = _cli_reader(meta["parse"]) if meta["parse"] else kind
         many = {"nargs": "+"} if meta["many"] else {}
         g.add_argument(flag, type=parse, default=f.default, choices=meta["choices"], help=help_text, **many)
-    g.add_argument(
-        "--speculative-config",
-        type=_cli_reader(lambda text: speculative_settings(text) and text),
-        default=None,
-        help='speculative decoding as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 4}\'; its keys override the '
-        "flags above",
-    )
+    examples = {
+        "speculative_config": '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4, "disable_by_batch_size": 4}\'',
+        "kv_events_config": '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'',
+    }
+    for what, example in examples.items():
+        g.add_argument(
+            "--" + what.replace("_", "-"),
+            type=_cli_reader(lambda text, what=what: json_settings(what, text) and text),
+            default=None,
+            help=f"{what.split('_config')[0].replace('_', ' ')} settings as vLLM spells them: {example}; its keys "
+            "override the flags above",
+        )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for _, f, _ in _settings()}
-    return make_engine_config(speculative_config=getattr(args, "speculative_config", None), **values)
+    return make_engine_config(**values, **{what: getattr(args, what, None) for what in _JSON_CONFIGS})
 
 
 def engine_argv(settings: dict[str, typing.Any]) -> list[str]:

@@ -15,14 +15,17 @@ from collections.abc import Sequence
 
 BlockHash = bytes
 
-_ROOT_HASH = b"inferd-prefix-root"
+HASH_ROOT = b"inferd-prefix-root"  # the first block's parent
+# how a key is computed, as the KV events name it: sha256(parent key or HASH_ROOT, token ids as int64
+# little-endian, then b"\x00salt:" + salt in the first block only)
+HASH_SCHEME = "sha256-chain-int64le"
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
     """The key of one block: sha256 over (parent key, token ids as little-endian int64, salt).
 
     A token id that is no int64 (a float, a string, an int past 64 bits) is a ValueError naming it."""
-    h = hashlib.sha256(parent or _ROOT_HASH)
+    h = hashlib.sha256(parent or HASH_ROOT)
     try:
         h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     except struct.error:

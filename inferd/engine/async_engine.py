@@ -120,6 +120,7 @@ class AsyncEngine:
         self._inbox.put(_STOP)  # the step thread aborts whatever it still holds
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self.engine.close()
 
     def start_drain(self) -> None:
         """Stop taking new requests; in-flight ones keep running. Safe to call from a signal handler."""

@@ -24,6 +24,7 @@ from inferd.config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig, make_e
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
+from inferd.engine.kv_events import KVEventRecorder, ZmqEventPublisher
 from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
@@ -121,7 +122,13 @@ class Engine:
         self.model_type = getattr(hf_config, "model_type", "")  # the family's formats (tool calls) follow it
         self.eos_token_ids = self._eos_ids(folder, hf_config)
         num_blocks, block_size = self._num_blocks(), config.cache.block_size
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        # KV cache events (inferd/engine/kv_events.py): recorded by the block pool, published after each step
+        medium = "GPU" if self.device.type == "cuda" else "CPU"
+        recorder = KVEventRecorder(block_size, medium) if config.kv_events.enabled else None
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, recorder)
+        self.kv_events = (
+            ZmqEventPublisher(config.kv_events, block_size, medium, self.kv.snapshot_events) if recorder else None
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         # speculative decoding: drafts for the next step, verified by the runner (inferd/engine/spec_decode.py)
         self.spec_stats = SpecStats()
@@ -408,6 +415,7 @@ class Engine:
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         runner_output = self.runner.execute(sched)
+        self.publish_kv_events()
         if sched.empty and not (runner_output.finished_loading or runner_output.failed_loading):
             return []
         touched: dict[str, _Parent] = {}
@@ -422,6 +430,16 @@ class Engine:
             self._count_drafts(sched, runner_output, time.perf_counter() - started)
             self.scheduler.set_drafts(self.proposer.propose(self.scheduler.running))
         return [self._make_output(p) for p in touched.values()]
+
+    def publish_kv_events(self) -> None:
+        """Hand the cache changes recorded since the last call to the KV event publisher (one batch)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.events.take())
+
+    def close(self) -> None:
+        """Stop what the engine started besides the step (the KV event publisher's thread and sockets)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _count_drafts(self, sched, out, seconds: float) -> None:
         planner = self.proposer.planner
@@ -528,6 +546,15 @@ class LLM:
         config = model if isinstance(model, EngineConfig) else make_engine_config(model, **kwargs)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

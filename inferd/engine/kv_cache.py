@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inferd.prefix_hash import BlockHash, extend_block_hashes
 from inferd.request import Request
+
+if TYPE_CHECKING:
+    from inferd.engine.kv_events import KVCacheEvent, KVEventRecorder
 
 
 @dataclass(eq=False)
@@ -22,6 +26,8 @@ class Block:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()  # stored with the hash so a hit is checked, not trusted
+    parent_hash: BlockHash | None = None  # the previous block's key (for KV events' snapshots)
+    lora_name: str | None = None  # the adapter it was computed under (for KV events)
 
 
 @dataclass
@@ -41,11 +47,12 @@ class BlockPool:
     any block that could still give a prefix hit.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventRecorder | None = None):
         if num_blocks < 1:
             raise ValueError("the block pool needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events = events  # told of every key that enters or leaves the index (inferd/engine/kv_events.py)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, Block] = {}
@@ -98,19 +105,30 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
 
-    def cache_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self._cached:
-            return  # the same content already lives in another block; keep the first
+    def cache_block(
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        token_ids: Sequence[int],
+        parent: BlockHash | None = None,
+        lora_name: str | None = None,
+    ) -> bool:
+        """Index a full block under its key; False if it was not (caching off, already keyed, or the same
+        content already lives in another block, which stays the one indexed)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
+            return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent_hash, block.lora_name = parent, lora_name
         self._cached[block_hash] = block
+        return True
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
 
@@ -118,6 +136,10 @@ class BlockPool:
         for block in self.blocks:
             if block.ref_cnt == 0:
                 self._evict(block)
+
+    def snapshot(self) -> dict[BlockHash, tuple[BlockHash | None, list[int], str | None]]:
+        """Every indexed block: key -> (parent key, token ids, adapter)."""
+        return {k: (b.parent_hash, list(b.token_ids), b.lora_name) for k, b in self._cached.items()}
 
     def check_idle(self) -> None:
         """Every block free (ref count 0) and in the free queue exactly once: nothing leaked."""
@@ -139,9 +161,12 @@ class ComputedBlocks:
 class KVCacheManager:
     """Maps requests to blocks: prefix lookup, allocation for the next tokens, and freeing."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, events: KVEventRecorder | None = None
+    ):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, events)
+        self.events = events
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}
@@ -227,10 +252,24 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request)
+        run: list[int] = []  # blocks indexed just now, in a row: one BlockStored event each run
         for i in range(start, num_full):
             tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
-            self.pool.cache_block(blocks[i], hashes[i], tokens)
+            parent = hashes[i - 1] if i else None
+            if self.pool.cache_block(blocks[i], hashes[i], tokens, parent, request.lora_name):
+                run.append(i)
+            elif run:
+                self._stored(request, hashes, run)
+                run = []
+        if run:
+            self._stored(request, hashes, run)
         self._num_hashed[request.request_id] = num_full
+
+    def _stored(self, request: Request, hashes: list[BlockHash], run: list[int]) -> None:
+        if self.events is not None:
+            first, last = run[0], run[-1] + 1
+            tokens = request.token_ids_slice(first * self.block_size, last * self.block_size)
+            self.events.stored(hashes[first:last], hashes[first - 1] if first else None, tokens, request.lora_name)
 
     # -- blocks filled or read from outside (inferd.engine.kv_connector) --------------------------------
     def allocate_for_load(self, request: Request, computed: ComputedBlocks, num_external_tokens: int) -> bool:
@@ -262,6 +301,12 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+    def snapshot_events(self) -> list[KVCacheEvent]:
+        """The whole cache as KV events: AllBlocksCleared, then every indexed block (a resync)."""
+        from inferd.engine.kv_events import snapshot_events
+
+        return snapshot_events(self.pool.snapshot(), self.block_size, self.events.medium if self.events else None)
 
     def check_idle(self) -> None:
         if self.req_blocks:

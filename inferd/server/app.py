@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.engine import Engine
+from inferd.prefix_hash import HASH_ROOT, HASH_SCHEME
 from inferd.server.auth import BearerAuth
 from inferd.server.body import BodyLimit, CheckedRoute
 from inferd.server.chat import create_chat_completion
@@ -34,6 +35,7 @@ from inferd.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    KVEventsInfo,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
@@ -155,6 +157,15 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
         return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv_events", responses=_errors(*auth))
+    async def kv_events() -> KVEventsInfo:
+        """Where the KV cache events are published (`--kv-events-config`), for routers that subscribe."""
+        if engine.kv_events is not None:
+            return KVEventsInfo(**engine.kv_events.info())
+        return KVEventsInfo(
+            enabled=False, block_size=engine.kv.block_size, hash=HASH_SCHEME, hash_root=HASH_ROOT.decode()
+        )
 
     def card(name: str) -> ModelCard:
         dtype, quant = engine.dtype_choice.name, engine.quantization

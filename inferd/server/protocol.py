@@ -301,6 +301,24 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class KVEventsInfo(BaseModel):
+    """`GET /kv_events`: where this replica publishes its KV cache events and how its block keys are made."""
+
+    enabled: bool
+    publisher: str | None = None
+    endpoint: str | None = Field(None, description="the PUB socket's address (a wildcard host: this server's)")
+    replay_endpoint: str | None = None
+    topic: str | None = None
+    block_size: int
+    medium: str | None = None
+    hash: str = Field(description="how a block key is computed (inferd.prefix_hash)")
+    hash_root: str = Field(description="the first block's parent")
+    sequence: int | None = Field(None, description="the last batch sent")
+    sent: int = 0
+    dropped: int = 0
+    replays: int = 0
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok", "loading", "draining", "error"]
     error: str | None = None
