@@ -202,7 +202,7 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """KV cache events (inferd/engine/kv_events.py): what the prefix cache stores and evicts, published over ZMQ
+    """KV cache events (inferd/engine/kv_publisher.py): what the prefix cache stores and evicts, published over ZMQ
     in vLLM's wire format for routers and indexers (the gateway's exact prefix routing)."""
 
     enable_kv_cache_events: bool = setting(

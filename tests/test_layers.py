@@ -17,6 +17,7 @@ FORBIDDEN = {
     "inferd.sampling": {"inferd.engine", "inferd.models", "inferd.server", "inferd.bench", "inferd.request"},
     "inferd.outputs": {"inferd."},
     "inferd.prefix_hash": {"inferd."},
+    "inferd.kv_events": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.procs": {"inferd."},
     "inferd.cpu": {"inferd."},
     "inferd.measure": {"inferd."},  # the measuring library sits below everything that reports a number

@@ -24,7 +24,7 @@ from inferd.config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig, make_e
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
-from inferd.engine.kv_events import KVEventRecorder, ZmqEventPublisher
+from inferd.engine.kv_publisher import KVEventRecorder, ZmqEventPublisher
 from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
@@ -122,7 +122,7 @@ class Engine:
         self.model_type = getattr(hf_config, "model_type", "")  # the family's formats (tool calls) follow it
         self.eos_token_ids = self._eos_ids(folder, hf_config)
         num_blocks, block_size = self._num_blocks(), config.cache.block_size
-        # KV cache events (inferd/engine/kv_events.py): recorded by the block pool, published after each step
+        # KV cache events (inferd/engine/kv_publisher.py): recorded by the block pool, published after each step
         medium = "GPU" if self.device.type == "cuda" else "CPU"
         recorder = KVEventRecorder(block_size, medium) if config.kv_events.enabled else None
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, recorder)

@@ -17,7 +17,8 @@ from inferd.prefix_hash import BlockHash, extend_block_hashes
 from inferd.request import Request
 
 if TYPE_CHECKING:
-    from inferd.engine.kv_events import KVCacheEvent, KVEventRecorder
+    from inferd.engine.kv_publisher import KVEventRecorder
+    from inferd.kv_events import KVCacheEvent
 
 
 @dataclass(eq=False)
@@ -52,7 +53,7 @@ class BlockPool:
             raise ValueError("the block pool needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.events = events  # told of every key that enters or leaves the index (inferd/engine/kv_events.py)
+        self.events = events  # told of every key that enters or leaves the index (inferd/engine/kv_publisher.py)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, Block] = {}
@@ -304,7 +305,7 @@ class KVCacheManager:
 
     def snapshot_events(self) -> list[KVCacheEvent]:
         """The whole cache as KV events: AllBlocksCleared, then every indexed block (a resync)."""
-        from inferd.engine.kv_events import snapshot_events
+        from inferd.kv_events import snapshot_events
 
         return snapshot_events(self.pool.snapshot(), self.block_size, self.events.medium if self.events else None)
 

@@ -79,6 +79,11 @@ class RoutingConfig(_Model):
 class PrefixIndexConfig(_Model):
     store: Literal["memory", "redis"] = "memory"
     capacity_blocks: int = Field(65536, ge=1, description="blocks remembered per replica (LRU)")
+    kv_events: bool = Field(
+        True,
+        description="subscribe to the KV cache events of replicas that publish them (GET /kv_events) and score "
+        "prefix affinity on what their caches hold; the index above scores the others",
+    )
 
 
 class DnsDiscovery(_Model):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304]
@@ -63,8 +63,33 @@ class _StateCollector(Collector):
         yield q
 
 
+class _KVIndexCollector(Collector):
+    """The event-driven prefix index (inferd/gateway/kv_index.py), per subscribed replica."""
+
+    def __init__(self, stats: Callable[[], list[tuple[str, int, int, int, bool]]]):
+        self.stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        blocks = GaugeMetricFamily(
+            "inferd_gateway_kv_index_blocks", "Blocks a replica's KV events say its cache holds.", labels=["replica"]
+        )
+        synced = GaugeMetricFamily(
+            "inferd_gateway_kv_index_synced", "1 while the replica's events are in sequence.", labels=["replica"]
+        )
+        batches = CounterMetricFamily("inferd_gateway_kv_events_batches", "Event batches applied.", labels=["replica"])
+        resyncs = CounterMetricFamily(
+            "inferd_gateway_kv_events_resyncs", "Replays asked for after a gap in the sequence.", labels=["replica"]
+        )
+        for url, n, applied, gaps, ok in self.stats():
+            blocks.add_metric([url], n)
+            synced.add_metric([url], 1.0 if ok else 0.0)
+            batches.add_metric([url], applied)
+            resyncs.add_metric([url], gaps)
+        yield from (blocks, synced, batches, resyncs)
+
+
 class GatewayMetrics:
-    def __init__(self, snapshot: Callable[[], tuple[list, int]]):
+    def __init__(self, snapshot: Callable[[], tuple[list, int]], kv_stats: Callable[[], list] | None = None):
         self.registry = r = CollectorRegistry()
         req = ["tenant", "model", "replica"]
         self.requests = _Counter(
@@ -132,4 +157,13 @@ class GatewayMetrics:
             ["pool", "result"],
             registry=r,
         )
+        self.prefix_source = _Counter(
+            "inferd_gateway_prefix_affinity_source",
+            "Replicas scored for prefix affinity, by what their score came from: the replica's KV events (events) "
+            "or the keys the gateway sent there (sent).",
+            ["pool", "source"],
+            registry=r,
+        )
         r.register(_StateCollector(snapshot))
+        if kv_stats is not None:
+            r.register(_KVIndexCollector(kv_stats))

@@ -54,6 +54,8 @@ class Monitor:
             if pool.refresh_discovery() | await self._resolve(pool):
                 logger.info("pool %s: replicas now %s", pool.name, list(pool.replicas))
         replicas = [r for p in st.pools.values() for r in p.replicas.values()]
+        if self.gateway.kv_index is not None:
+            self.gateway.kv_index.retain({r.url for r in replicas})
         jobs = [self._scrape(r) for r in replicas]
         now = time.monotonic()
         if now - self._last_health >= st.config.health.interval_s:
@@ -94,6 +96,12 @@ class Monitor:
                 replica.load = parse_load(r.text, time.monotonic())
         except (httpx.HTTPError, ValueError) as e:
             logger.debug("scrape of %s failed: %s", replica.url, e)
+            return
+        index, pools = self.gateway.kv_index, self.gateway.state.pools
+        if index is not None and replica.pool in pools:
+            await index.discover(
+                self.gateway.client, replica.url, self._headers(replica), pools[replica.pool].config.block_size
+            )
 
     async def _probe(self, replica: Replica) -> None:
         cfg = self.gateway.state.config.health

@@ -32,6 +32,7 @@ from inferd.gateway.budget import (
 )
 from inferd.gateway.config import GatewayConfig, TenantConfig
 from inferd.gateway.errors import GatewayError, bad_request, model_not_found, no_replica, parse_json_body
+from inferd.gateway.kv_index import KVEventIndex
 from inferd.gateway.metrics import GatewayMetrics
 from inferd.gateway.monitor import Monitor
 from inferd.gateway.picker import AllSaturated, Pick, Picker
@@ -235,8 +236,10 @@ class Gateway:
             if config.prefix_index.store == "redis"
             else MemoryPrefixIndex(cap)
         )
+        # what the replicas' caches hold, from their KV events (where they publish them)
+        self.kv_index = KVEventIndex(cap) if config.prefix_index.kv_events else None
         self.queue = AdmissionQueue(config.routing.queue.max_size, config.routing.queue.max_wait_s)
-        self.metrics = GatewayMetrics(self._snapshot)
+        self.metrics = GatewayMetrics(self._snapshot, self.kv_index.stats if self.kv_index else None)
         self.monitor = Monitor(self)
 
     def _snapshot(self) -> tuple[list, int]:
@@ -256,6 +259,8 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.monitor.stop()
+        if self.kv_index is not None:
+            self.kv_index.close()
         await self.client.aclose()
         if self._session is not None:
             await self._session.close()
@@ -374,7 +379,7 @@ class Gateway:
         pool = target.pool
         salt = adapter_salt(salt, target.adapter)  # an adapter's blocks are its own on the replica
         hashes = block_hashes(prompt.ids, pool.config.block_size, salt) if prompt and prompt.ids else []
-        matched = await self.prefix_index.match(list(pool.replicas), hashes) if hashes else {}
+        matched = await self._prefix_match(pool, hashes, target.adapter)
         fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}
         payload = json.dumps({**body, "model": target.model}).encode()
         auth = f"Bearer {pool.config.api_key}" if pool.config.api_key else None
@@ -406,6 +411,21 @@ class Gateway:
             self.metrics.upstream_latency.labels(pick.replica.url).observe(up.headers_at - flight.arrived)
             return await self._answer(flight, up, deadline)
         return None
+
+    async def _prefix_match(self, pool, hashes: list, adapter: str | None) -> dict[str, int]:
+        """Leading blocks of the prompt each replica holds: from its KV events where it publishes them (not for
+        an adapter's requests, whose keys the engine salts with the weights' digest), else from the keys sent
+        there (`prefix_index`)."""
+        if not hashes:
+            return {}
+        urls = list(pool.replicas)
+        exact = self.kv_index.match(urls, hashes) if self.kv_index is not None and adapter is None else {}
+        rest = [u for u in urls if u not in exact]
+        if exact:
+            self.metrics.prefix_source.labels(pool.name, "events").inc(len(exact))
+        if rest:
+            self.metrics.prefix_source.labels(pool.name, "sent").inc(len(rest))
+        return exact | (await self.prefix_index.match(rest, hashes) if rest else {})
 
     def _upstream_failed(self, st: GatewayState, flight: Flight, r: Retry) -> None:
         replica = flight.pick.replica

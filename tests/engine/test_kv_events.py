@@ -13,7 +13,7 @@ import zmq
 
 from inferd import LLM, SamplingParams
 from inferd.config import make_engine_config
-from inferd.engine import kv_events
+from inferd.engine import kv_publisher
 from inferd.errors import ConfigError
 from inferd.prefix_hash import block_hashes
 from tests.conftest import VOCAB
@@ -203,8 +203,8 @@ def test_a_full_queue_drops_batches_then_sends_a_snapshot(tiny_models, monkeypat
     """The step never waits for the publisher: with its thread held and a one-batch queue, steps drop their
     batches, and the first batch that fits afterwards is the whole cache, so a subscriber is right again."""
     gate = threading.Event()
-    run = kv_events.ZmqEventPublisher._run
-    monkeypatch.setattr(kv_events.ZmqEventPublisher, "_run", lambda self: (gate.wait(30), run(self)))
+    run = kv_publisher.ZmqEventPublisher._run
+    monkeypatch.setattr(kv_publisher.ZmqEventPublisher, "_run", lambda self: (gate.wait(30), run(self)))
     settings = {**EVENTS, "kv_events_max_queue_size": 1}
     with LLM(str(tiny_models["llama"]), max_model_len=128, dtype="float32", num_blocks=64, **settings) as llm:
         pub = llm.engine.kv_events

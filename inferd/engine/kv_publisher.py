@@ -6,12 +6,11 @@ keeps "seeing" blocks a replica evicted long ago). vLLM publishes exactly this (
 llm-d's precise prefix-cache scorer and Dynamo's KV router index it; inferd publishes the same messages, so
 their subscribers read inferd's events and inferd's gateway reads vLLM's.
 
-- **The events** are vLLM's msgspec structs, msgpack-encoded as tagged arrays: `BlockStored` (the keys of a
-  run of full blocks that entered the cache, the key of the block before them, their token ids, the block
-  size, a LoRA id (always None here), the medium and the LoRA adapter's name), `BlockRemoved` (keys that left
-  it) and `AllBlocksCleared`. The keys are the engine's own (`inferd.prefix_hash`: a sha256 chain from the
-  root `inferd-prefix-root`, the cache salt and adapter in the first block), so a subscriber that tokenizes
-  a prompt can compute the same keys (`/kv_events` names the scheme).
+- **The events** are vLLM's (`inferd.kv_events`, the wire format this module and the gateway's subscriber
+  share): `BlockStored`, `BlockRemoved`, `AllBlocksCleared`, batched per step. The keys are the engine's
+  own (`inferd.prefix_hash`: a sha256 chain from the root `inferd-prefix-root`, the cache salt and adapter
+  in the first block), so a subscriber that tokenizes a prompt can compute the same keys (`/kv_events`
+  names the scheme).
 - **Recording** (`KVEventRecorder`) happens on the step thread, inside the block pool, and costs a list
   append per block that changes. After each step the engine hands the step's events to the publisher as one
   `KVEventBatch`.
@@ -37,55 +36,21 @@ import time
 from collections import deque
 from typing import Any
 
-import msgspec
-
 from inferd.config import KVEventsConfig
+from inferd.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheMirror,
+    KVCacheEvent,
+    KVEventBatch,
+    encoder,
+    snapshot_events,
+)
 from inferd.prefix_hash import HASH_ROOT, HASH_SCHEME, BlockHash
 
 logger = logging.getLogger(__name__)
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame: no more batches follow
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """One change to the cache; msgpack'd as [tag, fields...] like vLLM's."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None  # a trailing field older subscribers skip
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[BlockHash]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-def encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()
-
-
-def decoder() -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
 class KVEventRecorder:
@@ -111,46 +76,6 @@ class KVEventRecorder:
     def take(self) -> list[KVCacheEvent]:
         out, self.events = self.events, []
         return out
-
-
-def snapshot_events(blocks: dict[BlockHash, tuple[BlockHash | None, list[int], str | None]], block_size: int,
-                    medium: str) -> list[KVCacheEvent]:  # fmt: skip
-    """`AllBlocksCleared`, then one `BlockStored` per cached block (key -> (parent, tokens, adapter)), every
-    parent before its children, so a subscriber that applies them in order rebuilds the cache."""
-    out: list[KVCacheEvent] = [AllBlocksCleared()]
-    done: set[BlockHash] = set()
-    for key in blocks:
-        chain = []
-        while key is not None and key in blocks and key not in done:  # walk up to a block already emitted
-            chain.append(key)
-            key = blocks[key][0]
-        for k in reversed(chain):
-            parent, tokens, lora = blocks[k]
-            out.append(BlockStored([k], parent, list(tokens), block_size, None, medium, lora))
-            done.add(k)
-    return out
-
-
-class CacheMirror:
-    """What the cache holds according to the events applied so far: key -> (parent, tokens, adapter)."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.blocks: dict[BlockHash, tuple[BlockHash | None, list[int], str | None]] = {}
-
-    def apply(self, events: list[KVCacheEvent]) -> None:
-        n = self.block_size
-        for e in events:
-            if isinstance(e, BlockStored):
-                parent = e.parent_block_hash
-                for i, key in enumerate(e.block_hashes):
-                    self.blocks[key] = (parent, e.token_ids[i * n : (i + 1) * n], e.lora_name)
-                    parent = key
-            elif isinstance(e, BlockRemoved):
-                for key in e.block_hashes:
-                    self.blocks.pop(key, None)
-            else:
-                self.blocks.clear()
 
 
 def _is_bind(endpoint: str) -> bool:
