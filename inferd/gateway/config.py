@@ -228,7 +228,11 @@ class GatewayConfig(_Model):
     request_timeout_s: float = Field(300.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
     retries: int = Field(2, ge=0, description="other replicas tried after a connect error or a 503")
-    expose_replica_header: bool = Field(False, description="answer with `x-inferd-replica: <url>` (for debugging)")
+    expose_replica_header: bool = Field(
+        False,
+        description="answer with `x-inferd-replica: <url>` and `x-inferd-prefix-blocks: <predicted cached>/<full "
+        "blocks>` (for debugging and measuring routing)",
+    )
     scrape: ScrapeConfig = ScrapeConfig()
     health: HealthConfig = HealthConfig()
     routing: RoutingConfig = RoutingConfig()

@@ -171,6 +171,7 @@ class Flight:
     expected_tokens: int = 0  # prompt + max_tokens (times n and prompts): its weight on a replica
     first_at: float | None = None
     queued_at: float | None = None  # when it first waited in the gateway's queue
+    prefix_blocks: tuple[int, int] | None = None  # (blocks predicted cached on the replica picked, full blocks)
     done: bool = False
     extra_headers: dict[str, str] = field(default_factory=dict)
 
@@ -396,6 +397,7 @@ class Gateway:
             self.metrics.routing.labels(pool.name, pick.replica.url).inc()
             if hashes:
                 hit = matched.get(pick.replica.url, 0)
+                flight.prefix_blocks = (hit, len(hashes))
                 self.metrics.prefix_blocks.labels(pool.name, "hit").inc(hit)
                 self.metrics.prefix_blocks.labels(pool.name, "miss").inc(len(hashes) - hit)
                 await self.prefix_index.insert(pick.replica.url, hashes)
@@ -465,6 +467,8 @@ class Gateway:
         headers = {**up.headers(), **flight.extra_headers}
         if flight.gateway.state.config.expose_replica_header:
             headers["x-inferd-replica"] = flight.pick.replica.url
+            if flight.prefix_blocks is not None:  # what prefix affinity predicted there: "hit/total" blocks
+                headers["x-inferd-prefix-blocks"] = "{}/{}".format(*flight.prefix_blocks)
         if up.rest is None:  # a whole body (or a non-200 answer to a stream request)
             usage = _json_usage(up.body) if up.status == 200 else None
             await flight.finish(up.status, usage)

@@ -72,7 +72,7 @@ def _response(
             )
         )
     usage = UsageInfo()
-    usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+    usage.add_output(out)
     return ChatCompletionResponse(
         id=request_id,
         model=state.response_model(req.model),
@@ -132,7 +132,7 @@ async def _stream(
                         )
                     )
             if out.finished:
-                usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+                usage.add_output(out)
         if include_usage:
             body = ChatCompletionChunk(
                 id=request_id, created=created, model=state.response_model(req.model), choices=[], usage=usage

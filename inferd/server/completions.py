@@ -73,7 +73,7 @@ def _response(
 ) -> CompletionResponse:
     choices, usage = [], UsageInfo()
     for i, out in enumerate(finals):
-        usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        usage.add_output(out)
         for c in sorted(out.outputs, key=lambda c: c.index):
             logprobs = None
             if req.logprobs is not None:
@@ -140,7 +140,7 @@ async def _stream(
                         CompletionChoice(index=index, text="", finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     )
             if out.finished:
-                usage.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+                usage.add_output(out)
         if include_usage:
             body = CompletionResponse(
                 id=request_id, created=created, model=state.response_model(req.model), choices=[], usage=usage

@@ -155,15 +155,28 @@ class UnloadLoRAAdapterRequest(_Request):
 
 
 # -- responses ---------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # as OpenAI's: prompt tokens served from the prefix cache (for a final usage; per-chunk counts leave it out)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     def add(self, prompt: int, completion: int) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
         self.total_tokens = self.prompt_tokens + self.completion_tokens
+
+    def add_output(self, out) -> None:
+        """A finished request's counts (a RequestOutput): its prompt, every choice's tokens, its cached prompt."""
+        self.add(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        details = self.prompt_tokens_details or PromptTokensDetails()
+        details.cached_tokens += out.metrics.num_cached_tokens if out.metrics is not None else 0
+        self.prompt_tokens_details = details
 
 
 class CompletionLogprobs(BaseModel):

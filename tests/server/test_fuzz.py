@@ -68,6 +68,7 @@ OPERATIONS = [
     ("GET", "/health"),
     ("HEAD", "/health"),
     ("GET", "/metrics"),
+    ("GET", "/kv_events"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/completions"),
