@@ -1,5 +1,6 @@
-"""Speculative decoding: output tok/s and ITL with and without n-gram prompt lookup, inferd against vLLM CPU's
-own n-gram speculation (and llama-server without it), on outputs that quote their prompt and on open ones.
+"""Speculative decoding: output tok/s and ITL with and without n-gram prompt lookup and suffix decoding, inferd
+against vLLM CPU's own n-gram speculation (and llama-server without it), on outputs that quote their prompt, on
+open ones, and on outputs that repeat earlier requests' outputs.
 
 Servers (`--servers`, default: those of DEFAULT_SERVERS whose setup is done), all started at once and given
 each run in turn (this VM's speed drifts by up to a third over minutes); the five together outgrow 24 GiB
@@ -7,21 +8,28 @@ under load (vLLM's worker is OOM-killed), so plain `vllm` is left out unless ask
   inferd         `inferd serve`, defaults (no speculation)
   inferd-ngram   the same with SPEC (vLLM's spelling, vLLM's values; inferd's default draft policy, `cost`)
   inferd-ngram8  the same with up to 8 drafts a request (SPEC8): the cost policy decides how many pay
+  inferd-suffix  the same with suffix decoding (SUFFIX: vLLM's spelling and defaults; not in the default set)
   vllm           vLLM CPU, bf16 (vs_peers' `vllm`, with a 2 GiB KV cache like inferd's), no speculation
   vllm-ngram     the same with SPEC
   llama-server   Q4_K_M (vs_peers' `llama-server`), no speculation
 Workloads, `inferd bench serve` on /v1/completions, greedy, streaming, `--ignore-eos`:
   quote   `--dataset quote`: copy a passage of random words (~`--input-len` tokens); outputs repeat the prompt
   open    `--dataset random`: continue random words; outputs repeat little
+  repeat  `--dataset random` sent twice with the same seed: the first pass (not counted) finishes every request
+          once, the second is measured, so each output repeats an earlier request's (suffix decoding's global
+          tree drafts it; every server gets both passes, so prefix caching helps all alike). Not in the default
+          --workloads
 Each level (`--concurrency`, default 1,4,16,32) sends max(8, 2 x concurrency) requests of `--output-len`
 (default 128) tokens per run, `--runs` runs (default 2), a seed of its own per run and workload, the same for
 every server; medians. Reported per server, workload and level: output tok/s, mean TPOT, ITL (between stream
 chunks, which carry several tokens under speculation) and TTFT, and where the server counts them, draft
 tokens and their acceptance; then ratios in the same run:
-ngram over off (each engine), inferd-ngram over vllm-ngram and over llama-server.
+ngram over off (each engine), inferd-ngram over vllm-ngram and over llama-server, inferd-suffix over off and
+over inferd-ngram.
 
     python benchmarks/speculative.py                          # the default servers set up, c=1,4,16,32, 2 runs
     python benchmarks/speculative.py --servers inferd,inferd-ngram --concurrency 1 --runs 1
+    python benchmarks/speculative.py --servers inferd,inferd-ngram,inferd-suffix --workloads repeat,open
 
 Results: one run appended to benchmarks/results/speculative-<CPU kind>.json (`--out NAME`; `--fresh`).
 """
@@ -53,8 +61,12 @@ from inferd.procs import free_port  # noqa: E402
 RAW_DIR = ROOT / "results" / "speculative" / "raw"  # each bench run's JSON (not committed)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 SPEC8 = SPEC | {"num_speculative_tokens": 8}
-WORKLOADS = {"quote": "quote", "open": "random"}  # name -> `inferd bench serve --dataset`
-SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "vllm", "vllm-ngram", "llama-server")
+SUFFIX = {"method": "suffix"}  # vLLM's defaults: depth 24, up to 24 drafts, 10000 cached outputs
+SPECS = {"inferd-ngram": SPEC, "inferd-ngram8": SPEC8, "inferd-suffix": SUFFIX, "vllm-ngram": SPEC}
+WORKLOADS = {"quote": "quote", "open": "random", "repeat": "random"}  # name -> `inferd bench serve --dataset`
+DEFAULT_WORKLOADS = ("quote", "open")
+TWICE = {"repeat"}  # workloads whose prompts are sent once uncounted, then measured
+SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "inferd-suffix", "vllm", "vllm-ngram", "llama-server")
 DEFAULT_SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "vllm-ngram", "llama-server")
 KEYS = (
     "completed",
@@ -77,13 +89,13 @@ def num_prompts(concurrency: int) -> int:
 
 
 def server_table(model) -> tuple[dict[str, Server], dict[str, int]]:
-    """Every server of SERVERS on a port of its own; the -ngram ones are their base with SPEC added."""
+    """Every server of SERVERS on a port of its own; those of SPECS are their base with that config added."""
     ports, table = {}, {}
     for name in SERVERS:
         ports[name] = free_port()
-        base = servers(model, ports[name])[name.split("-ngram")[0]]
-        if "-ngram" in name:
-            flags = ["--speculative-config", json.dumps(SPEC8 if name.endswith("8") else SPEC)]
+        base = servers(model, ports[name])[name.rsplit("-", 1)[0] if name in SPECS else name]
+        if name in SPECS:
+            flags = ["--speculative-config", json.dumps(SPECS[name])]
             base = dataclasses.replace(base, name=name, command=[*base.command, *flags])
         if name.startswith("vllm"):  # two vLLMs beside three servers on 24 GiB: its 4 GiB default left one OOM-killed
             base = dataclasses.replace(base, env=base.env | {"VLLM_CPU_KVCACHE_SPACE": "2"})
@@ -94,17 +106,22 @@ def server_table(model) -> tuple[dict[str, Server], dict[str, int]]:
 def bench_run(
     server: Server, port: int, hf_folder: Path, workload: str, level: int, seed: int, args: argparse.Namespace
 ) -> dict:
-    cmd = [
-        sys.executable, "-m", "inferd.cli", "bench", "serve",
-        "--base-url", f"http://127.0.0.1:{port}", "--model", server.model_name,
-        "--dataset", WORKLOADS[workload], "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
-        "--num-prompts", str(num_prompts(level)), "--max-concurrency", str(level), "--num-warmups", "1",
-        "--seed", str(seed), "--tokenizer-source", "local", "--tokenizer", str(hf_folder),
-        "--label", server.name, "--save-result", "--no-progress", "--result-dir", str(RAW_DIR),
-        "--result-filename", f"{server.name}.{workload}.c{level}.s{seed}.json",
-    ]  # fmt: skip
-    return bench_serve(cmd, KEYS)
+    """One measured run; a TWICE workload first sends the same requests (the same seed) once, uncounted."""
+    passes = ("prime", "") if workload in TWICE else ("",)
+    for label in passes:
+        name = f"{server.name}-{label}" if label else server.name
+        cmd = [
+            sys.executable, "-m", "inferd.cli", "bench", "serve",
+            "--base-url", f"http://127.0.0.1:{port}", "--model", server.model_name,
+            "--dataset", WORKLOADS[workload], "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
+            "--num-prompts", str(num_prompts(level)), "--max-concurrency", str(level), "--num-warmups", "1",
+            "--seed", str(seed), "--tokenizer-source", "local", "--tokenizer", str(hf_folder),
+            "--label", name, "--save-result", "--no-progress", "--result-dir", str(RAW_DIR),
+            "--result-filename", f"{name}.{workload}.c{level}.s{seed}.json",
+        ]  # fmt: skip
+        result = bench_serve(cmd, KEYS)
+    return result
 
 
 def ratios(entries: dict) -> dict:
@@ -120,6 +137,8 @@ def ratios(entries: dict) -> dict:
         "inferd_ngram8_over_off": ("inferd-ngram8", "inferd"),
         "inferd_ngram8_over_vllm_ngram": ("inferd-ngram8", "vllm-ngram"),
         "inferd_ngram8_over_llama_server": ("inferd-ngram8", "llama-server"),
+        "inferd_suffix_over_off": ("inferd-suffix", "inferd"),
+        "inferd_suffix_over_ngram": ("inferd-suffix", "inferd-ngram"),
         "inferd_over_vllm": ("inferd", "vllm"),
     }
     out: dict = {}
@@ -141,7 +160,9 @@ def ratios(entries: dict) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default=None, help=f"comma-separated of {', '.join(SERVERS)}")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument(
+        "--workloads", default=",".join(DEFAULT_WORKLOADS), help=f"comma-separated of {', '.join(WORKLOADS)}"
+    )
     p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--input-len", type=int, default=256)
@@ -175,7 +196,8 @@ def main() -> int:
         "workload": {"endpoint": "/v1/completions", "datasets": {w: WORKLOADS[w] for w in workloads},
                      "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": True,
                      "temperature": 0, "levels": levels, "runs": args.runs, "speculative_config": SPEC,
-                     "speculative_config_8": SPEC8},
+                     "speculative_config_8": SPEC8, "speculative_config_suffix": SUFFIX,
+                     "sent_twice": sorted(TWICE & set(workloads))},
         "servers": entries,
         "ratios": ratios(entries),
     }  # fmt: skip

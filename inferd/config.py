@@ -115,15 +115,42 @@ class SpeculativeConfig:
     speculative_method: str | None = setting(
         None,
         "speculative decoding: ngram (prompt lookup: the tokens that followed the last n tokens' latest earlier "
-        "occurrence in the request's own text); requests without logprobs, penalties, biases or a grammar take "
-        "it, greedy ones token-exact, sampled ones by rejection sampling. Default: none",
-        choices=("ngram",),
+        "occurrence in the request's own text) or suffix (suffix decoding: the most frequent continuation of the "
+        "request's text in suffix trees over its own prompt and output and over recent requests' outputs); "
+        "requests without logprobs, penalties, biases or a grammar take it, greedy ones token-exact, sampled ones "
+        "by rejection sampling. Default: none",
+        choices=("ngram", "suffix"),
     )
-    num_speculative_tokens: int = setting(
-        4, "the most draft tokens a request carries into a step (how many: --speculative-draft-policy)", minimum=1
+    num_speculative_tokens: int | None = setting(
+        None,
+        "the most draft tokens a request carries into a step (how many: --speculative-draft-policy). Default: 4 "
+        "for ngram; for suffix, suffix_decoding_max_tree_depth, as vLLM does (suffix sizes each draft by its "
+        "match, so this is only a cap)",
+        minimum=1,
     )
     prompt_lookup_min: int = setting(2, "ngram: the shortest suffix matched", minimum=1)
     prompt_lookup_max: int = setting(4, "ngram: the longest suffix matched", minimum=1)
+    suffix_decoding_max_tree_depth: int = setting(
+        24, "suffix: the longest path the suffix trees hold, which bounds a match and its draft together", minimum=1
+    )
+    suffix_decoding_max_cached_requests: int = setting(
+        10000,
+        "suffix: finished requests whose outputs the global suffix tree holds, the oldest evicted first (0: no "
+        "global tree, each request drafts from its own prompt and output only)",
+        minimum=0,
+    )
+    suffix_decoding_max_spec_factor: float = setting(
+        1.0,
+        "suffix: a draft is at most this many times as long as the suffix it continues (and at most "
+        "num_speculative_tokens): longer matches are trusted with longer drafts",
+        minimum=0,
+    )
+    suffix_decoding_min_token_prob: float = setting(
+        0.1,
+        "suffix: a draft stops before the token where its estimated probability (the product of each token's "
+        "share of what followed its path, by count) falls below this; 0 to 1",
+        minimum=0,
+    )
     speculative_draft_policy: str = setting(
         "cost",
         "how many of its proposed drafts a request carries: cost (each step, drafts while the step's tokens per "
@@ -138,12 +165,28 @@ class SpeculativeConfig:
         minimum=1,
     )
 
+    @property
+    def draft_tokens(self) -> int:
+        """The most draft tokens a request carries: num_speculative_tokens, else the method's default."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return self.suffix_decoding_max_tree_depth if self.speculative_method == "suffix" else 4
+
     def validate(self) -> None:
+        hints = typing.get_type_hints(SpeculativeConfig)
+        for f in fields(self):  # JSON can carry any type: a number must be one before it is compared
+            value, kinds = getattr(self, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+            wanted = (int, float) if float in kinds else (int,) if int in kinds else None
+            if wanted and value is not None and (isinstance(value, bool) or not isinstance(value, wanted)):
+                kind = "a number" if float in kinds else "an integer"
+                raise ConfigError(f"{f.name} must be {kind}, got {value!r}")
         _check_fields(self)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if (prob := self.suffix_decoding_min_token_prob) > 1:
+            raise ConfigError(f"suffix_decoding_min_token_prob is a probability, from 0 to 1; got {prob}")
 
 
 def lora_module(text: str) -> tuple[str, str]:
@@ -335,6 +378,10 @@ _SPECULATIVE_KEYS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "prompt_lookup_min": "prompt_lookup_min",
     "prompt_lookup_max": "prompt_lookup_max",
+    "suffix_decoding_max_tree_depth": "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests": "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor": "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob": "suffix_decoding_min_token_prob",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
     "draft_policy": "speculative_draft_policy",  # inferd's own
 }

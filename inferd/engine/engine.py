@@ -28,7 +28,7 @@ from inferd.engine.kv_publisher import KVEventRecorder, ZmqEventPublisher
 from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
-from inferd.engine.spec_decode import DraftPlanner, NgramProposer, SpecStats
+from inferd.engine.spec_decode import PROPOSERS, DraftPlanner, Proposer, SpecStats
 from inferd.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
@@ -361,15 +361,17 @@ class Engine:
             self._seqs.pop(req.request_id, None)
             if not req.is_finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                if self.proposer is not None:
+                    self.proposer.finish([req])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def _proposer(self, spec: SpeculativeConfig) -> NgramProposer | None:
-        if spec.speculative_method != "ngram":
+    def _proposer(self, spec: SpeculativeConfig) -> Proposer | None:
+        if spec.speculative_method not in PROPOSERS:
             return None
         planner = DraftPlanner(self.spec_stats) if spec.speculative_draft_policy == "cost" else None
-        return NgramProposer(spec, self.max_model_len, planner)
+        return PROPOSERS[spec.speculative_method](spec, self.max_model_len, planner)
 
     def set_speculative(self, spec: SpeculativeConfig) -> None:
         """New speculative settings for an idle engine (the model and the cache stay): drafts are proposed
@@ -428,6 +430,8 @@ class Engine:
             self.events.record(self.scheduler, sched, sampled_tokens, started)
         if self.proposer is not None:
             self._count_drafts(sched, runner_output, time.perf_counter() - started)
+            # requests this step ended (their outputs final: a stop string's tail is cut by now)
+            self.proposer.finish(dict.fromkeys(s.request for s in sampled_tokens if s.request.is_finished))
             self.scheduler.set_drafts(self.proposer.propose(self.scheduler.running))
         return [self._make_output(p) for p in touched.values()]
 

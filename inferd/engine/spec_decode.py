@@ -9,10 +9,18 @@ k + 1 tokens, every one of them the token plain greedy decoding would have chose
 K/V is simply overwritten by the next step (the request's computed length advances only past accepted
 ones).
 
-The proposer here is n-gram prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding): find the latest
-earlier occurrence of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
-in its prompt and output, and propose the k tokens that followed it. It costs no model and pays off where
-outputs repeat their context (extraction, code edits, summaries quoting the source, structured records).
+Two proposers, neither with a model of its own:
+
+- n-gram prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding, `NgramProposer`): find the latest earlier
+  occurrence of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its
+  prompt and output, and propose the k tokens that followed it. It pays off where outputs repeat their context
+  (extraction, code edits, summaries quoting the source, structured records).
+- suffix decoding (vLLM's `suffix`, from SuffixDecoding, arXiv 2411.04975; `SuffixProposer`): suffix trees count
+  every path of up to `suffix_decoding_max_tree_depth` tokens in the request's own prompt and output and in
+  the outputs of recently finished requests; the draft follows the most frequent continuation of a suffix of
+  the request's text found there (of the suffix whose draft scores best), as long as its estimated probability
+  holds. It also pays where outputs repeat earlier requests' outputs: agents that call the same tools with the
+  same JSON shapes, the same record asked again.
 
 Who takes it: requests without logprobs, penalties, logit biases or a grammar, past `min_tokens` (and, if
 set, only in steps with at most `speculative_disable_by_batch_size` running requests: vLLM's rule).
@@ -33,13 +41,16 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable, Sequence
+import itertools
+import math
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from inferd.config import SpeculativeConfig
-from inferd.request import Request
+from inferd.request import Request, RequestStatus
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -193,7 +204,12 @@ class DraftPlanner:
             del self._kept[rid]
 
 
-class NgramProposer:
+class Proposer:
+    """What every proposer shares: which running requests take drafts this step (`takes_drafts`, and none at all
+    above `speculative_disable_by_batch_size` running requests), how many tokens fit (within the request's
+    max_tokens and the context, at most `SpeculativeConfig.draft_tokens`), and the planner's cut to what pays. A
+    proposer says only what to draft for one request (`draft`)."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int, planner: DraftPlanner | None = None):
         self.config = config
         self.max_model_len = max_model_len
@@ -214,14 +230,297 @@ class NgramProposer:
             room = min(
                 request.params.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens
             )
-            k = min(c.num_speculative_tokens, room - 1)
+            k = min(c.draft_tokens, room - 1)
             if k <= 0:
                 continue
-            prompt, output = request.prompt_token_ids, request.output_token_ids
-            draft = ngram_propose(prompt + output, k, c.prompt_lookup_min, c.prompt_lookup_max)
+            draft = self.draft(request, k)
             if draft:
                 drafts[request.request_id] = draft
         if self.planner is None:
             return drafts
         self.planner.forget(r.request_id for r in running)
         return self.planner.plan(drafts, len(running))
+
+    def draft(self, request: Request, k: int) -> list[int]:
+        """At most k tokens the request's next tokens are guessed to be (none: no guess)."""
+        raise NotImplementedError
+
+    def finish(self, requests: Iterable[Request]) -> None:
+        """Requests that ended (finished or aborted): a proposer that keeps something per request lets go of it."""
+
+
+class NgramProposer(Proposer):
+    """n-gram prompt lookup over the request's own prompt and output (`ngram_propose`)."""
+
+    def draft(self, request: Request, k: int) -> list[int]:
+        c = self.config
+        text = request.prompt_token_ids + request.output_token_ids
+        return ngram_propose(text, k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+
+# -- suffix decoding ----------------------------------------------------------------------------------
+class _Node:
+    """A path that occurs at least twice (or did, before an eviction): how many times, what followed it, and
+    which of those followed most often (`top`; None: to be found again, after an eviction lowered it)."""
+
+    __slots__ = ("count", "children", "top")
+
+    def __init__(self, count: int = 0):
+        self.count = count
+        self.children: dict[int, _Node | Tail] = {}
+        self.top: int | None = None
+
+
+# A path that occurs once is kept as its place in its sequence rather than as nodes: (the sequence's key, pos,
+# end), whose tokens are seqs[key][pos:end] (end: the tree's depth from where the occurrence starts) as far as
+# the sequence reaches, each of count 1; a growing sequence extends its tails by itself, and a second occurrence
+# turns a tail's first token into a node. A tuple of ints, which Python's garbage collector stops tracking: a
+# cache of many outputs holds about one per token.
+Tail = tuple[Hashable, int, int]
+# where a path ends: its node, or (key, j, end), its last token seqs[key][j] inside a tail
+Place = _Node | Tail
+
+
+def _count(child: _Node | Tail) -> int:
+    return 1 if type(child) is tuple else child.count
+
+
+class SuffixTree:
+    """How often each path of up to `depth` tokens occurs in a set of token sequences, and what followed it.
+
+    A trie over every suffix of every sequence, cut at `depth` tokens. A path that occurs at least twice is a
+    node with its count; one that occurs once is a `Tail`, a place in its sequence, so text that repeats
+    nothing costs one entry per token rather than `depth` nodes. A sequence grows token by token (`extend`): the
+    tree keeps the nodes its current suffixes end at (the others run in their own tails, which grow with the
+    sequence), so a token costs one step from each, at most `depth`, never a rescan of the text. `remove` takes
+    a sequence's occurrences back out, and a node none is left in goes with everything below it, so a cache of
+    sequences stays as large as what it holds.
+
+    A suffix occurs at least as often as any path it ends, so if a sequence's current suffix of length L ends at
+    a node, so do the shorter ones: `open` lists them longest first, the last of length 1."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.root = _Node()
+        self.seqs: dict[Hashable, list[int]] = {}
+        self.open: dict[Hashable, list[_Node]] = {}  # sequences that may grow: their current suffixes' nodes
+
+    def extend(self, key: Hashable, tokens: Iterable[int]) -> None:
+        """Append `tokens` to sequence `key` (a new one if unknown), counting every path they end."""
+        seq = self.seqs.setdefault(key, [])
+        suffixes = self.open.setdefault(key, [])
+        depth, root, seqs = self.depth, self.root, self.seqs
+        for token in tokens:
+            i = len(seq)
+            seq.append(token)
+            root.count += 1
+            grown = []
+            length = len(suffixes)  # of the suffix at hand: the longest first, the empty one (the root) last
+            for node in (*suffixes, root):
+                child = node.children.get(token)
+                if child is None:  # a new path: it occurs only here, and grows with the sequence
+                    node.children[token] = (key, i, i - length + depth)
+                else:
+                    if type(child) is tuple:  # the path's second occurrence: its token becomes a node
+                        (other, pos, end), child = child, _Node(1)
+                        node.children[token] = child
+                        if pos + 1 < min(end, len(seqs[other])):
+                            child.top = seqs[other][pos + 1]
+                            child.children[child.top] = (other, pos + 1, end)
+                    child.count += 1
+                    top = node.top
+                    if top is not None and top != token and child.count > _count(node.children[top]):
+                        node.top = token
+                    if length + 1 < depth:
+                        grown.append(child)
+                length -= 1
+            suffixes = self.open[key] = grown
+
+    def add(self, key: Hashable, tokens: Iterable[int]) -> None:
+        """A whole sequence that will not grow."""
+        self.extend(key, tokens)
+        del self.open[key]
+
+    def remove(self, key: Hashable) -> None:
+        """Take sequence `key` out: every path it ends counts one occurrence fewer."""
+        seq = self.seqs[key]
+        for start in range(len(seq)):
+            node = self.root
+            node.count -= 1
+            for i in range(start, min(start + self.depth, len(seq))):
+                child = node.children[seq[i]]
+                if node.top == seq[i]:
+                    node.top = None
+                if type(child) is tuple or child.count == 1:  # this was the path's only occurrence
+                    del node.children[seq[i]]
+                    break
+                child.count -= 1
+                node = child
+        del self.seqs[key]
+        self.open.pop(key, None)
+
+    def find(self, tokens: Sequence[int], start: int = 0) -> Place | None:
+        """Where the path tokens[start:] ends, or None where it does not occur."""
+        node, k, n = self.root, start, len(tokens)
+        while k < n:
+            child = node.children.get(tokens[k])
+            k += 1
+            if child is None:
+                return None
+            if type(child) is tuple:
+                key, j, end = child
+                seq = self.seqs[key]
+                last = min(end, len(seq))
+                while k < n:
+                    j += 1
+                    if j >= last or seq[j] != tokens[k]:
+                        return None
+                    k += 1
+                return key, j, end
+            node = child
+        return node
+
+    def longest_match(self, tokens: Sequence[int]) -> tuple[int, Place] | None:
+        """(length, place) of the longest suffix of `tokens` shorter than the depth (a longer one leaves nothing
+        to draft) that occurs in the tree, or None. Every suffix of a path in the tree is one too, so whether a
+        suffix occurs falls with its length once: a binary search finds the longest in a few walks."""
+        n = len(tokens)
+        lo, hi, found = 0, min(n, self.depth - 1), None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            place = self.find(tokens, n - mid)
+            if place is None:
+                hi = mid - 1
+            else:
+                lo, found = mid, place
+        return None if found is None else (lo, found)
+
+    def continuation(
+        self, place: Place, budget: int, min_prob: float, current: frozenset | set = frozenset()
+    ) -> tuple[list[int], float]:
+        """The most frequent continuation of the path ending at `place`: at most `budget` tokens, each the
+        child with the highest count, while the draft's estimated probability, the product of count(child) /
+        count(parent) along it, is at least `min_prob`. Returns the draft and its score, the sum of those
+        probabilities (the tokens a verifier is expected to keep). `current`: nodes of a growing sequence's own
+        current suffixes, whose count includes an occurrence that has no next token yet, so it is left out."""
+        draft: list[int] = []
+        score, prob = 0.0, 1.0
+        node = place
+        while len(draft) < budget:
+            if type(node) is tuple:  # one occurrence from here: each token follows with the probability so far
+                key, j, end = node
+                seq = self.seqs[key]
+                tokens = seq[j + 1 : min(end, len(seq), j + 1 + budget - len(draft))]
+                draft += tokens
+                score += prob * len(tokens)
+                break
+            if not node.children:
+                break
+            children, token = node.children, node.top
+            if token is None:
+                token = node.top = max(children, key=lambda t: _count(children[t]))
+            child = children[token]
+            prob *= _count(child) / (node.count - (node in current))
+            if prob < min_prob:
+                break
+            draft.append(token)
+            score += prob
+            node = child
+        return draft, score
+
+
+class SuffixProposer(Proposer):
+    """Suffix decoding (vLLM's `suffix`; SuffixDecoding, arXiv 2411.04975): drafts from suffix trees over each
+    running request's own prompt and output (its local tree, grown as its tokens arrive and dropped when it
+    ends) and over the outputs of the last `suffix_decoding_max_cached_requests` finished requests (the global
+    tree, oldest out first). Aborted requests' outputs are not kept, nor prompts: each request's local tree
+    holds its own, and the paper's cache keeps outputs only.
+
+    Every suffix of the request's text found in a tree is a candidate: its draft is the most frequent
+    continuation (`SuffixTree.continuation`) of at most min(k, ceil(suffix_decoding_max_spec_factor x its
+    length)) tokens, since a longer match predicts better, and the tree's depth bounds match and draft
+    together. The draft with the highest score (expected tokens kept) across both trees and every match length
+    wins, so a shorter match with room for a longer draft can beat the longest. Candidates are tried best bound
+    first (a draft scores at most its length), until none left can win or `TRIES` drafts were built, which
+    bounds a step's cost: a later one rarely wins. A single path, which the verifier takes; the planner then
+    cuts it to what pays, as any proposer's."""
+
+    LOCAL = 0  # the key of the request's text in its local tree
+    TRIES = 4  # the most candidate drafts built for a request in a step
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, planner: DraftPlanner | None = None):
+        super().__init__(config, max_model_len, planner)
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.local: dict[str, tuple[Request, SuffixTree]] = {}
+        self.cache = SuffixTree(self.depth)  # the global tree
+        self._cached: deque[int] = deque()  # its sequences' keys, oldest first
+        self._keys = itertools.count()
+
+    def local_tree(self, request: Request) -> SuffixTree:
+        """The request's local tree, caught up with its tokens: only those that arrived since the last step."""
+        entry = self.local.get(request.request_id)
+        if entry is None or entry[0] is not request:
+            entry = self.local[request.request_id] = (request, SuffixTree(self.depth))
+        tree = entry[1]
+        have = len(tree.seqs.get(self.LOCAL, ()))
+        if have < request.num_tokens:
+            tree.extend(self.LOCAL, request.token_ids_slice(have, request.num_tokens))
+        return tree
+
+    def draft(self, request: Request, k: int) -> list[int]:
+        c = self.config
+        depth, factor = self.depth, c.suffix_decoding_max_spec_factor
+
+        def bound(length: int) -> int:  # the most a draft after a match of this length can score
+            return min(k, math.ceil(factor * length), depth - length)
+
+        tree = self.local_tree(request)
+        text, suffixes = tree.seqs[self.LOCAL], tree.open[self.LOCAL]
+        # (bound, match length, tree, place): the local tree's current suffixes that occurred before (whose node
+        # has children), and the global tree's matches, all of them as long as its longest
+        candidates: list[tuple[int, int, SuffixTree, Place | None]] = [
+            (bound(len(suffixes) - i), len(suffixes) - i, tree, node)
+            for i, node in enumerate(suffixes)
+            if node.children
+        ]
+        context = text[max(0, len(text) - depth + 1) :]
+        if self.cache.seqs and (match := self.cache.longest_match(context)):
+            longest, place = match
+            candidates += [(bound(m), m, self.cache, place if m == longest else None) for m in range(longest, 0, -1)]
+        candidates.sort(key=lambda x: (-x[0], -x[1]))  # best bound first; of equal ones, the longer match
+        current = set(suffixes)
+        best: list[int] = []
+        best_score = 0.0
+        for most, length, where, place in candidates[: self.TRIES]:
+            if most <= best_score:
+                break
+            if where is tree:
+                draft, score = tree.continuation(place, most, c.suffix_decoding_min_token_prob, current)
+            else:
+                if place is None:  # every suffix shorter than the longest match occurs too
+                    place = self.cache.find(context, len(context) - length)
+                draft, score = self.cache.continuation(place, most, c.suffix_decoding_min_token_prob)
+            if score > best_score:
+                best, best_score = draft, score
+        return best
+
+    def finish(self, requests: Iterable[Request]) -> None:
+        """Drop each ended request's local tree; a finished (not aborted) one's output joins the global tree."""
+        for request in requests:
+            self.local.pop(request.request_id, None)
+            if request.status != RequestStatus.FINISHED_ABORTED and request.output_token_ids:
+                self.remember(request.output_token_ids)
+
+    def remember(self, output: Sequence[int]) -> None:
+        """Add a finished request's output to the global tree, evicting the oldest beyond the bound."""
+        limit = self.config.suffix_decoding_max_cached_requests
+        if limit == 0:
+            return
+        key = next(self._keys)
+        self.cache.add(key, output)
+        self._cached.append(key)
+        while len(self._cached) > limit:
+            self.cache.remove(self._cached.popleft())
+
+
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
