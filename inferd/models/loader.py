@@ -11,10 +11,12 @@ as (`checkpoint_formats`: Q4_K, Q5_0, ...), so `--quantization auto` knows the c
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import shutil
 from collections import Counter
 from importlib import resources
 from pathlib import Path
@@ -101,9 +103,15 @@ def convert_gguf(gguf: Path) -> Path:
         return out
     from rich.console import Console
 
-    console = Console(stderr=True)
-    with console.status(f"[bold]converting {gguf.name} to safetensors (once; later starts take seconds)"):
-        _convert(gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one conversion at a time: replicas started together on a new machine (`inferd up`) wait for the first
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "model.safetensors").exists():  # another process converted it while this one waited
+            return out
+        console = Console(stderr=True)
+        with console.status(f"[bold]converting {gguf.name} to safetensors (once; later starts take seconds)"):
+            _convert(gguf, out)
     console.log(f"converted model cached at {out}")
     return out
 
@@ -112,6 +120,7 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # what a conversion that was killed left
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

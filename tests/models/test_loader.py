@@ -27,3 +27,34 @@ def test_a_folder_of_several_gguf_files_or_none_names_what_to_do(tmp_path):
     empty.mkdir()
     with pytest.raises(ModelLoadError, match="no config.json and no .gguf file"):
         loader.resolve_model(str(empty))
+
+
+def test_replicas_starting_together_convert_a_gguf_once(tmp_path, monkeypatch):
+    """Two processes (here threads, each with its own lock file handle) asking for the same GGUF at once: one
+    converts, the other waits for it and takes its folder; neither trips over the other's temporary folder."""
+    import threading
+    import time
+
+    monkeypatch.setenv("INFERD_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    def slow_convert(src, out):
+        calls.append(src)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.mkdir()
+        time.sleep(0.5)
+        (tmp / "model.safetensors").write_bytes(b"")
+        (tmp / loader.FORMATS_FILE).write_text("{}")
+        tmp.rename(out)
+
+    monkeypatch.setattr(loader, "_convert", slow_convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(loader.convert_gguf(gguf))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(calls) == 1 and len(got) == 2 and got[0] == got[1]
+    assert (got[0] / "model.safetensors").exists()
