@@ -142,9 +142,16 @@ def gateway_endpoints(spec: FleetSpec, opts: K8sOptions) -> dict[str, dict]:
     return out
 
 
+def _scales_down(spec: FleetSpec, opts: K8sOptions) -> bool:
+    """Whether an autoscaler removes engine pods: then the gateway keeps their deletion costs."""
+    return opts.autoscale and any(p.autoscaling is not None and p.role == "both" for m in spec.models for p in m.pools)
+
+
 def gateway_yaml(spec: FleetSpec, opts: K8sOptions) -> str:
     cfg = spec.gateway_config(gateway_endpoints(spec, opts))
     cfg.listen.host, cfg.listen.port = "0.0.0.0", GATEWAY_PORT
+    if _scales_down(spec, opts):  # cache-aware scale-down: the replica whose cache serves least goes first
+        cfg.pod_deletion_cost.enabled = True
     data = cfg.model_dump(mode="json", exclude_defaults=True)
     return yaml.safe_dump(data, sort_keys=False)
 
@@ -185,6 +192,9 @@ def gateway_objects(spec: FleetSpec, opts: K8sOptions) -> list[Manifest]:
     }
     volumes = [{"name": "config", "configMap": {"name": "inferd-gateway"}}, {"name": "tmp", "emptyDir": {}}]
     pod = pod_spec([container], opts, gpu=False, volumes=volumes)
+    rbac = _deletion_cost_rbac(labels, opts) if _scales_down(spec, opts) else []
+    if rbac:  # the gateway patches the engine pods' deletion cost with its service account's token
+        pod["serviceAccountName"], pod["automountServiceAccountToken"] = "inferd-gateway", True
     # a changed config rolls the gateway (kubectl apply after a re-render)
     digest = hashlib.sha256(config_map["data"]["gateway.yaml"].encode()).hexdigest()[:16]
     deployment = deployment_manifest("inferd-gateway", labels, labels, _gateway_replicas(spec, opts), pod, opts)
@@ -199,7 +209,26 @@ def gateway_objects(spec: FleetSpec, opts: K8sOptions) -> list[Manifest]:
             "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    return [config_map, deployment, service]
+    return [config_map, deployment, service, *rbac]
+
+
+def _deletion_cost_rbac(labels: dict, opts: K8sOptions) -> list[Manifest]:
+    """A service account for the gateway that may read the namespace's pods and patch their annotations."""
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta("inferd-gateway", opts, labels)}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": meta("inferd-gateway-pod-deletion-cost", opts, labels),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "patch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta("inferd-gateway-pod-deletion-cost", opts, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
+        "subjects": [{"kind": "ServiceAccount", "name": "inferd-gateway", "namespace": opts.namespace}],
+    }
+    return [account, role, binding]
 
 
 # -- policy and monitoring ---------------------------------------------------------------------------

@@ -228,8 +228,11 @@ class FleetSpec(_Model):
         for m in self.models:
             front = [p for p in m.pools if p.role in ("both", "decode")]
             for p in front:
-                block_size = m.engine_config(p).cache.block_size
-                pools.append({"name": p.name, "model": m.name, "block_size": block_size} | endpoints[p.name])
+                engine = m.engine_config(p)
+                pools.append(
+                    {"name": p.name, "model": m.name, "block_size": engine.cache.block_size,
+                     "scheduling_policy": engine.scheduler.scheduling_policy} | endpoints[p.name]
+                )  # fmt: skip
             backends = [{"pool": p.name} for p in front]
             routes.append({"name": m.name, "aliases": m.aliases, "adapters": m.adapters(), "backends": backends})
         return GatewayConfig.model_validate(self.gateway | {"pools": pools, "models": routes})

@@ -86,6 +86,19 @@ class PrefixIndexConfig(_Model):
     )
 
 
+class DeletionCostConfig(_Model):
+    """On Kubernetes: keep each replica pod's `controller.kubernetes.io/pod-deletion-cost` at what its cache
+    serves, so a scale-down removes the least useful cache (inferd/gateway/deletion_cost.py)."""
+
+    enabled: bool = False
+    interval_s: float = Field(30.0, gt=0, description="how often the pods are listed and patched")
+    api_server: str = "https://kubernetes.default.svc"
+    namespace: str | None = Field(None, description="default: the service account's")
+    label_selector: str = "app.kubernetes.io/name=inferd,app.kubernetes.io/component=engine"
+    token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+
 class DnsDiscovery(_Model):
     """Replicas behind a DNS name (a Kubernetes headless service, say): every address it resolves to."""
 
@@ -106,6 +119,11 @@ class PoolConfig(_Model):
     api_key: str | None = None
     block_size: int = Field(
         engine_default("block_size"), ge=1, description="the replicas' --block-size, for prefix affinity"
+    )
+    scheduling_policy: Literal["fcfs", "priority", "deadline"] = Field(
+        "fcfs",
+        description="the replicas' --scheduling-policy: whether a tenant's engine_priority or ttft_deadline_ms is "
+        "passed on (an fcfs replica refuses them)",
     )
     tokenizer: str = Field(
         "replica",
@@ -207,6 +225,17 @@ class TenantConfig(_Model):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     api_key_sha256: list[str] = Field(min_length=1, description="sha256 hex digests of the tenant's API keys")
     priority: int = Field(0, description="higher is admitted first when requests queue")
+    engine_priority: int | None = Field(
+        None,
+        description="sent upstream as the request's `priority` (lower runs first) to pools whose replicas run "
+        "--scheduling-policy priority, unless the request names one",
+    )
+    ttft_deadline_ms: float | None = Field(
+        None,
+        ge=0,
+        description="sent upstream as the request's `ttft_deadline_ms` to pools whose replicas run "
+        "--scheduling-policy deadline, unless the request names one",
+    )
     isolate_cache: bool = Field(False, description="send the tenant id as cache_salt: no prefix shared with others")
     limits: Limits = Limits()
     default_max_tokens: int = Field(
@@ -237,6 +266,7 @@ class GatewayConfig(_Model):
     health: HealthConfig = HealthConfig()
     routing: RoutingConfig = RoutingConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
+    pod_deletion_cost: DeletionCostConfig = DeletionCostConfig()
     budget_store: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None
     redis_timeout_s: float = Field(

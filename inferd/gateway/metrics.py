@@ -9,6 +9,7 @@ metric carries the tenant, the model the client asked for and, where one was pic
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -53,11 +54,20 @@ class _StateCollector(Collector):
             "inferd_gateway_replica_in_flight", "Requests in flight, per replica.", labels=labels
         )
         healthy = GaugeMetricFamily("inferd_gateway_replica_healthy", "1 if the replica takes traffic.", labels=labels)
+        cache = GaugeMetricFamily(
+            "inferd_gateway_replica_cache_hit_rate",
+            "Prefix blocks per second the replica's cache served to requests routed there, as predicted, recently "
+            "(half-life 5 min): what a scale-down loses with it.",
+            labels=labels,
+        )
+        now = time.monotonic()
         for r, available in replicas:
             in_flight.add_metric([r.pool, r.url], r.in_flight)
             healthy.add_metric([r.pool, r.url], 1.0 if available else 0.0)
+            cache.add_metric([r.pool, r.url], r.cache_hits.rate(now))
         yield in_flight
         yield healthy
+        yield cache
         q = GaugeMetricFamily("inferd_gateway_queue_size", "Requests waiting at the gateway for a replica.")
         q.add_metric([], queued)
         yield q

@@ -63,6 +63,8 @@ class Monitor:
             jobs += [self._probe(r) for r in replicas]
         await asyncio.gather(*jobs)
         self.gateway.queue.wake_all()
+        if self.gateway.deletion_costs is not None:
+            await self.gateway.deletion_costs.tick(replicas)
 
     async def _resolve(self, pool: Pool) -> bool:
         """Re-resolve the pool's DNS name when due; a failed lookup keeps the last answer."""

@@ -16,12 +16,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferd.gateway.config import HealthConfig, PoolConfig, replica_url_problem
+from inferd.measure.stats import DecayedRate
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ def _read_lora_info(load: Load, labels: dict[str, str]) -> None:
         load.max_loras = max(load.max_loras or 0, int(labels.get("max_lora", "0")))
 
 
+CACHE_HALF_LIFE_S = 300.0  # how fast a replica's cache value forgets the hits it served
+
+
 @dataclass(eq=False)
 class Replica:
     url: str
@@ -92,6 +96,9 @@ class Replica:
     healthy: bool = True  # until a probe or a request says otherwise
     failures: int = 0
     ejected_until: float = 0.0
+    # prefix blocks its cache served to requests routed here, recently (as the prefix index predicted them):
+    # what this replica's cache is worth, and so which replica a scale-down should stop first
+    cache_hits: DecayedRate = field(default_factory=lambda: DecayedRate(CACHE_HALF_LIFE_S))
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until

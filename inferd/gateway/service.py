@@ -30,7 +30,8 @@ from inferd.gateway.budget import (
     limit_vector,
     rate_limit_headers,
 )
-from inferd.gateway.config import GatewayConfig, TenantConfig
+from inferd.gateway.config import GatewayConfig, PoolConfig, TenantConfig
+from inferd.gateway.deletion_cost import DeletionCosts
 from inferd.gateway.errors import GatewayError, bad_request, model_not_found, no_replica, parse_json_body
 from inferd.gateway.kv_index import KVEventIndex
 from inferd.gateway.metrics import GatewayMetrics
@@ -213,6 +214,18 @@ class Flight:
             await g.settle(self, usage, status, keep_reservation)
 
 
+def _scheduling(tenant: TenantConfig | None, pool: PoolConfig, body: dict) -> dict:
+    """The tenant's scheduling class for a pool whose replicas rank requests: its engine_priority under the
+    priority policy, its ttft_deadline_ms under the deadline policy, unless the request names its own."""
+    if tenant is None:
+        return {}
+    if pool.scheduling_policy == "priority" and tenant.engine_priority is not None and "priority" not in body:
+        return {"priority": tenant.engine_priority}
+    if pool.scheduling_policy == "deadline" and tenant.ttft_deadline_ms is not None and "ttft_deadline_ms" not in body:
+        return {"ttft_deadline_ms": tenant.ttft_deadline_ms}
+    return {}
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig, redis=None):
         self.client = httpx.AsyncClient(
@@ -239,6 +252,9 @@ class Gateway:
         )
         # what the replicas' caches hold, from their KV events (where they publish them)
         self.kv_index = KVEventIndex(cap) if config.prefix_index.kv_events else None
+        # on Kubernetes: each replica pod's deletion cost, from what its cache serves (cache-aware scale-down)
+        cost = config.pod_deletion_cost
+        self.deletion_costs = DeletionCosts(cost) if cost.enabled else None
         self.queue = AdmissionQueue(config.routing.queue.max_size, config.routing.queue.max_wait_s)
         self.metrics = GatewayMetrics(self._snapshot, self.kv_index.stats if self.kv_index else None)
         self.monitor = Monitor(self)
@@ -262,6 +278,8 @@ class Gateway:
         await self.monitor.stop()
         if self.kv_index is not None:
             self.kv_index.close()
+        if self.deletion_costs is not None:
+            await self.deletion_costs.close()
         await self.client.aclose()
         if self._session is not None:
             await self._session.close()
@@ -382,7 +400,7 @@ class Gateway:
         hashes = block_hashes(prompt.ids, pool.config.block_size, salt) if prompt and prompt.ids else []
         matched = await self._prefix_match(pool, hashes, target.adapter)
         fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}
-        payload = json.dumps({**body, "model": target.model}).encode()
+        payload = json.dumps({**body, **_scheduling(flight.tenant, pool.config, body), "model": target.model}).encode()
         auth = f"Bearer {pool.config.api_key}" if pool.config.api_key else None
         info = flight.info
         output = (info.max_tokens or 0) * info.n * info.num_prompts
@@ -398,6 +416,7 @@ class Gateway:
             if hashes:
                 hit = matched.get(pick.replica.url, 0)
                 flight.prefix_blocks = (hit, len(hashes))
+                pick.replica.cache_hits.add(hit, time.monotonic())
                 self.metrics.prefix_blocks.labels(pool.name, "hit").inc(hit)
                 self.metrics.prefix_blocks.labels(pool.name, "miss").inc(len(hashes) - hit)
                 await self.prefix_index.insert(pick.replica.url, hashes)

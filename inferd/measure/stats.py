@@ -1,4 +1,6 @@
-"""Percentiles, with one definition: numpy's default linear interpolation between the two nearest ranks
+"""Percentiles, with one definition, and a rate that forgets.
+
+Percentiles: numpy's default linear interpolation between the two nearest ranks
 (`np.percentile`), which vLLM's serving benchmark reports.
 
 A nearest-rank percentile of the same samples can differ by a whole sample (the p99 of 100 samples is the
@@ -9,6 +11,7 @@ are another concept: they read a quantile from bucket counts, not from the sampl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,3 +44,24 @@ def percentile(values: Sequence[float] | np.ndarray, p: float, counts: Sequence[
     lo = int(np.floor(rank))
     below, above = v[np.searchsorted(ends, [lo, min(lo + 1, int(ends[-1]) - 1)], side="right")]
     return float(below + (above - below) * (rank - lo))
+
+
+class DecayedRate:
+    """A recent rate of something counted (blocks a replica's cache served per second, say): each amount is
+    weighed by exp(-age / tau), tau = half_life / ln 2, so an amount counts half after `half_life_s`; a steady
+    rate r reads r. No window to keep: one value and when it was last updated."""
+
+    def __init__(self, half_life_s: float):
+        self.tau = half_life_s / math.log(2)
+        self._value = 0.0
+        self._at: float | None = None
+
+    def _decayed(self, now: float) -> float:
+        return 0.0 if self._at is None else self._value * math.exp(-max(0.0, now - self._at) / self.tau)
+
+    def add(self, amount: float, now: float) -> None:
+        self._value, self._at = self._decayed(now) + amount, now
+
+    def rate(self, now: float) -> float:
+        """Per second, at `now`."""
+        return self._decayed(now) / self.tau

@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 import yaml
 from prometheus_client import Gauge, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferd.autoscale.policy import Decision, FleetAutoscaler
 from inferd.autoscale.prom import PrometheusProcess, start_prometheus, write_targets
@@ -151,6 +152,27 @@ def replica_argv(
 def gateway_queue(url: str, client: httpx.Client) -> float:
     """Requests waiting at the gateway (its `inferd_gateway_queue_size`); 0 if it does not answer."""
     return scraped_value(client, url, "inferd_gateway_queue_size")
+
+
+def cache_hit_rates(url: str, client: httpx.Client) -> dict[str, float]:
+    """Each replica's recent prefix-cache hits at the gateway (`inferd_gateway_replica_cache_hit_rate`, blocks/s)
+    by replica URL; empty if the gateway does not answer."""
+    try:
+        text = client.get(url + "/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return {}
+    return {
+        s.labels["replica"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "inferd_gateway_replica_cache_hit_rate"
+    }
+
+
+def drain_order(replicas: list[ReplicaProc], rates: dict[str, float]) -> list[ReplicaProc]:
+    """Which replicas a scale-down stops first: the least recent prefix-cache hits (`rates`, blocks/s by URL;
+    one the gateway has no figure for counts 0), the newest first among equals."""
+    return sorted(replicas, key=lambda r: (rates.get(r.url, 0.0), -r.started))
 
 
 class LocalFleet:
@@ -400,10 +422,16 @@ class LocalFleet:
             self._drain(run, current - desired)
 
     def _drain(self, run: PoolRun, n: int) -> None:
-        """Stop the `n` newest ready replicas: unlisted now, SIGTERM once the gateway has seen the list."""
+        """Stop `n` ready replicas: unlisted now, SIGTERM once the gateway has seen the list. Cache-aware: the
+        ones whose caches served the fewest prefix blocks lately (the gateway's `cache_hit_rate`, from the
+        prefix index) go first, so the prefixes that traffic still uses stay cached; the newest among equals."""
         now = time.monotonic()
-        for r in sorted(run.serving(), key=lambda r: r.started, reverse=True)[:n]:
+        rates = cache_hit_rates(self.gateway_url, self.client)
+        order = drain_order(run.serving(), rates)
+        for r in order[:n]:
             r.state, r.term_at = "draining", now + self.unlist_grace_s
+            hits = f", its cache serving {rates[r.url]:.2f} prefix blocks/s" if r.url in rates else ""
+            self._event(run, "drain", f"stopping {r.url}{hits} (the least of the pool's {len(order)})")
         self._publish(run)
 
     def _event(self, run: PoolRun, kind: str, text: str, value: float | None = None) -> None:

@@ -38,6 +38,10 @@ def test_a_good_spec_renders_serve_flags_and_the_gateway_config():
     gw = spec.gateway_config({"gemma-both": {"replicas": ["http://h:1"]}, "split-decode": {"replicas_file": "f"}})
     assert [p.name for p in gw.pools] == ["gemma-both", "split-decode"]  # the prefill pool sits behind the proxy
     assert gw.pools[0].block_size == 32 and gw.routing.picker == "round_robin"
+    assert gw.pools[0].scheduling_policy == "fcfs"  # the engine's: the gateway passes on only what it accepts
+    ranked = parse_fleet(GOOD.replace("block_size: 32,", "block_size: 32, scheduling_policy: deadline,"))
+    assert ranked.gateway_config({"gemma-both": {"replicas": ["http://h:1"]}, "split-decode": {"replicas_file": "f"}}
+                                 ).pools[0].scheduling_policy == "deadline"  # fmt: skip
     assert [r.name for r in gw.models] == ["gemma", "split"] and gw.models[0].aliases == ["g"]
 
 

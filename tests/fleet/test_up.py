@@ -131,3 +131,12 @@ def test_up_sets_fine_buckets_around_the_targets(tmp_path):
     itl = [float(b) for b in argv[argv.index("--itl-buckets") + 1].split(",")]
     assert {0.45, 0.5, 0.55} <= set(ttft) and {0.038, 0.04, 0.042} <= set(itl)
     assert argv[argv.index("--port") + 1] == "1234" and "--max-num-seqs" in argv
+
+
+def test_a_scale_down_stops_the_replica_whose_cache_serves_least():
+    from inferd.runtime.up import ReplicaProc, drain_order
+
+    a, b, c = (ReplicaProc("p", port, None, started, None) for port, started in ((1, 10.0), (2, 20.0), (3, 30.0)))
+    rates = {a.url: 0.5, b.url: 4.0}  # c: no figure at the gateway yet
+    assert [r.port for r in drain_order([a, b, c], rates)] == [3, 1, 2]
+    assert [r.port for r in drain_order([a, b, c], {})] == [3, 2, 1]  # no gateway figures: the newest first

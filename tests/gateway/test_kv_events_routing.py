@@ -86,6 +86,9 @@ def test_finds_prefixes_that_traffic_around_the_gateway_cached(publishing, gatew
         assert r.headers["x-inferd-replica"] == publishing[i % 2].url, i
     assert _sample(gw.url, "inferd_gateway_prefix_affinity_source_total", source="events") >= 2 * len(prefixes)
     assert _sample(gw.url, "inferd_gateway_kv_index_blocks", replica=publishing[0].url) > 0
+    # what each replica's cache is worth to a scale-down: the prefix blocks it served lately (3 a request here)
+    rates = [_sample(gw.url, "inferd_gateway_replica_cache_hit_rate", replica=r.url) for r in publishing]
+    assert all(rate > 0 for rate in rates), rates
 
 
 def test_evicted_blocks_are_no_longer_predicted(publishing, gateway):

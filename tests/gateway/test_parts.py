@@ -341,3 +341,16 @@ def test_check_prompt_reads_prompts_as_the_server_does():
     with pytest.raises(InvalidRequestError, match="less than or equal to 9223372036854775807") as e:
         check_prompt([2**64])
     assert e.value.param == "prompt.0"
+
+
+def test_a_tenants_scheduling_class_goes_only_to_pools_that_rank_requests():
+    from inferd.gateway.config import TenantConfig
+    from inferd.gateway.service import _scheduling
+
+    tenant = TenantConfig(id="t", api_key_sha256=["0" * 64], engine_priority=-1, ttft_deadline_ms=300)
+    pool = lambda policy: PoolConfig(name="p", replicas=["http://127.0.0.1:1"], scheduling_policy=policy)
+    assert _scheduling(tenant, pool("fcfs"), {}) == {}  # an fcfs replica refuses both fields
+    assert _scheduling(tenant, pool("priority"), {}) == {"priority": -1}
+    assert _scheduling(tenant, pool("priority"), {"priority": 4}) == {}  # the request's own stays
+    assert _scheduling(tenant, pool("deadline"), {}) == {"ttft_deadline_ms": 300}
+    assert _scheduling(None, pool("deadline"), {}) == {}

@@ -49,3 +49,15 @@ def test_counts_edge_cases():
         percentile([1.0, 2.0], 50, [1])
     with pytest.raises(ValueError):
         percentile([1.0], 101)
+
+
+def test_decayed_rate_reads_a_steady_rate_and_halves_per_half_life():
+    from inferd.measure.stats import DecayedRate
+
+    r = DecayedRate(half_life_s=10)
+    assert r.rate(0) == 0
+    for t in range(0, 2000):  # 3 per second for a long time
+        r.add(3 / 10, t / 10)
+    assert abs(r.rate(199.9) - 3) < 0.1
+    assert abs(r.rate(209.9) - 1.5) < 0.05  # nothing more for one half-life
+    assert r.rate(199.9 + 1000) < 1e-20
