@@ -98,10 +98,22 @@ class SchedulerConfig:
     )
     scheduling_policy: str = setting(
         "fcfs",
-        "fcfs (arrival order) or priority (a request's `priority`, lower first, then arrival: waiting requests are "
+        "fcfs (arrival order), priority (a request's `priority`, lower first, then arrival: waiting requests are "
         "admitted in that order, a running request of a later class is preempted for an earlier one that finds "
-        "no room, and KV pressure preempts the latest class first), as vLLM's --scheduling-policy",
-        choices=("fcfs", "priority"),
+        "no room, and KV pressure preempts the latest class first), as vLLM's --scheduling-policy, or deadline "
+        "(the same, earliest TTFT deadline first: arrival plus the request's `ttft_deadline_ms`, else "
+        "--ttft-deadline-s)",
+        choices=("fcfs", "priority", "deadline"),
+    )
+    priority_aging_s: float | None = setting(
+        None,
+        "priority: a request ranks as if it had arrived `priority` x this many seconds later, so a later class "
+        "overtakes a waiting request for at most this long per class between them and none starves. Default: "
+        "strict classes, as vLLM",
+        minimum=0,
+    )
+    ttft_deadline_s: float = setting(
+        5.0, "deadline: the TTFT deadline of a request that names none (seconds after its arrival)", minimum=0
     )
 
     def validate(self) -> None:

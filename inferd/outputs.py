@@ -86,6 +86,38 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_prefill_chunks: int = 0
+    num_decode_steps: int = 0
+    num_loaded_tokens: int = 0  # K/V pulled through a KV connector (disaggregated prefill)
+    kv_load_seconds: float = 0.0
+
+    @staticmethod
+    def merge(metrics: list[RequestMetrics]) -> RequestMetrics:
+        """Several requests' (a completion's prompts) as one: the earliest start, the latest end, counts summed."""
+        return RequestMetrics(
+            times=RequestTimes.merge([m.times for m in metrics]),
+            **{f: sum(getattr(m, f) for m in metrics) for f in (
+                "num_prompt_tokens", "num_generation_tokens", "num_cached_tokens", "num_preemptions",
+                "num_prefill_chunks", "num_decode_steps", "num_loaded_tokens", "kv_load_seconds")},
+        )  # fmt: skip
+
+    def timing(self) -> dict[str, float | int | None]:
+        """Where the request's time went, in ms from its arrival (None: did not happen), and its counts."""
+        t = self.times
+        ms = lambda a, b: None if a is None or b is None else round((b - a) * 1000, 3)
+        return {
+            "queue_ms": ms(t.arrival, t.first_scheduled),  # arrival to first scheduled
+            "prefill_ms": ms(t.first_scheduled, t.first_token),  # first scheduled to first token
+            "ttft_ms": ms(t.arrival, t.first_token),
+            "decode_ms": ms(t.first_token, t.last_token),  # first to last token
+            "total_ms": ms(t.arrival, t.finished),
+            "prefill_chunks": self.num_prefill_chunks,
+            "decode_steps": self.num_decode_steps,
+            "preemptions": self.num_preemptions,
+            "cached_prompt_tokens": self.num_cached_tokens,
+            "kv_loaded_tokens": self.num_loaded_tokens,
+            "kv_load_ms": round(self.kv_load_seconds * 1000, 3),
+        }
 
 
 @dataclass

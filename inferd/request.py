@@ -56,18 +56,20 @@ class Request:
     lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
     lora_key: str | None = None  # that adapter's identity in prefix-cache keys (LoRAAdapter.key)
     priority: int = 0  # with --scheduling-policy priority: lower runs first (vLLM's field)
+    ttft_deadline: float | None = None  # with --scheduling-policy deadline: its first token is due this long (s)
+    # after arrival (None: the policy's default)
+    rank: tuple = ()  # its place among waiting and running requests under priority or deadline (the scheduler's)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
+    num_prefill_chunks: int = 0  # steps that computed part of its prompt (or its recompute after a preemption)
+    num_decode_steps: int = 0  # steps that decoded it (one token, with its accepted drafts)
+    num_loaded_tokens: int = 0  # tokens whose K/V a KV connector loaded (disaggregated prefill)
+    kv_load_seconds: float = 0.0  # how long those loads took, scheduled to done
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     times: RequestTimes = field(default_factory=lambda: RequestTimes(arrival=time.monotonic()))
-
-    @property
-    def order(self) -> tuple[int, float, str]:
-        """Its place under the priority policy: priority class, then arrival."""
-        return self.priority, self.times.arrival, self.request_id
 
     @property
     def prefix_salt(self) -> str | None:

@@ -39,6 +39,7 @@ class _Add:
     future: asyncio.Future
     lora_name: str | None = None
     priority: int = 0
+    ttft_deadline: float | None = None
 
 
 @dataclass
@@ -157,9 +158,10 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         priority: int = 0,
+        ttft_deadline: float | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine has accepted it (`lora_name`: its adapter;
-        `priority`: its class under the priority policy).
+        `priority`: its class under the priority policy; `ttft_deadline`: seconds, under the deadline policy).
 
         Raises InvalidRequestError (as the engine does) for a request that cannot run, and
         EngineOverloadedError when the waiting queue is full or the server is draining.
@@ -173,7 +175,9 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._num_pending += params.n
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        self._inbox.put(_Add(request_id, prompt, params, cache_salt, arrival, future, lora_name, priority))
+        self._inbox.put(
+            _Add(request_id, prompt, params, cache_salt, arrival, future, lora_name, priority, ttft_deadline)
+        )
         try:
             await future
         except BaseException:
@@ -316,7 +320,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(
                 item.request_id, item.prompt, item.params, item.cache_salt, item.arrival_time, item.lora_name,
-                item.priority,
+                item.priority, item.ttft_deadline,
             )  # fmt: skip
         except Exception as e:
             return e

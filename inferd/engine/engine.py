@@ -228,17 +228,27 @@ class Engine:
         arrival_time: float | None = None,
         lora_name: str | None = None,
         priority: int = 0,
+        ttft_deadline: float | None = None,
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError (and queues nothing) if it can't run.
         `lora_name`: the LoRA adapter it runs under (None: the base model); `priority`: its class under
-        `--scheduling-policy priority` (lower first)."""
+        `--scheduling-policy priority` (lower first); `ttft_deadline`: seconds after arrival its first token is
+        due, under `--scheduling-policy deadline`."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         lora_key = self._lora_key(lora_name)
-        if priority != 0 and not self.scheduler.priority:
+        policy = self.config.scheduler.scheduling_policy
+        if priority != 0 and policy != "priority":
             raise InvalidRequestError(
                 "priority needs the priority scheduling policy (--scheduling-policy priority)", param="priority"
+            )
+        if ttft_deadline is not None and (policy != "deadline" or not ttft_deadline >= 0):
+            raise InvalidRequestError(
+                "a TTFT deadline needs the deadline scheduling policy (--scheduling-policy deadline)"
+                if policy != "deadline"
+                else f"a TTFT deadline is a number of seconds from 0 up, not {ttft_deadline!r}",
+                param="ttft_deadline_ms",
             )
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -258,6 +268,7 @@ class Engine:
                 lora_name=lora_name,
                 lora_key=lora_key,
                 priority=priority,
+                ttft_deadline=ttft_deadline,
                 times=RequestTimes(arrival=arrival),
             )
             seq = _Sequence(
@@ -526,6 +537,10 @@ class Engine:
             num_generation_tokens=sum(len(r.output_token_ids) for r in reqs),
             num_cached_tokens=max(r.num_cached_tokens for r in reqs),
             num_preemptions=sum(r.num_preemptions for r in reqs),
+            num_prefill_chunks=sum(r.num_prefill_chunks for r in reqs),
+            num_decode_steps=sum(r.num_decode_steps for r in reqs),
+            num_loaded_tokens=max(r.num_loaded_tokens for r in reqs),
+            kv_load_seconds=max(r.kv_load_seconds for r in reqs),
         )
 
     def check_idle(self) -> None:

@@ -51,14 +51,14 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int
 
 
 class PriorityQueue:
-    """The waiting requests in `Request.order` (priority, then arrival), with the deque operations the
-    scheduler uses: under the priority policy every insertion, the front ones included, goes to its place."""
+    """The waiting requests in `Request.rank` order (`Scheduler.rank`), with the deque operations the scheduler
+    uses: under the priority and deadline policies every insertion, the front ones included, goes to its place."""
 
     def __init__(self) -> None:
         self._items: list[Request] = []
 
     def _insert(self, request: Request) -> None:
-        bisect.insort(self._items, request, key=lambda r: r.order)
+        bisect.insort(self._items, request, key=lambda r: r.rank)
 
     append = appendleft = _insert
 
@@ -101,7 +101,7 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self.priority = config.scheduling_policy == "priority"
+        self.priority = config.scheduling_policy != "fcfs"  # ranked: priority or deadline
         self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if self.priority else deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -110,6 +110,7 @@ class Scheduler:
         # with their computed tokens once loaded
         self.connector = None
         self.loading: dict[str, tuple[Request, int]] = {}
+        self._load_started: dict[str, float] = {}
         # speculative decoding: drafts for the next step by request (`set_drafts`), used once
         self.drafts: dict[str, list[int]] = {}
         # LoRA: the most adapters running requests may use at once (the model's slots); None without LoRA
@@ -120,8 +121,22 @@ class Scheduler:
         return len(self.requests)
 
     def add(self, request: Request) -> None:
+        request.rank = self.rank(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def rank(self, request: Request) -> tuple:
+        """Its place under the ranked policies, fixed at arrival (so the waiting queue stays sorted):
+        priority: (class, arrival), or with aging (arrival + class x priority_aging_s), a virtual arrival, so a
+        request waits behind later arrivals of earlier classes only for a bounded time; deadline: its TTFT
+        deadline, earliest first."""
+        c, arrival = self.config, request.times.arrival
+        if c.scheduling_policy == "deadline":
+            due = request.ttft_deadline if request.ttft_deadline is not None else c.ttft_deadline_s
+            return arrival + due, request.request_id
+        if c.priority_aging_s is not None:
+            return arrival + request.priority * c.priority_aging_s, request.request_id
+        return request.priority, arrival, request.request_id
 
     # -- scheduling --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -172,10 +187,10 @@ class Scheduler:
 
     def _victim(self, i: int) -> Request:
         """The running request to preempt for KV room, among those not scheduled yet this step (from the i-th
-        on): the newest arrival, or under the priority policy the latest class's newest (it leaves `running`)."""
+        on): the newest arrival, or under a ranked policy the last ranked (it leaves `running`)."""
         if not self.priority:
             return self.running.pop()
-        victim = max(self.running[i:], key=lambda r: r.order)
+        victim = max(self.running[i:], key=lambda r: r.rank)
         self.running.remove(victim)
         return victim
 
@@ -185,8 +200,8 @@ class Scheduler:
         last running one (recomputed later, as any preemption)."""
         while self.waiting and self.running:
             head = self.waiting[0]
-            worst = max(self.running, key=lambda r: r.order)
-            if worst.order <= head.order:
+            worst = max(self.running, key=lambda r: r.rank)
+            if worst.rank <= head.rank:
                 return
             first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
             full = len(self.running) + len(self.loading) >= self.config.max_num_seqs
@@ -278,10 +293,14 @@ class Scheduler:
         block_ids = self.kv.block_ids(request.request_id)
         self.connector.update_state_after_alloc(request, block_ids, computed.num_tokens, num_external)
         self.loading[request.request_id] = (request, computed.num_tokens + num_external)
+        self._load_started[request.request_id] = time.monotonic()
         return True
 
     def _finish_loads(self, out: RunnerOutput) -> None:
         """Loaded requests wait (first in line) to compute the rest; failed ones recompute from scratch."""
+        now = time.monotonic()
+        for request_id in [*out.failed_loading, *out.finished_loading]:
+            self.loading[request_id][0].kv_load_seconds += now - self._load_started.pop(request_id, now)
         for request_id in out.failed_loading:
             request, _ = self.loading.pop(request_id)
             self.kv.free(request)  # the blocks being loaded were never entered in the prefix cache
@@ -289,6 +308,7 @@ class Scheduler:
             self.waiting.appendleft(request)
         for request_id in reversed(out.finished_loading):
             request, num_tokens = self.loading.pop(request_id)
+            request.num_loaded_tokens += num_tokens - request.num_computed_tokens
             request.num_computed_tokens = num_tokens
             self.waiting.appendleft(request)
 
@@ -317,7 +337,12 @@ class Scheduler:
             self._finish_loads(out)
         for chunk in sched.chunks:  # rejected drafts are not computed: the next step overwrites their K/V
             rejected = chunk.num_drafts - len(out.accepted_drafts.get(chunk.request_id, ()))
-            self.requests[chunk.request_id].num_computed_tokens += chunk.num_tokens - rejected
+            request = self.requests[chunk.request_id]
+            request.num_computed_tokens += chunk.num_tokens - rejected
+            if chunk.is_prefill:
+                request.num_prefill_chunks += 1
+            else:
+                request.num_decode_steps += 1
         now = time.monotonic()
         sampled = []
         for request_id, last, logprobs in zip(out.request_ids, out.token_ids, out.logprobs, strict=True):

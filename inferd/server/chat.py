@@ -36,7 +36,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools=tools
     )
     request_id = new_id("chatcmpl")
-    streams = await submit(state.async_engine, request_id, [prompt], params, req.cache_salt, lora_name, req.priority)
+    streams = await submit(
+        state.async_engine, request_id, [prompt], params, req.cache_salt, lora_name, req.priority, req.ttft_deadline
+    )
     headers = {"X-Request-Id": request_id}
     if req.stream:
         body = _stream(state, req, tools, request_id, streams, len(prompt))
@@ -77,7 +79,7 @@ def _response(
         id=request_id,
         model=state.response_model(req.model),
         choices=choices,
-        usage=usage,
+        usage=usage.add_timing() if req.return_timing else usage,
         kv_transfer_params=out.kv_transfer_params,
     )
 
@@ -135,7 +137,11 @@ async def _stream(
                 usage.add_output(out)
         if include_usage:
             body = ChatCompletionChunk(
-                id=request_id, created=created, model=state.response_model(req.model), choices=[], usage=usage
+                id=request_id,
+                created=created,
+                model=state.response_model(req.model),
+                choices=[],
+                usage=usage.add_timing() if req.return_timing else usage,
             )
             yield event(body)
     except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it

@@ -42,7 +42,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = completion_params(req)
     prompt_ids, prompt_texts = await _prompts(state, req.prompt)
     request_id = new_id("cmpl")
-    streams = await submit(state.async_engine, request_id, prompt_ids, params, req.cache_salt, lora_name, req.priority)
+    streams = await submit(
+        state.async_engine, request_id, prompt_ids, params, req.cache_salt, lora_name, req.priority, req.ttft_deadline
+    )
     try:
         echoes = [
             (t if t is not None else await state.decode_async(ids)) if req.echo else ""
@@ -89,7 +91,11 @@ def _response(
             )
     kv = finals[0].kv_transfer_params if len(finals) == 1 else None
     return CompletionResponse(
-        id=request_id, model=state.response_model(req.model), choices=choices, usage=usage, kv_transfer_params=kv
+        id=request_id,
+        model=state.response_model(req.model),
+        choices=choices,
+        usage=usage.add_timing() if req.return_timing else usage,
+        kv_transfer_params=kv,
     )
 
 
@@ -143,7 +149,11 @@ async def _stream(
                 usage.add_output(out)
         if include_usage:
             body = CompletionResponse(
-                id=request_id, created=created, model=state.response_model(req.model), choices=[], usage=usage
+                id=request_id,
+                created=created,
+                model=state.response_model(req.model),
+                choices=[],
+                usage=usage.add_timing() if req.return_timing else usage,
             )
             yield event(body, {"kv_transfer_params"})
     except Exception as e:  # the stream has begun: the error goes in-band, as vLLM sends it

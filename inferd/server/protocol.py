@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 from pydantic.json_schema import SkipJsonSchema
 
+from inferd.outputs import RequestMetrics
 from inferd.prompts import INT64_MAX, INT64_MIN, Prompt, TokenId
 
 MAX_N = 128  # each of n is a sequence in the batch; more than this is a mistake, not a workload
@@ -73,6 +74,16 @@ class SamplingFields(_Request):
     cache_salt: str | None = None
     #: the request's class under `--scheduling-policy priority` (lower first); other than 0 a 400 under fcfs
     priority: Int64 = 0
+    #: inferd's: where the request's time went (queue, prefill, decode, chunks, preemptions, cached and loaded
+    #: KV), in `usage.timing` (a stream's usage chunk: stream_options.include_usage)
+    return_timing: bool = False
+    #: under `--scheduling-policy deadline`: the first token is due this many ms after arrival (earliest first)
+    ttft_deadline_ms: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+    @property
+    def ttft_deadline(self) -> float | None:
+        return None if self.ttft_deadline_ms is None else self.ttft_deadline_ms / 1000
+
     #: disaggregated prefill/decode (docs/disaggregation.md), as vLLM names it
     kv_transfer_params: dict[str, Any] | None = None
     # structured outputs (docs/structured.md): OpenAI's response_format, vLLM's structured_outputs and its
@@ -155,6 +166,23 @@ class UnloadLoRAAdapterRequest(_Request):
 
 
 # -- responses ---------------------------------------------------------------------------------------
+class RequestTiming(BaseModel):
+    """Where a request's time went (`return_timing`), from the engine's own timestamps: milliseconds from its
+    arrival (None: did not happen), and the steps and KV behind them."""
+
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    ttft_ms: float | None = None
+    decode_ms: float | None = None
+    total_ms: float | None = None
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0
+    kv_loaded_tokens: int = 0
+    kv_load_ms: float = 0.0
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -164,7 +192,10 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     # as OpenAI's: prompt tokens served from the prefix cache (for a final usage; per-chunk counts leave it out)
-    prompt_tokens_details: PromptTokensDetails | None = None
+    # (both appear where they were asked for, never as null)
+    prompt_tokens_details: PromptTokensDetails | None = Field(None, exclude_if=lambda v: v is None)
+    timing: RequestTiming | None = Field(None, exclude_if=lambda v: v is None)  # with `return_timing`
+    _metrics: list = PrivateAttr(default_factory=list)  # the finished requests' RequestMetrics
 
     def add(self, prompt: int, completion: int) -> None:
         self.prompt_tokens += prompt
@@ -177,6 +208,14 @@ class UsageInfo(BaseModel):
         details = self.prompt_tokens_details or PromptTokensDetails()
         details.cached_tokens += out.metrics.num_cached_tokens if out.metrics is not None else 0
         self.prompt_tokens_details = details
+        if out.metrics is not None:
+            self._metrics.append(out.metrics)
+
+    def add_timing(self) -> UsageInfo:
+        """Say where the time of the requests added went (`return_timing`)."""
+        if self._metrics:
+            self.timing = RequestTiming(**RequestMetrics.merge(self._metrics).timing())
+        return self
 
 
 class CompletionLogprobs(BaseModel):

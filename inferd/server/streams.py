@@ -29,6 +29,7 @@ async def submit(
     cache_salt: str | None,
     lora_name: str | None = None,
     priority: int = 0,
+    ttft_deadline: float | None = None,
 ) -> list[tuple[str, RequestStream]]:
     """Queue every prompt as one engine request; if any is refused, abort the others and raise its error.
 
@@ -39,7 +40,7 @@ async def submit(
     ids = [base_id if len(prompts) == 1 else sub_request_id(base_id, i) for i in range(len(prompts))]
     results = await asyncio.gather(
         *(
-            engine.add_request(rid, p, params, cache_salt, lora_name, priority)
+            engine.add_request(rid, p, params, cache_salt, lora_name, priority, ttft_deadline)
             for rid, p in zip(ids, prompts, strict=True)
         ),
         return_exceptions=True,

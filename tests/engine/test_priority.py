@@ -97,3 +97,53 @@ def test_priority_needs_the_priority_policy(tiny_models):
         llm.generate([[5, 6, 7]], PARAMS, priority=1)
     assert llm.generate([[5, 6, 7]], PARAMS, priority=0)[0].finished
     assert_idle(llm)
+
+
+def _run_ranked(llm: LLM, jobs: list[tuple[str, list[int], dict, float]]) -> list[str]:
+    """Add each job (id, prompt, priority/ttft_deadline, arrival) and step to the end: the finishing order."""
+    engine, order = llm.engine, []
+    for rid, prompt, hints, arrival in jobs:
+        engine.add_request(rid, prompt, PARAMS, arrival_time=arrival, **hints)
+    while engine.has_unfinished_requests():
+        order += [out.request_id for out in engine.step() if out.finished]
+    return order
+
+
+def test_aging_bounds_how_long_later_classes_overtake_a_waiting_request(tiny_models):
+    """With priority_aging_s=10, a class-2 request that has waited 25 s ranks as a class-0 request arriving 5 s
+    ago would (20 s of handicap), so it goes before a class-0 request that arrived after that, and after one that
+    arrived before; strict classes put it last."""
+    prompts = prompt_set(VOCAB, lengths=(9, 11, 13))
+    now = 1000.0
+    jobs = [
+        ("old-low", prompts[0], {"priority": 2}, now - 25),
+        ("new-high", prompts[1], {"priority": 0}, now - 1),
+        ("older-high", prompts[2], {"priority": 0}, now - 8),
+    ]
+    aged = _llm(tiny_models["llama"], scheduling_policy="priority", priority_aging_s=10, max_num_seqs=1)
+    assert _run_ranked(aged, jobs) == ["older-high", "old-low", "new-high"]
+    strict = _llm(tiny_models["llama"], scheduling_policy="priority", max_num_seqs=1)
+    assert _run_ranked(strict, jobs) == ["older-high", "new-high", "old-low"]
+    assert_idle(aged)
+
+
+def test_deadline_policy_serves_the_earliest_ttft_deadline_first(tiny_models):
+    prompts = prompt_set(VOCAB, lengths=(9, 11, 13, 15))
+    llm = _llm(tiny_models["llama"], scheduling_policy="deadline", ttft_deadline_s=5.0, max_num_seqs=1)
+    now = 1000.0
+    order = _run_ranked(llm, [
+        ("batch", prompts[0], {"ttft_deadline": 60.0}, now - 2),  # due at +58
+        ("default", prompts[1], {}, now - 1),  # due at +4 (the policy's 5 s)
+        ("urgent", prompts[2], {"ttft_deadline": 0.5}, now),  # due at +0.5
+        ("soon", prompts[3], {"ttft_deadline": 2.0}, now),  # due at +2
+    ])  # fmt: skip
+    assert order == ["urgent", "soon", "default", "batch"]
+    with pytest.raises(InvalidRequestError, match="priority scheduling policy"):
+        llm.engine.add_request("p", prompts[0], PARAMS, priority=1)
+    fcfs = _llm(tiny_models["llama"])
+    with pytest.raises(InvalidRequestError, match="deadline scheduling policy"):
+        fcfs.engine.add_request("d", prompts[0], PARAMS, ttft_deadline=1.0)
+    with pytest.raises(InvalidRequestError, match="from 0 up"):
+        llm.engine.add_request("neg", prompts[0], PARAMS, ttft_deadline=-1.0)
+    assert_idle(llm)
+    assert_idle(fcfs)
