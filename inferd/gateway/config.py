@@ -121,7 +121,7 @@ class PoolConfig(_Model):
         engine_default("block_size"), ge=1, description="the replicas' --block-size, for prefix affinity"
     )
     scheduling_policy: Literal["fcfs", "priority", "deadline"] = Field(
-        "fcfs",
+        engine_default("scheduling_policy"),
         description="the replicas' --scheduling-policy: whether a tenant's engine_priority or ttft_deadline_ms is "
         "passed on (an fcfs replica refuses them)",
     )

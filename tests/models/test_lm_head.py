@@ -175,6 +175,7 @@ def test_the_bf16_body_goes_on_onednn_only_where_avx512_bf16_has_no_amx():
     assert not bf16_body_on_onednn(frozenset({"avx2"}))
 
 
+@pytest.mark.cpu_feature  # it skips itself where the CPU packs no bf16 body (AMX, or no AVX512_BF16)
 def test_a_bf16_body_on_onednn_gives_the_dense_outputs(tiny_models):
     """Where the loader packs the body's linear layers too, each gives what its dense weights give (the
     checkpoint's values, read again in fp32 and rounded to bf16), one row and many."""
