@@ -166,12 +166,19 @@ class Scheduler:
         return min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        head, reserve = self._head_reserve(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             draft = self.drafts.get(request.request_id, []) if remaining == 1 else []
-            n = self._chunk(remaining + len(draft), budget)
+            room = budget
+            if head is not None and remaining > 1 and request.rank > head.rank:
+                room = budget - reserve  # a later-ranked prefill leaves the waiting head its first chunk
+                if room <= 0:
+                    i += 1  # not this step
+                    continue
+            n = self._chunk(remaining + len(draft), room)
             draft = draft[: n - remaining]
             num_blocks = self.kv.num_blocks_of(request.request_id)
             while not self.kv.allocate_slots(request, n):
@@ -184,6 +191,20 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _head_reserve(self, budget: int) -> tuple[Request | None, int]:
+        """Under a ranked policy: the first waiting request and the tokens of its first chunk, if it can be
+        admitted this step (a sequence slot and KV blocks for that chunk are free), so running requests ranked
+        after it do not take the whole budget with their prefill chunks (an interactive request would otherwise
+        wait out a batch job's long prompt). (None, 0) otherwise."""
+        if not self.priority or not self.waiting:
+            return None, 0
+        head = self.waiting[0]
+        first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, budget)
+        full = len(self.running) + len(self.loading) >= self.config.max_num_seqs
+        if full or self.kv.blocks_needed(first_chunk) > self.kv.pool.num_free_blocks or not self.adapter_fits(head):
+            return None, 0
+        return head, first_chunk
 
     def _victim(self, i: int) -> Request:
         """The running request to preempt for KV room, among those not scheduled yet this step (from the i-th

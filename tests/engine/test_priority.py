@@ -147,3 +147,34 @@ def test_deadline_policy_serves_the_earliest_ttft_deadline_first(tiny_models):
         llm.engine.add_request("neg", prompts[0], PARAMS, ttft_deadline=-1.0)
     assert_idle(llm)
     assert_idle(fcfs)
+
+
+def test_a_later_ranked_prefill_leaves_an_earlier_arrival_its_first_chunk(tiny_models):
+    """A batch job's long prompt is being prefilled 64 tokens a step when an interactive request arrives: the
+    next step computes the interactive request's whole prompt beside a smaller chunk of the batch prompt,
+    instead of waiting out the batch prompt (fcfs: three more steps); every output is as without it."""
+    folder = tiny_models["llama"]
+    prompts = prompt_set(VOCAB, lengths=(240, 20))
+    first_step = {}
+    tokens = {}
+    for policy in ("fcfs", "priority"):
+        llm = _llm(folder, scheduling_policy=policy, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=512)
+        engine = llm.engine
+        engine.add_request("batch", prompts[0], PARAMS, priority=5 if policy == "priority" else 0)
+        engine.step()  # the batch prompt's first chunk
+        engine.add_request("urgent", prompts[1], PARAMS)
+        step = 0
+        while engine.has_unfinished_requests():
+            step += 1
+            outs = engine.step()
+            urgent = engine.scheduler.requests.get("urgent")
+            if policy not in first_step and urgent is not None and urgent.num_computed_tokens > 0:
+                first_step[policy] = step
+            for out in outs:
+                if out.finished:
+                    tokens[(policy, out.request_id)] = out.outputs[0].token_ids
+        assert_idle(llm)
+    assert first_step["priority"] == 1
+    assert first_step["fcfs"] > 1
+    assert tokens[("priority", "urgent")] == tokens[("fcfs", "urgent")]
+    assert tokens[("priority", "batch")] == tokens[("fcfs", "batch")]
