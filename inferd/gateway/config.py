@@ -67,6 +67,11 @@ class Saturation(_Model):
 class QueueConfig(_Model):
     max_size: int = Field(1024, ge=0)
     max_wait_s: float = Field(30.0, gt=0)
+    fairness: Literal["in_flight", "vtc"] = Field(
+        "in_flight",
+        description="among tenants of one priority, who is admitted first: the fewest requests in flight, or "
+        "the least service received (vtc: virtual token counters, weighted by the tenants' weight)",
+    )
 
 
 class RoutingConfig(_Model):
@@ -237,6 +242,7 @@ class TenantConfig(_Model):
         "--scheduling-policy deadline, unless the request names one",
     )
     isolate_cache: bool = Field(False, description="send the tenant id as cache_salt: no prefix shared with others")
+    weight: float = Field(1.0, gt=0, description="its share under routing.queue.fairness: vtc (2: twice the tokens)")
     limits: Limits = Limits()
     default_max_tokens: int = Field(
         256, ge=1, description="a request's max_tokens when it sets none: reserved and sent upstream"

@@ -173,8 +173,13 @@ class Flight:
     first_at: float | None = None
     queued_at: float | None = None  # when it first waited in the gateway's queue
     prefix_blocks: tuple[int, int] | None = None  # (blocks predicted cached on the replica picked, full blocks)
+    charged: int = 0  # tokens counted to the tenant's fair share (vtc) so far
     done: bool = False
     extra_headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def weight(self) -> float:
+        return self.tenant.weight if self.tenant else 1.0
 
     @property
     def tenant_id(self) -> str:
@@ -187,6 +192,9 @@ class Flight:
     def picked(self, pick: Pick) -> None:
         self.pick = pick
         self.gateway.queue.in_flight[self.tenant_id] += 1
+        # the fair share's counter: the tokens it expects, corrected to the real usage when it ends
+        self.charged += self.expected_tokens
+        self.gateway.queue.charge(self.tenant_id, self.expected_tokens, self.weight)
 
     def release_pick(self) -> None:
         if self.pick is not None:
@@ -209,6 +217,10 @@ class Flight:
             if self.first_at is not None and usage.completion > 1:
                 tpot = (time.monotonic() - self.first_at) / (usage.completion - 1)
                 m.tpot.labels(self.info.model, replica).observe(tpot)
+        if self.charged:
+            served = usage.prompt + usage.completion if usage is not None else 0
+            g.queue.charge(self.tenant_id, served - self.charged, self.weight)
+            self.charged = 0
         self.release_pick()
         if self.decision is not None and self.tenant is not None:
             await g.settle(self, usage, status, keep_reservation)
@@ -255,7 +267,8 @@ class Gateway:
         # on Kubernetes: each replica pod's deletion cost, from what its cache serves (cache-aware scale-down)
         cost = config.pod_deletion_cost
         self.deletion_costs = DeletionCosts(cost) if cost.enabled else None
-        self.queue = AdmissionQueue(config.routing.queue.max_size, config.routing.queue.max_wait_s)
+        q = config.routing.queue
+        self.queue = AdmissionQueue(q.max_size, q.max_wait_s, q.fairness)
         self.metrics = GatewayMetrics(self._snapshot, self.kv_index.stats if self.kv_index else None)
         self.monitor = Monitor(self)
 
@@ -289,7 +302,8 @@ class Gateway:
     def reload(self, config: GatewayConfig) -> None:
         """Swap in a new config; requests in flight keep the state they started with."""
         self.state = GatewayState.build(config, self.client, self.state)
-        self.queue.max_size, self.queue.max_wait_s = config.routing.queue.max_size, config.routing.queue.max_wait_s
+        q = config.routing.queue
+        self.queue.max_size, self.queue.max_wait_s, self.queue.fairness = q.max_size, q.max_wait_s, q.fairness
         self.queue.wake_all()
 
     # -- the request path ----------------------------------------------------------------------------

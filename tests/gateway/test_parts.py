@@ -354,3 +354,33 @@ def test_a_tenants_scheduling_class_goes_only_to_pools_that_rank_requests():
     assert _scheduling(tenant, pool("priority"), {"priority": 4}) == {}  # the request's own stays
     assert _scheduling(tenant, pool("deadline"), {}) == {"ttft_deadline_ms": 300}
     assert _scheduling(None, pool("deadline"), {}) == {}
+
+
+def test_vtc_admits_the_tenant_served_least_and_idling_banks_no_credit():
+    """Under `fairness: vtc` the flooding tenant, which holds fewer requests in flight right now but has been
+    served far more tokens, goes after the other; a tenant that was idle starts at the least busy counter."""
+
+    async def run():
+        q = AdmissionQueue(max_size=10, max_wait_s=5, fairness="vtc")
+        q.charge("flood", 50_000)
+        q.charge("steady", 2_000)
+        q.in_flight.update({"flood": 1, "steady": 3})  # in_flight fairness would put flood first
+        q.served["newcomer"] = 0.0
+        order: list[str] = []
+        deadline = asyncio.get_running_loop().time() + 5
+
+        async def waiter(tenant: str):
+            await q.wait(tenant, 0, None, time.monotonic(), deadline)
+            order.append(tenant)
+
+        tasks = [asyncio.create_task(waiter(t)) for t in ("flood", "steady", "newcomer")]
+        await asyncio.sleep(0.01)
+        assert q.served["newcomer"] == 2_000  # lifted to the least counter among tenants with work
+        q.wake_all()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run()) == ["steady", "newcomer", "flood"]  # newcomer ties steady; steady arrived first
+    q = AdmissionQueue(max_size=1, max_wait_s=1, fairness="vtc")
+    q.charge("heavy", 600, weight=2.0)  # a weight of 2: half the counter for the same tokens
+    assert q.served["heavy"] == 300
