@@ -200,11 +200,19 @@ class Scheduler:
         if not self.priority or not self.waiting:
             return None, 0
         head = self.waiting[0]
-        first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, budget)
-        full = len(self.running) + len(self.loading) >= self.config.max_num_seqs
-        if full or self.kv.blocks_needed(first_chunk) > self.kv.pool.num_free_blocks or not self.adapter_fits(head):
+        first_chunk = self._first_chunk_fits(head, budget)
+        if first_chunk is None or not self.adapter_fits(head):
             return None, 0
         return head, first_chunk
+
+    def _first_chunk_fits(self, request: Request, budget: int) -> int | None:
+        """The tokens of a waiting request's first chunk within `budget`, if a sequence slot and KV blocks for
+        them are free now; None if not."""
+        first_chunk = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+        full = len(self.running) + len(self.loading) >= self.config.max_num_seqs
+        if full or self.kv.blocks_needed(first_chunk) > self.kv.pool.num_free_blocks:
+            return None
+        return first_chunk
 
     def _victim(self, i: int) -> Request:
         """The running request to preempt for KV room, among those not scheduled yet this step (from the i-th
@@ -224,9 +232,7 @@ class Scheduler:
             worst = max(self.running, key=lambda r: r.rank)
             if worst.rank <= head.rank:
                 return
-            first_chunk = self._chunk(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
-            full = len(self.running) + len(self.loading) >= self.config.max_num_seqs
-            if not full and self.kv.blocks_needed(first_chunk) <= self.kv.pool.num_free_blocks:
+            if self._first_chunk_fits(head, self.config.max_num_batched_tokens) is not None:
                 return
             self.running.remove(worst)
             self._preempt(worst, out)
