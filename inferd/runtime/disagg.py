@@ -67,17 +67,19 @@ def kv_peer(port: int) -> str:
     return f"127.0.0.1:{port}"
 
 
-def scraped_value(client: httpx.Client, url: str, name: str, timeout: float | None = None) -> float:
-    """The first sample called `name` on `url`'s /metrics; 0 if it does not answer or has none."""
+def scraped_samples(client: httpx.Client, url: str, name: str, timeout: float | None = None) -> list:
+    """Every sample called `name` on `url`'s /metrics (prometheus_client's Sample); none if it does not answer."""
     try:
         text = client.get(url + "/metrics", **({} if timeout is None else {"timeout": timeout})).text
     except httpx.HTTPError:
-        return 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name:
-                return s.value
-    return 0.0
+        return []
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
+def scraped_value(client: httpx.Client, url: str, name: str, timeout: float | None = None) -> float:
+    """The first sample called `name` on `url`'s /metrics; 0 if it does not answer or has none."""
+    samples = scraped_samples(client, url, name, timeout)
+    return samples[0].value if samples else 0.0
 
 
 def leases_active(client: httpx.Client, url: str) -> float:

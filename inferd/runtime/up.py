@@ -41,7 +41,6 @@ from pathlib import Path
 import httpx
 import yaml
 from prometheus_client import Gauge, start_http_server
-from prometheus_client.parser import text_string_to_metric_families
 
 from inferd.autoscale.policy import Decision, FleetAutoscaler
 from inferd.autoscale.prom import PrometheusProcess, start_prometheus, write_targets
@@ -54,6 +53,7 @@ from inferd.runtime.disagg import (
     DisaggFront,
     kv_secret,
     leases_active,
+    scraped_samples,
     scraped_value,
     write_list,
 )
@@ -157,16 +157,8 @@ def gateway_queue(url: str, client: httpx.Client) -> float:
 def cache_hit_rates(url: str, client: httpx.Client) -> dict[str, float]:
     """Each replica's recent prefix-cache hits at the gateway (`inferd_gateway_replica_cache_hit_rate`, blocks/s)
     by replica URL; empty if the gateway does not answer."""
-    try:
-        text = client.get(url + "/metrics", timeout=2.0).text
-    except httpx.HTTPError:
-        return {}
-    return {
-        s.labels["replica"]: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "inferd_gateway_replica_cache_hit_rate"
-    }
+    samples = scraped_samples(client, url, "inferd_gateway_replica_cache_hit_rate", timeout=2.0)
+    return {s.labels["replica"]: s.value for s in samples}
 
 
 def drain_order(replicas: list[ReplicaProc], rates: dict[str, float]) -> list[ReplicaProc]:
