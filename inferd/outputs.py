@@ -101,23 +101,41 @@ class RequestMetrics:
                 "num_prefill_chunks", "num_decode_steps", "num_loaded_tokens", "kv_load_seconds")},
         )  # fmt: skip
 
-    def timing(self) -> dict[str, float | int | None]:
-        """Where the request's time went, in ms from its arrival (None: did not happen), and its counts."""
+    def timing(self) -> RequestTiming:
+        """Where the request's time went (`RequestTiming`)."""
         t = self.times
         ms = lambda a, b: None if a is None or b is None else round((b - a) * 1000, 3)
-        return {
-            "queue_ms": ms(t.arrival, t.first_scheduled),  # arrival to first scheduled
-            "prefill_ms": ms(t.first_scheduled, t.first_token),  # first scheduled to first token
-            "ttft_ms": ms(t.arrival, t.first_token),
-            "decode_ms": ms(t.first_token, t.last_token),  # first to last token
-            "total_ms": ms(t.arrival, t.finished),
-            "prefill_chunks": self.num_prefill_chunks,
-            "decode_steps": self.num_decode_steps,
-            "preemptions": self.num_preemptions,
-            "cached_prompt_tokens": self.num_cached_tokens,
-            "kv_loaded_tokens": self.num_loaded_tokens,
-            "kv_load_ms": round(self.kv_load_seconds * 1000, 3),
-        }
+        return RequestTiming(
+            queue_ms=ms(t.arrival, t.first_scheduled),
+            prefill_ms=ms(t.first_scheduled, t.first_token),
+            ttft_ms=ms(t.arrival, t.first_token),
+            decode_ms=ms(t.first_token, t.last_token),
+            total_ms=ms(t.arrival, t.finished),
+            prefill_chunks=self.num_prefill_chunks,
+            decode_steps=self.num_decode_steps,
+            preemptions=self.num_preemptions,
+            cached_prompt_tokens=self.num_cached_tokens,
+            kv_loaded_tokens=self.num_loaded_tokens,
+            kv_load_ms=round(self.kv_load_seconds * 1000, 3),
+        )
+
+
+@dataclass
+class RequestTiming:
+    """Where a request's time went (the server's `return_timing`), from the engine's own timestamps:
+    milliseconds from its arrival (None: did not happen), and the steps and KV behind them."""
+
+    queue_ms: float | None = None  # arrival to first scheduled
+    prefill_ms: float | None = None  # first scheduled to first token
+    ttft_ms: float | None = None
+    decode_ms: float | None = None  # first to last token
+    total_ms: float | None = None
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0
+    kv_loaded_tokens: int = 0  # K/V pulled through a KV connector (disaggregated prefill)
+    kv_load_ms: float = 0.0
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 from pydantic.json_schema import SkipJsonSchema
 
-from inferd.outputs import RequestMetrics
+from inferd.outputs import RequestMetrics, RequestTiming
 from inferd.prompts import INT64_MAX, INT64_MIN, Prompt, TokenId
 
 MAX_N = 128  # each of n is a sequence in the batch; more than this is a mistake, not a workload
@@ -166,23 +166,6 @@ class UnloadLoRAAdapterRequest(_Request):
 
 
 # -- responses ---------------------------------------------------------------------------------------
-class RequestTiming(BaseModel):
-    """Where a request's time went (`return_timing`), from the engine's own timestamps: milliseconds from its
-    arrival (None: did not happen), and the steps and KV behind them."""
-
-    queue_ms: float | None = None
-    prefill_ms: float | None = None
-    ttft_ms: float | None = None
-    decode_ms: float | None = None
-    total_ms: float | None = None
-    prefill_chunks: int = 0
-    decode_steps: int = 0
-    preemptions: int = 0
-    cached_prompt_tokens: int = 0
-    kv_loaded_tokens: int = 0
-    kv_load_ms: float = 0.0
-
-
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -214,7 +197,7 @@ class UsageInfo(BaseModel):
     def add_timing(self) -> UsageInfo:
         """Say where the time of the requests added went (`return_timing`)."""
         if self._metrics:
-            self.timing = RequestTiming(**RequestMetrics.merge(self._metrics).timing())
+            self.timing = RequestMetrics.merge(self._metrics).timing()
         return self
 
 
