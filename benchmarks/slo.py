@@ -20,19 +20,18 @@ requests that failed. Percentiles from `inferd.measure.stats`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
-
-import httpx
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import record_run  # noqa: E402
+from inferd.bench.client import RequestOutput, send_all  # noqa: E402
+from inferd.bench.datasets import BenchRequest  # noqa: E402
 from inferd.config import DEFAULT_MODEL  # noqa: E402
 from inferd.measure.arrivals import arrival_offsets  # noqa: E402
 from inferd.measure.stats import percentile  # noqa: E402
@@ -58,71 +57,43 @@ WORDS = [
 ]
 
 
-def make_request(rng: random.Random, interactive: bool, slo_ms: float) -> dict:
+def make_request(rng: random.Random, interactive: bool) -> BenchRequest:
     words = 24 if interactive else 320
     text = " ".join(rng.choice(WORDS) for _ in range(words))
-    body = {"model": "m", "prompt": text, "max_tokens": 32 if interactive else 128, "ignore_eos": True,
-            "temperature": 0, "stream": True}  # fmt: skip
-    return body | {"_interactive": interactive, "_slo_ms": slo_ms}
+    return BenchRequest(text, prompt_len=words, output_len=32 if interactive else 128)  # prompt_len: words
 
 
-def scheduled(body: dict, policy: str) -> dict:
+def scheduled(req: BenchRequest, interactive: bool, policy: str, slo_ms: float) -> BenchRequest:
     """The request as sent to a replica running `policy`: its class's priority or deadline."""
-    out = {k: v for k, v in body.items() if not k.startswith("_")}
     if policy == "priority":
-        out["priority"] = 0 if body["_interactive"] else 10
-    elif policy == "deadline":
-        out["ttft_deadline_ms"] = body["_slo_ms"] if body["_interactive"] else 60000
-    return out
+        return replace(req, extra_body={"priority": 0 if interactive else 10})
+    if policy == "deadline":
+        return replace(req, extra_body={"ttft_deadline_ms": slo_ms if interactive else 60000})
+    return req
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict, delay: float) -> dict:
-    await asyncio.sleep(delay)
-    t = time.perf_counter()
-    first, tokens = None, 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"ok": False}
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    if first is None:
-                        first = time.perf_counter() - t
-                    tokens += 1
-    except httpx.HTTPError:
-        return {"ok": False}
-    return {"ok": first is not None, "ttft": first, "end": time.perf_counter(), "tokens": tokens}
-
-
-async def drive(url: str, bodies: list[dict], offsets: np.ndarray, policy: str) -> tuple[list[dict], float]:
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(
-            *(one(client, url, scheduled(b, policy), float(o)) for b, o in zip(bodies, offsets, strict=True))
-        )
-    return list(results), start
-
-
-def capacity(url: str, bodies: list[dict]) -> float:
+def capacity(url: str, requests: list[BenchRequest]) -> float:
     """Completed requests per second with the whole burst sent at once."""
     t = time.perf_counter()
-    results, _ = asyncio.run(drive(url, bodies, np.zeros(len(bodies)), "fcfs"))
-    return sum(r["ok"] for r in results) / (time.perf_counter() - t)
+    outs = send_all(url, requests)
+    return sum(o.success for o in outs) / (time.perf_counter() - t)
 
 
-def summarize(bodies: list[dict], results: list[dict], start: float, slo_ms: float) -> dict:
-    inter = [r["ttft"] * 1000 for b, r in zip(bodies, results, strict=True) if b["_interactive"] and r["ok"]]
-    batch = [r["ttft"] * 1000 for b, r in zip(bodies, results, strict=True) if not b["_interactive"] and r["ok"]]
-    done = [r for r in results if r["ok"]]
-    span = max(r["end"] for r in done) - start
+def summarize(classes: list[bool], outs: list[RequestOutput], slo_ms: float) -> dict:
+    """The run's figures from its outputs (`classes`: whether each request is interactive)."""
+    ttft = lambda o: (o.chunk_times[0] - o.send_time) * 1000
+    ok = [(c, o) for c, o in zip(classes, outs, strict=True) if o.success and o.chunk_times]
+    inter = [ttft(o) for c, o in ok if c]
+    batch = [ttft(o) for c, o in ok if not c]
+    span = max(o.end_time for _, o in ok) - min(o.send_time for o in outs)
     return {
-        "requests": len(results),
-        "failed": len(results) - len(done),
+        "requests": len(outs),
+        "failed": len(outs) - len(ok),
         "interactive_ttft_p50_ms": percentile(inter, 50),
         "interactive_ttft_p99_ms": percentile(inter, 99),
         "interactive_within_slo": sum(t <= slo_ms for t in inter) / len(inter) if inter else None,
         "batch_ttft_p50_ms": percentile(batch, 50),
-        "output_tokens_per_s": sum(r["tokens"] for r in done) / span,
+        "output_tokens_per_s": sum(o.usage_completion_tokens or 0 for _, o in ok) / span,
     }
 
 
@@ -140,7 +111,7 @@ def main() -> int:
     started = time.time()
     logs = Path(tempfile.mkdtemp(prefix="inferd-slo-"))
     rng = random.Random(0)
-    burst = [make_request(rng, rng.random() < args.interactive_share, args.slo_ms) for _ in range(48)]
+    burst = [make_request(rng, rng.random() < args.interactive_share) for _ in range(48)]
     runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
     cap = None
     for round_ in range(args.rounds):
@@ -155,11 +126,13 @@ def main() -> int:
                 rate = args.overload * cap
                 n = int(rate * args.duration)
                 wrng = random.Random(100 + round_)
-                bodies = [make_request(wrng, wrng.random() < args.interactive_share, args.slo_ms) for _ in range(n)]
+                classes, requests = [], []
+                for _ in range(n):  # each request's class drawn just before its text
+                    classes.append(wrng.random() < args.interactive_share)
+                    requests.append(scheduled(make_request(wrng, classes[-1]), classes[-1], policy, args.slo_ms))
                 offsets = arrival_offsets(n, rate, seed=100 + round_)
                 before = metrics(proc.url).get("inferd:num_preemptions_total", 0.0)
-                results, start = asyncio.run(drive(proc.url, bodies, offsets, policy))
-                got = summarize(bodies, results, start, args.slo_ms)
+                got = summarize(classes, send_all(proc.url, requests, at=list(offsets)), args.slo_ms)
                 got["preemptions"] = metrics(proc.url).get("inferd:num_preemptions_total", 0.0) - before
                 runs[policy].append(got)
                 print(policy, got, flush=True)
