@@ -2,8 +2,14 @@
 
 Order: penalties -> logit_bias -> min_tokens mask -> the grammar's mask (structured outputs: the
 forbidden tokens' logits become -inf, in place) -> greedy rows take the argmax; the other rows scale by
-temperature, cut by top-k / top-p / min-p and draw with the exponential-race trick, each seeded
-request from its own generator so its tokens do not depend on what else is in the batch.
+temperature, cut by top-k / top-p / min-p and draw with the exponential-race trick: the token is argmax(p / E), E a
+vector of Exp(1) noise.
+
+Seeded requests draw counter-based noise: the noise of output position i is drawn from the request's
+generator re-seeded with `position_seed(seed, i)`, so a seeded request's tokens depend only on its seed,
+the position and the logits -- not on the batch, not on speculative drafts (their verification draws the
+same noise per position, below), not on where a stream resumed (`resume`: docs/server.md). Re-seeding costs
+a few microseconds per seeded row and step. Unseeded rows draw from the sampler's one generator.
 Logprobs are those of the model's raw distribution, as vLLM and OpenAI report them.
 
 The grammar has the last word: if min_tokens forbids stopping where the grammar allows nothing else
@@ -30,7 +36,7 @@ class SamplingState(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: frozenset[int]
-    generator: torch.Generator | None  # a seeded request's own; None draws from the sampler's
+    generator: torch.Generator | None  # a seeded request's own (re-seeded per position); None: the sampler's
     matcher: Matcher | None  # a structured request's place in its grammar (inferd.structured.grammar)
 
 
@@ -59,6 +65,25 @@ def argmax_under_grammar(state: SamplingState) -> bool:
         and not p.logit_bias
         and len(state.output_token_ids) >= p.min_tokens
     )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output position: splitmix64 of the seed stepped `position + 1`
+    times, so nearby seeds and positions get unrelated noise (torch's CPU generator reads only 32 bits of a
+    seed; these mix all 64 of the request's seed into them)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _position_noise(row: torch.Tensor, state: SamplingState, position: int) -> torch.Tensor:
+    """Fill `row` (one vocabulary's worth) with the Exp(1) noise of a seeded request's output position."""
+    state.generator.manual_seed(position_seed(state.params.seed, position))
+    return row.exponential_(generator=state.generator)
 
 
 @dataclass
@@ -182,24 +207,27 @@ class Sampler:
         return probs
 
     def verify_drafts(self, logits: torch.Tensor, state: SamplingState, draft: list[int]) -> tuple[list[int], int]:
-        """Speculative decoding's rejection sampling for a sampled request (inferd/engine/spec_decode.py):
-        `logits` has a row per position, its last known token's and each draft's. A draft token d proposed
-        with certainty is kept with probability p(d) under the request's sampling distribution at its
-        position; at the first one rejected, the token is drawn from p with d removed; if all are kept, the
-        token after them is drawn from the last row. Each output token is so distributed exactly as p, as
-        without drafts. Returns (the drafts kept, the token after them)."""
+        """Speculative decoding's verification for a sampled request (inferd/engine/spec_decode.py): `logits` has
+        a row per position, its last known token's and each draft's. Each position draws its token as plain
+        sampling would (the exponential race, with a seeded request's noise of that output position); a draft is
+        kept while it equals the token drawn at its position, and the first token drawn that differs (or the one
+        after the last draft) follows. This is rejection sampling for a draft proposed with certainty: a draft d
+        is kept with probability p(d), and a rejected position's token is drawn from p with d removed, so every
+        output token is distributed as p -- and a seeded request's tokens are those it draws without drafts.
+        Returns (the drafts kept, the token after them)."""
         probs = self._probs(logits.float(), [state] * logits.shape[0])
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        generator = state.generator if state.generator is not None else self.generator
-        u = torch.rand(len(draft), device=probs.device, generator=generator)
-        p_draft = probs[torch.arange(len(draft), device=probs.device), torch.tensor(draft, device=probs.device)]
-        rejected = (u >= p_draft).nonzero()
-        n = int(rejected[0]) if rejected.numel() else len(draft)
-        row = probs[n].clone()
-        if n < len(draft):
-            row[draft[n]] = 0.0  # the residual max(p - q, 0) for q a point mass on the draft
-        noise = torch.empty_like(row).exponential_(generator=generator)
-        return draft[:n], int((row / noise).argmax())
+        noise = torch.empty_like(probs)
+        if state.generator is None:
+            noise.exponential_(generator=self.generator)
+        else:
+            first = len(state.output_token_ids)
+            for j in range(noise.shape[0]):
+                _position_noise(noise[j], state, first + j)
+        drawn = (probs / noise).argmax(dim=-1).tolist()
+        n = 0
+        while n < len(draft) and drawn[n] == draft[n]:
+            n += 1
+        return draft[:n], drawn[n]
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         probs = self._probs(logits, requests)
@@ -213,7 +241,7 @@ class Sampler:
             )
         for i, r in enumerate(requests):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                _position_noise(noise[i], r, len(r.output_token_ids))
         return (probs / noise).argmax(dim=-1)
 
     # -- logprobs ---------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ engine-wide rate). The i-th draft of a request adds p^i expected tokens; drafts 
 every draft the lookup finds goes in; in a large batch, bound by compute, only drafts very likely to be kept
 do, and none once their rows cost more than they give. A sampled request (temperature > 0, top-k/p,
 min-p) keeps each draft by rejection sampling (`Sampler.verify_drafts`), so its tokens are distributed as
-without drafts; a seeded one is reproducible, though its random draws differ from a run without drafts.
+without drafts; a seeded one draws the noise of each output position from its seed and the position, so its
+tokens are the very tokens it gets without drafts.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def test_max_tokens_stop_strings_and_eos_end_where_plain_decoding_ends(pair):
 
 def test_a_mixed_batch_keeps_every_request_exact(pair):
     """Drafting greedy rows beside penalised and logprob ones (which take no drafts) in the same steps, and a
-    sampled one (which drafts, so its draws differ from plain decoding's)."""
+    seeded sampled one (which drafts, and still draws plain decoding's tokens: its noise is per position)."""
     plain, spec, residual_scale = pair
     prompts = _repetitive_prompts() + prompt_set(VOCAB, lengths=(9,))
     params = [
@@ -172,8 +172,21 @@ def test_a_mixed_batch_keeps_every_request_exact(pair):
     ]
     before = spec.engine.stats().spec_num_draft_tokens
     got, want = _tokens(spec.generate(prompts, params)), _tokens(plain.generate(prompts, params))
-    assert got[:3] == want[:3] and len(got[3]) == 30
+    assert got == want and len(got[3]) == 30
     assert spec.engine.stats().spec_num_draft_tokens > before or residual_scale > 0
+    assert_idle(spec)
+
+
+def test_seeded_sampled_tokens_are_those_of_plain_decoding(pair):
+    """A seeded request's noise is drawn per output position, and a draft is kept where it equals the token
+    drawn there: drafts change how many tokens a step yields, never which."""
+    plain, spec, residual_scale = pair
+    prompts = _repetitive_prompts()
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=30, ignore_eos=True) for s in (1, 2, 3)]
+    before = spec.engine.stats()
+    got = _tokens(spec.generate(prompts, params))
+    assert got == _tokens(plain.generate(prompts, params))
+    assert spec.engine.stats().spec_num_accepted_tokens > before.spec_num_accepted_tokens or residual_scale > 0
     assert_idle(spec)
 
 
