@@ -78,6 +78,20 @@ class CacheConfig:
         choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
     )
     enable_prefix_caching: bool = setting(True, "automatic prefix caching: reuse the KV blocks of shared prefixes")
+    kv_offload_memory: int = setting(
+        0,
+        "a second KV tier in host memory, e.g. 8GiB: blocks the cache evicts are kept there (LRU) and copied back "
+        "on a prefix hit instead of recomputed (0: none)",
+        minimum=0,
+        parse=parse_memory,
+        shown="0 (none)",
+    )
+    kv_offload_disk: str | None = setting(
+        None, "a file for a KV tier on disk (memory-mapped), behind the host tier: what it evicts goes there"
+    )
+    kv_offload_disk_memory: int = setting(
+        0, "size of the disk KV tier, e.g. 64GiB", minimum=0, parse=parse_memory, shown="0 (none)"
+    )
 
     def blocks(self, bytes_per_block: int) -> int:
         """KV blocks the engine allocates at start: num_blocks, else as many as kv_cache_memory holds."""
@@ -87,6 +101,10 @@ class CacheConfig:
         _check_fields(self)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if bool(self.kv_offload_disk) != bool(self.kv_offload_disk_memory):
+            raise ConfigError("a disk KV tier needs both --kv-offload-disk (a file) and --kv-offload-disk-memory")
+        if (self.kv_offload_memory or self.kv_offload_disk_memory) and not self.enable_prefix_caching:
+            raise ConfigError("KV tiers keep prefix-cached blocks: they need prefix caching on")
 
 
 @dataclass(frozen=True)

@@ -61,41 +61,48 @@ def decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
-def snapshot_events(blocks: dict[BlockHash, tuple[BlockHash | None, list[int], str | None]], block_size: int,
-                    medium: str) -> list[KVCacheEvent]:  # fmt: skip
-    """`AllBlocksCleared`, then one `BlockStored` per cached block (key -> (parent, tokens, adapter)), every
-    parent before its children, so a subscriber that applies them in order rebuilds the cache."""
+Blocks = dict[BlockHash, tuple[BlockHash | None, list[int], str | None]]  # key -> (parent key, tokens, adapter)
+
+
+def snapshot_events(media: dict[str | None, Blocks], block_size: int) -> list[KVCacheEvent]:
+    """`AllBlocksCleared`, then one `BlockStored` per cached block of each medium (the pool's, then each KV
+    tier's), every parent before its children within a medium, so a subscriber that applies them in order
+    rebuilds the cache."""
     out: list[KVCacheEvent] = [AllBlocksCleared()]
-    done: set[BlockHash] = set()
-    for key in blocks:
-        chain = []
-        while key is not None and key in blocks and key not in done:  # walk up to a block already emitted
-            chain.append(key)
-            key = blocks[key][0]
-        for k in reversed(chain):
-            parent, tokens, lora = blocks[k]
-            out.append(BlockStored([k], parent, list(tokens), block_size, None, medium, lora))
-            done.add(k)
+    for medium, blocks in media.items():
+        done: set[BlockHash] = set()
+        for key in blocks:
+            chain = []
+            while key is not None and key in blocks and key not in done:  # walk up to a block already emitted
+                chain.append(key)
+                key = blocks[key][0]
+            for k in reversed(chain):
+                parent, tokens, lora = blocks[k]
+                out.append(BlockStored([k], parent, list(tokens), block_size, None, medium, lora))
+                done.add(k)
     return out
 
 
 class CacheMirror:
-    """What the cache holds according to the events applied so far: key -> (parent, tokens, adapter)."""
+    """What the cache holds according to the events applied so far: per medium, key -> (parent, tokens,
+    adapter)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.blocks: dict[BlockHash, tuple[BlockHash | None, list[int], str | None]] = {}
+        self.media: dict[str | None, Blocks] = {}
 
     def apply(self, events: list[KVCacheEvent]) -> None:
         n = self.block_size
         for e in events:
             if isinstance(e, BlockStored):
+                blocks = self.media.setdefault(e.medium, {})
                 parent = e.parent_block_hash
                 for i, key in enumerate(e.block_hashes):
-                    self.blocks[key] = (parent, e.token_ids[i * n : (i + 1) * n], e.lora_name)
+                    blocks[key] = (parent, e.token_ids[i * n : (i + 1) * n], e.lora_name)
                     parent = key
             elif isinstance(e, BlockRemoved):
+                blocks = self.media.get(e.medium, {})
                 for key in e.block_hashes:
-                    self.blocks.pop(key, None)
+                    blocks.pop(key, None)
             else:
-                self.blocks.clear()
+                self.media.clear()

@@ -3,7 +3,8 @@
 The engine owns what belongs to an API request: the fan-out of `n` into sequences, detokenization,
 stop strings and the outputs. A sequence's progress through the model is the scheduler's
 (`Scheduler.update_from_output`); the engine only asks it to finish a sequence whose text hit a stop
-string, or that was aborted.
+string, or that was aborted. A resumed request (`SamplingParams.resume_token_ids`: a stream another
+replica began) starts with the tokens already sent as its output, and its outputs leave them out.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.kv_publisher import KVEventRecorder, ZmqEventPublisher
+from inferd.engine.kv_tier import KVTiers
 from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
@@ -56,6 +58,10 @@ class _Sequence:
     logprobs: list[TokenLogprobs] | None
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    # a resumed stream: its first `resumed` output tokens and `resumed_text` characters were sent before (by
+    # another replica) and are left out of its outputs
+    resumed: int = 0
+    resumed_text: int = 0
 
 
 @dataclass
@@ -143,6 +149,7 @@ class Engine:
             config.seed,
             kv_dtype=self.kv_dtype,
         )
+        self.kv.attach_tiers(self._kv_tiers(recorder))
         # structured outputs: the tokenizer's tables build in the background; requests compile their grammar
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.grammars = self.grammars
@@ -198,6 +205,18 @@ class Engine:
             tokens / self.max_model_len,
         )
         return num_blocks
+
+    def _kv_tiers(self, events: KVEventRecorder | None) -> KVTiers | None:
+        """Host-memory and disk tiers behind the KV cache (inferd/engine/kv_tier.py), as configured."""
+        cache = self.config.cache
+        per_block = ModelRunner.bytes_per_block(self.model, cache.block_size, self.kv_dtype)
+        host, disk = cache.kv_offload_memory // per_block, cache.kv_offload_disk_memory // per_block
+        if (cache.kv_offload_memory and not host) or (cache.kv_offload_disk_memory and not disk):
+            raise ConfigError(f"a KV tier must hold at least one block ({per_block} bytes here)")
+        tiers = KVTiers.build(lambda: self.runner.kv_caches, host, disk, cache.kv_offload_disk, events)
+        if tiers is not None:
+            logger.info("KV tiers: %s", tiers.describe())
+        return tiers
 
     def _eos_ids(self, folder, hf_config) -> frozenset[int]:
         ids: set[int] = set()
@@ -269,6 +288,7 @@ class Engine:
                 lora_key=lora_key,
                 priority=priority,
                 ttft_deadline=ttft_deadline,
+                output_token_ids=list(child_params.resume_token_ids or ()),  # a resumed stream's output so far
                 times=RequestTimes(arrival=arrival),
             )
             seq = _Sequence(
@@ -276,6 +296,9 @@ class Engine:
                 IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
                 [] if child_params.logprobs is not None else None,
             )
+            if child_params.resume_token_ids:
+                seq.resumed = seq.sent_tokens = len(child_params.resume_token_ids)
+                seq.resumed_text = seq.detok.prime(child_params.resume_token_ids)
             parent.seqs.append(seq)
         # register only once every copy is built: a copy that fails (e.g. its seed) leaves nothing behind
         if self.kv_connector is not None:
@@ -353,6 +376,8 @@ class Engine:
             )
         if params.structured is not None:
             self.grammars.compile(params.structured)  # an AsyncEngine compiled it already: a cache hit
+        if params.resume_token_ids:
+            self._check_resume(n, params)
         needed = self.kv.blocks_needed(n + params.max_tokens)
         if needed > self.kv.num_blocks:
             raise InvalidRequestError(
@@ -361,6 +386,31 @@ class Engine:
                 param="max_tokens",
             )
         return params
+
+    def _check_resume(self, prompt_len: int, params: SamplingParams) -> None:
+        """A resumed stream's delivered tokens (`resume_token_ids`) must be tokens of this model, leave room in the
+        context, and (for a structured request) follow its grammar, which replays them."""
+        resumed = params.resume_token_ids
+        if max(resumed) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"resume token ids must be in [0, {self.vocab_size}); got {max(resumed)}", param="resume"
+            )
+        if prompt_len + len(resumed) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt ({prompt_len} tokens) and the resumed tokens ({len(resumed)}) fill the context of "
+                f"{self.max_model_len} tokens: nothing is left to generate",
+                param="resume",
+            )
+        if params.kv_transfer_params is not None:
+            raise InvalidRequestError("resume cannot be combined with kv_transfer_params", param="resume")
+        if params.structured is not None:
+            matcher = self.grammars.matcher(params.structured)
+            for i, token_id in enumerate(resumed):
+                if not matcher.accept(token_id):
+                    raise InvalidRequestError(
+                        f"resume token {i} ({token_id}) is not allowed by the request's grammar there",
+                        param="resume",
+                    )
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its n sequences) at once and free its blocks. Unknown ids are ignored."""
@@ -452,9 +502,13 @@ class Engine:
             self.kv_events.publish(self.kv.events.take())
 
     def close(self) -> None:
-        """Stop what the engine started besides the step (the KV event publisher's thread and sockets)."""
+        """Stop what the engine started besides the step (the KV event publisher's thread and sockets, the KV
+        tiers' memory and file)."""
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()
+            self.kv.attach_tiers(None)
 
     def _count_drafts(self, sched, out, seconds: float) -> None:
         planner = self.proposer.planner
@@ -501,8 +555,8 @@ class Engine:
             outputs.append(
                 CompletionOutput(
                     index=req.index,
-                    text=seq.detok.text,
-                    token_ids=req.output_token_ids,
+                    text=seq.detok.text[seq.resumed_text :] if seq.resumed else seq.detok.text,
+                    token_ids=req.output_token_ids[seq.resumed :] if seq.resumed else req.output_token_ids,
                     delta_text=seq.detok.take_delta(req.is_finished),
                     delta_token_ids=new_tokens,
                     logprobs=seq.logprobs,
@@ -513,7 +567,7 @@ class Engine:
             )
         if finished:
             if parent.lora_name is not None and self.lora is not None:
-                generated = sum(len(s.request.output_token_ids) for s in parent.seqs)
+                generated = sum(len(s.request.output_token_ids) - s.resumed for s in parent.seqs)
                 self.lora.count_tokens(parent.lora_name, len(parent.prompt_token_ids), generated)
             self._parents.pop(parent.request_id, None)
             for seq in parent.seqs:
@@ -531,11 +585,13 @@ class Engine:
     @staticmethod
     def _metrics(parent: _Parent) -> RequestMetrics:
         reqs = [s.request for s in parent.seqs]
+        prompt_len = len(parent.prompt_token_ids)
         return RequestMetrics(
             times=RequestTimes.merge([r.times for r in reqs]),
-            num_prompt_tokens=len(parent.prompt_token_ids),
-            num_generation_tokens=sum(len(r.output_token_ids) for r in reqs),
-            num_cached_tokens=max(r.num_cached_tokens for r in reqs),
+            num_prompt_tokens=prompt_len,
+            num_generation_tokens=sum(len(s.request.output_token_ids) - s.resumed for s in parent.seqs),
+            # a resumed request's cache hit may reach into its resumed tokens, which are no prompt
+            num_cached_tokens=min(prompt_len, max(r.num_cached_tokens for r in reqs)),
             num_preemptions=sum(r.num_preemptions for r in reqs),
             num_prefill_chunks=sum(r.num_prefill_chunks for r in reqs),
             num_decode_steps=sum(r.num_decode_steps for r in reqs),

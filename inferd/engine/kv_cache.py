@@ -3,7 +3,9 @@
 K/V for every token lives in fixed-size blocks. A request owns a list of block ids (its block table).
 With prefix caching, every *full* block is keyed by a chained hash of its tokens (`inferd.prefix_hash`),
 so a later request with the same prefix can take the blocks instead of recomputing them. A freed block keeps its hash
-until the pool hands it out again, which is what makes it reusable after its request is gone.
+until the pool hands it out again, which is what makes it reusable after its request is gone. With KV tiers
+(`inferd.engine.kv_tier`), a block handed out again is first copied to host memory or disk, and a prefix lookup
+that runs out in the pool goes on there.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from inferd.engine.kv_tier import Evicted, KVTiers, TierEntry
 from inferd.prefix_hash import BlockHash, extend_block_hashes
 from inferd.request import Request
 
@@ -57,6 +60,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, Block] = {}
+        self.tiers: KVTiers | None = None  # where evicted blocks go (KVCacheManager.attach_tiers)
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,13 +83,17 @@ class BlockPool:
     def allocate(self, n: int) -> list[Block]:
         if n > len(self._free):
             raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            if self.tiers is not None and block.block_hash is not None and self._cached.get(block.block_hash) is block:
+                evicted.append(Evicted(block_id, block.block_hash, block.token_ids, block.parent_hash, block.lora_name))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if evicted:  # their K/V is still in place: the next forward pass writes over it
+            self.tiers.offload(evicted)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -137,6 +145,8 @@ class BlockPool:
         for block in self.blocks:
             if block.ref_cnt == 0:
                 self._evict(block)
+        if self.tiers is not None:
+            self.tiers.clear()
 
     def snapshot(self) -> dict[BlockHash, tuple[BlockHash | None, list[int], str | None]]:
         """Every indexed block: key -> (parent key, token ids, adapter)."""
@@ -153,10 +163,12 @@ class BlockPool:
 
 @dataclass
 class ComputedBlocks:
-    """Blocks found in the prefix cache for a new request, and how many tokens they cover."""
+    """Blocks found in the prefix cache for a new request, and how many tokens they cover: the pool's blocks,
+    then entries of the KV tiers that continue them (copied into new blocks when the request is admitted)."""
 
     blocks: list[Block] = field(default_factory=list)
     num_tokens: int = 0
+    offloaded: list[TierEntry] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -173,6 +185,11 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # per request, computed once per full block
         self.stats = PrefixCacheStats()
+        self.tiers: KVTiers | None = None
+
+    def attach_tiers(self, tiers: KVTiers | None) -> None:
+        """Keep evicted blocks in these tiers and look prefixes up there after the pool."""
+        self.tiers = self.pool.tiers = tiers if self.enable_caching else None
 
     @property
     def num_blocks(self) -> int:
@@ -212,7 +229,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits, len(hits) * self.block_size)
+        offloaded: list[TierEntry] = []
+        if self.tiers is not None and len(hits) < max_blocks:
+            first, bs = len(hits), self.block_size
+            offloaded = self.tiers.lookup(
+                hashes[first:max_blocks], lambda i: request.token_ids_slice((first + i) * bs, (first + i + 1) * bs)
+            )
+        return ComputedBlocks(hits, (len(hits) + len(offloaded)) * self.block_size, offloaded)
 
     def record_lookup(self, request: Request, computed: ComputedBlocks) -> None:
         """Count a prefix lookup once its request is admitted (a failed admission is retried)."""
@@ -233,11 +256,30 @@ class KVCacheManager:
                 del self.req_blocks[request.request_id]
             return False
         self.pool.touch(computed.blocks)
+        new = self._allocate(max(num_new_blocks, 0), computed)
+        if new is None:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
         blocks.extend(computed.blocks)
-        if num_new_blocks > 0:
-            blocks.extend(self.pool.allocate(num_new_blocks))
+        blocks.extend(new)
         self._cache_full_blocks(request, blocks, total_tokens)
         return True
+
+    def _allocate(self, n: int, computed: ComputedBlocks) -> list[Block] | None:
+        """n new blocks, the first of them filled from the KV tiers' entries `computed.offloaded`. None if one of
+        those failed its checksum: nothing is taken (the computed blocks are let go again) and the next lookup
+        goes without the dropped entry."""
+        offloaded = computed.offloaded
+        if not offloaded:
+            return self.pool.allocate(n) if n else []
+        with self.tiers.pin(offloaded):  # the allocation offloads evicted blocks, which must not push these out
+            new = self.pool.allocate(n)
+        if self.tiers.load(offloaded, [b.block_id for b in new[: len(offloaded)]]):
+            return new
+        self.pool.free(reversed(new))
+        self.pool.free(reversed(computed.blocks))
+        return None
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         """Register blocks that will be full after this step under their hashes.
@@ -281,7 +323,10 @@ class KVCacheManager:
         if num_new > self.pool.num_free_blocks - num_reclaimed:
             return False
         self.pool.touch(computed.blocks)
-        self.req_blocks[request.request_id] = list(computed.blocks) + self.pool.allocate(max(num_new, 0))
+        new = self._allocate(max(num_new, 0), computed)
+        if new is None:
+            return False
+        self.req_blocks[request.request_id] = list(computed.blocks) + new
         return True
 
     def hand_over(self, request: Request) -> list[Block]:
@@ -307,7 +352,10 @@ class KVCacheManager:
         """The whole cache as KV events: AllBlocksCleared, then every indexed block (a resync)."""
         from inferd.kv_events import snapshot_events
 
-        return snapshot_events(self.pool.snapshot(), self.block_size, self.events.medium if self.events else None)
+        media = {self.events.medium if self.events else None: self.pool.snapshot()}
+        if self.tiers is not None:
+            media |= self.tiers.snapshot()
+        return snapshot_events(media, self.block_size)
 
     def check_idle(self) -> None:
         if self.req_blocks:

@@ -62,16 +62,24 @@ class KVEventRecorder:
         self.events: list[KVCacheEvent] = []
 
     def stored(
-        self, hashes: list[BlockHash], parent: BlockHash | None, token_ids: list[int], lora_name: str | None
+        self,
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        token_ids: list[int],
+        lora_name: str | None,
+        medium: str | None = None,
     ) -> None:
-        self.events.append(BlockStored(hashes, parent, token_ids, self.block_size, None, self.medium, lora_name))
+        """Blocks entering the pool's index, or with `medium` a KV tier's (inferd/engine/kv_tier.py)."""
+        medium = medium or self.medium
+        self.events.append(BlockStored(hashes, parent, token_ids, self.block_size, None, medium, lora_name))
 
-    def removed(self, block_hash: BlockHash) -> None:
+    def removed(self, block_hash: BlockHash, medium: str | None = None) -> None:
+        medium = medium or self.medium
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(block_hash)
         else:
-            self.events.append(BlockRemoved([block_hash], self.medium))
+            self.events.append(BlockRemoved([block_hash], medium))
 
     def take(self) -> list[KVCacheEvent]:
         out, self.events = self.events, []
@@ -230,7 +238,7 @@ class ZmqEventPublisher:
                 if seq >= start:
                     self._replay.send_multipart([*head, seq.to_bytes(8, "big"), payload])
         else:
-            events = snapshot_events(self._mirror.blocks, self.block_size, self.medium)
+            events = snapshot_events(self._mirror.media, self.block_size)
             payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
             self._replay.send_multipart([*head, max(self._seq, 0).to_bytes(8, "big"), payload])
         self._replay.send_multipart([*head, END_SEQ, b""])

@@ -43,7 +43,7 @@ class Cache:
     def snapshot(self):
         from inferd.kv_events import snapshot_events
 
-        return snapshot_events(self.mirror.blocks, BS, "CPU")
+        return snapshot_events(self.mirror.media, BS)
 
     def send(self, events) -> None:
         self.mirror.apply(events)
