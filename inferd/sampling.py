@@ -41,6 +41,9 @@ class SamplingParams:
     # structured outputs (docs/structured.md): the grammar the output must follow, compiled by the engine
     structured: Constraint | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's range)
+    # a resumed stream (the server's `resume`, docs/server.md): the tokens already delivered, which become the
+    # output's first tokens (they count toward max_tokens, min_tokens, stops and penalties) and are not sent again
+    resume_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         # the one place `stop` is normalised: a string, a list or None becomes a list
@@ -102,6 +105,23 @@ class SamplingParams:
                 self.seed is None or (isinstance(self.seed, int) and _SEED_MIN <= self.seed <= _SEED_MAX),
                 "seed",
                 f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
+            ),
+            (
+                self.resume_token_ids is None
+                or all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.resume_token_ids),
+                "resume",
+                "resume token ids must be non-negative integers",
+            ),
+            (
+                not self.resume_token_ids or self.n == 1,
+                "resume",
+                f"resume continues one sequence: it needs n=1, got n={self.n}",
+            ),
+            (
+                not self.resume_token_ids or self.max_tokens is None or len(self.resume_token_ids) < self.max_tokens,
+                "resume",
+                f"resume holds {len(self.resume_token_ids or ())} tokens, as many as max_tokens ({self.max_tokens}) "
+                "allows: nothing is left to generate (max_tokens counts the resumed tokens)",
             ),
             (
                 not (self.structured and self.ignore_eos),

@@ -41,6 +41,15 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._find_stop(start) if check_stop and self.stop else None
 
+    def prime(self, token_ids: list[int]) -> int:
+        """Take tokens already generated and sent (a resumed stream) without checking stops; returns the length
+        of the text sent with them. A stream sends what `take_delta` released after each step: all the text
+        of its tokens, less the stop hold-back, which grows with the text, so it depends on the tokens only."""
+        for t in token_ids:
+            self.add_token(t, check_stop=False)
+        self.emitted = len(self.text) if not self.stop else max(0, len(self.text) - self.hold_back)
+        return self.emitted
+
     def flush(self) -> None:
         """At the end, release whatever is still pending, even an incomplete character."""
         if self.read_offset < len(self.ids):

@@ -9,7 +9,9 @@ and samples.
 Structured requests carry a grammar matcher (`inferd.structured.grammar`): their rows' token masks are
 filled on a helper thread while the forward pass runs, applied to the logits before sampling, and the
 sampled token advances the matcher. Preemption keeps the matcher with the rest of the sampling state:
-the recompute replays tokens the matcher has already accepted and samples only after them.
+the recompute replays tokens the matcher has already accepted and samples only after them. A resumed
+request (`SamplingParams.resume_token_ids`) starts with its delivered tokens as output: penalties count
+them and its matcher has accepted them.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ class ModelRunner:
 
     def _cached_request(self, new: NewRequest) -> CachedRequest:
         generator = None
-        if new.params.seed is not None:  # its own stream, so its tokens do not depend on the batch
+        if new.params.seed is not None:  # its own, re-seeded per output position (inferd/engine/sampler.py)
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.params.seed)
         matcher = None
@@ -268,12 +270,16 @@ class ModelRunner:
             if self.grammars is None:
                 raise ConfigError("a structured request reached a runner without a grammar compiler")
             matcher = self.grammars.matcher(new.params.structured)
+        resumed = list(new.params.resume_token_ids or ())  # a resumed stream's output so far
+        for token_id in resumed if matcher is not None else ():  # the grammar's place after them
+            matcher.accept(token_id)  # the engine checked each is allowed
         return CachedRequest(
             new.request_id,
             new.prompt_token_ids,
             new.params,
             new.eos_token_ids,
             generator,
+            output_token_ids=resumed,
             matcher=matcher,
             lora_name=new.lora_name,
         )
