@@ -26,7 +26,7 @@ from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.kv_publisher import KVEventRecorder, ZmqEventPublisher
-from inferd.engine.kv_tier import KVTiers
+from inferd.engine.kv_tier import KVTiers, TierStats
 from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
@@ -99,6 +99,7 @@ class EngineStats:
     lora_load_seconds: float = 0.0
     lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    kv_tiers: dict[str, TierStats] = field(default_factory=dict)  # per medium (HOST, DISK): a copy
     taken: float = field(default_factory=time.time)  # when (Unix time): lora_requests_info's value, as vLLM's
 
 
@@ -456,6 +457,7 @@ class Engine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            kv_tiers={t.medium: replace(t.stats) for t in self.kv.tiers.tiers} if self.kv.tiers else {},
             **self._lora_stats(),
         )
 

@@ -18,6 +18,9 @@ How it stays right:
   gateway that restarts, or joins late, holds the true state after one round trip.
 - **Until synced** (before the first replay ended, or while a replay is late) a replica is not in the index
   and the fallback index scores it.
+- **Every medium**: a replica with KV tiers (`--kv-offload-memory`, `inferd.engine.kv_tier`) reports blocks in
+  host memory or on disk under their own medium; a block counts as held while any medium holds it (a tier hit is
+  copied back, not recomputed), so a block that leaves the cache for the host tier stays held.
 - **Bounded**: at most `capacity` keys per replica (oldest first out), which a replica's own pool bounds
   anyway; a replica that leaves the pool is unsubscribed.
 
@@ -66,7 +69,9 @@ class Subscription:
     endpoint: str
     replay_endpoint: str | None
     topic: bytes
-    blocks: dict[BlockHash, None] = field(default_factory=dict)  # insertion-ordered: the oldest leave first
+    # key -> a bit per medium that holds it (`media` numbers them); insertion-ordered: the oldest leave first
+    blocks: dict[BlockHash, int] = field(default_factory=dict)
+    media: dict[str | None, int] = field(default_factory=dict)
     last_seq: int = -1
     synced: bool = False  # a replay ended since the subscription started: `blocks` is the replica's cache
     replay_since: float | None = None  # when the replay in progress was asked for
@@ -297,11 +302,17 @@ class KVEventIndex:
         blocks = sub.blocks
         for e in events:
             if isinstance(e, BlockStored):
+                bit = sub.media.setdefault(e.medium, 1 << len(sub.media))
                 for h in e.block_hashes:
-                    blocks[h] = None
+                    blocks[h] = blocks.get(h, 0) | bit
             elif isinstance(e, BlockRemoved):
+                bit = sub.media.setdefault(e.medium, 1 << len(sub.media))
                 for h in e.block_hashes:
-                    blocks.pop(h, None)
+                    held = blocks.get(h, 0) & ~bit
+                    if held:
+                        blocks[h] = held
+                    else:
+                        blocks.pop(h, None)
             else:
                 blocks.clear()
         while len(blocks) > self.capacity:

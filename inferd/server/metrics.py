@@ -77,6 +77,34 @@ class _EngineStateCollector(Collector):
             per_pos.add_metric([*values, str(pos)], n)
         yield per_pos
         yield from _lora_families(stats, labels, values)
+        yield from _tier_families(stats, labels, values)
+
+
+_TIER_COUNTERS = {  # TierStats field -> (metric, help)
+    "hits": ("kv_tier_hits", "KV blocks loaded back from a KV tier on a prefix hit, instead of recomputed."),
+    "stored": ("kv_tier_stored", "KV blocks written into a KV tier (evicted from the cache, or demoted)."),
+    "demoted": ("kv_tier_demoted", "KV blocks moved on to the next tier when a tier was full."),
+    "dropped": ("kv_tier_dropped", "KV blocks dropped from a tier (full, damaged, or moved up a tier)."),
+    "checksum_failures": ("kv_tier_checksum_failures", "KV tier blocks whose bytes failed their checksum."),
+    "load_seconds": ("kv_tier_load_seconds", "Time spent copying KV blocks from a tier into the cache."),
+    "store_seconds": ("kv_tier_store_seconds", "Time spent copying KV blocks into a tier."),
+}
+_TIER_GAUGES = {
+    "blocks": ("kv_tier_blocks", "KV blocks a tier holds."),
+    "capacity": ("kv_tier_capacity_blocks", "KV blocks a tier can hold."),
+}
+
+
+def _tier_families(stats: EngineStats, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """The KV tiers behind the cache (inferd/engine/kv_tier.py), per medium; nothing without tiers."""
+    if not stats.kv_tiers:
+        return
+    for fields, kind in ((_TIER_COUNTERS, CounterMetricFamily), (_TIER_GAUGES, GaugeMetricFamily)):
+        for attr, (name, doc) in fields.items():
+            family = kind(P + name, doc, labels=[*labels, "medium"])
+            for medium, tier in stats.kv_tiers.items():
+                family.add_metric([*values, medium], getattr(tier, attr))
+            yield family
 
 
 def _lora_families(stats: EngineStats, labels: list[str], values: list[str]) -> Iterable[Metric]:

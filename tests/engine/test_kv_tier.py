@@ -173,3 +173,26 @@ def test_offload_and_pin_bookkeeping():
 def test_bad_tier_settings_are_clear_errors(tiny_models, settings, message):
     with pytest.raises(ConfigError, match=message):
         LLM(str(tiny_models["llama"]), max_model_len=128, dtype="float32", num_blocks=16, **settings)
+
+
+def test_tier_counters_on_the_metrics_endpoint(tiny_models):
+    import httpx
+
+    from tests.server.conftest import MODEL_NAME, start_server
+    from tests.server.test_lifecycle import scrape, value
+
+    server = start_server(
+        tiny_models["llama"], max_model_len=128, num_blocks=16, block_size=BLOCK, kv_offload_memory=64 << 20
+    )
+    try:
+        for prompt in _chats(6, 60, seed=6) * 2:
+            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        after = scrape(server)
+        assert value(after, "inferd:kv_tier_hits_total", medium=HOST) > 0
+        assert value(after, "inferd:kv_tier_stored_total", medium=HOST) > 0
+        assert value(after, "inferd:kv_tier_blocks", medium=HOST) > 0
+        assert value(after, "inferd:kv_tier_capacity_blocks", medium=HOST) > 0
+        assert value(after, "inferd:kv_tier_checksum_failures_total", medium=HOST) == 0
+    finally:
+        server.stop()

@@ -77,6 +77,25 @@ def test_late_subscriber_and_live_events():
         cache.pub.close()
 
 
+def test_a_block_moved_to_a_kv_tier_stays_held_until_every_medium_lets_it_go():
+    cache, index = Cache(_config()), KVEventIndex(1000)
+    try:
+        a = cache.store(list(range(1, 13)))
+        # the cache evicts block 1 to the host tier: removed from CPU, stored in HOST
+        cache.send([BlockRemoved([a[1]], "CPU"), BlockStored([a[1]], a[0], list(range(5, 9)), BS, None, "HOST")])
+        _subscribe(index, cache.pub)  # a late subscriber: the snapshot carries both media
+        assert index.match([URL], a) == {URL: 3}
+        cache.send([BlockStored([a[1]], a[0], list(range(5, 9)), BS, None, "CPU")])  # loaded back: in both
+        cache.send([BlockRemoved([a[1]], "HOST")])
+        time.sleep(0.2)
+        assert index.match([URL], a) == {URL: 3}
+        cache.send([BlockRemoved([a[1]], "CPU")])
+        wait_until(lambda: index.match([URL], a) == {URL: 1}, what="the last medium letting go")
+    finally:
+        index.close()
+        cache.pub.close()
+
+
 def _batch(*events) -> bytes:
     from inferd.kv_events import KVEventBatch, encoder
 
