@@ -1,4 +1,8 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions.
+
+`resume` and `return_token_ids` as in completions (inferd/server/completions.py); a resumed stream starts
+with the role chunk, as every stream does.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from inferd.outputs import RequestOutput
 from inferd.server.errors import stream_error
 from inferd.server.logprobs import chat_logprobs
-from inferd.server.params import chat_params, usage_options
+from inferd.server.params import RESUMED_HEADER, chat_params, usage_options
 from inferd.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -40,6 +44,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         state.async_engine, request_id, [prompt], params, req.cache_salt, lora_name, req.priority, req.ttft_deadline
     )
     headers = {"X-Request-Id": request_id}
+    if params.resume_token_ids:
+        headers[RESUMED_HEADER] = str(len(params.resume_token_ids))
     if req.stream:
         body = _stream(state, req, tools, request_id, streams, len(prompt))
         return SSEResponse(body, on_close=lambda: state.async_engine.abort(request_id), headers=headers)
@@ -71,6 +77,7 @@ def _response(
                 logprobs=logprobs,
                 finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             )
         )
     usage = UsageInfo()
@@ -108,9 +115,16 @@ async def _stream(
             yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
         usage = UsageInfo()
         choice_streams = [tools.stream() for _ in range(req.n)]
+        pending: dict[int, list[int]] = {}  # return_token_ids: a choice's tokens not yet in a chunk
+
+        def token_ids(index: int) -> list[int] | None:
+            return pending.pop(index, []) if req.return_token_ids else None
+
         async for _, out in iterate(state.async_engine, streams):
             for c in out.outputs:
                 generated[c.index] = len(c.token_ids)
+                if req.return_token_ids:
+                    pending.setdefault(c.index, []).extend(c.delta_token_ids)
                 reader = choice_streams[c.index]
                 content, calls = reader.feed(c.delta_text or "")
                 if c.finish_reason is not None:  # a call a parser can only close once the text has ended
@@ -123,7 +137,9 @@ async def _stream(
                     delta = DeltaMessage(content=content or None, tool_calls=calls or None)
                     if not (content or calls):  # logprobs alone: OpenAI still sends the (empty) content
                         delta = DeltaMessage(content="")
-                    yield chunk(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs))
+                    yield chunk(
+                        ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, token_ids=token_ids(c.index))
+                    )
                 if c.finish_reason is not None:
                     yield chunk(
                         ChatChunkChoice(
@@ -131,6 +147,7 @@ async def _stream(
                             delta=DeltaMessage(),
                             finish_reason=tools.finish_reason(c.finish_reason, reader.called),
                             stop_reason=c.stop_reason,
+                            token_ids=token_ids(c.index),
                         )
                     )
             if out.finished:

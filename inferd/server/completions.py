@@ -1,4 +1,10 @@
-"""POST /v1/completions."""
+"""POST /v1/completions.
+
+With `resume` (docs/server.md) the request continues a stream another replica began: the prompt is not
+echoed again, and the answer (headed `x-inferd-resumed`) holds only the tokens after the resumed ones. With
+`return_token_ids` every choice carries its token ids; in a stream, each chunk those of its text (tokens whose
+text is still held back, by a stop string's hold-back or an unfinished character, come with the next chunk).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from inferd.outputs import RequestOutput
 from inferd.prompts import prompt_items
 from inferd.server.errors import APIError, stream_error
 from inferd.server.logprobs import completion_logprobs
-from inferd.server.params import completion_params, usage_options
+from inferd.server.params import RESUMED_HEADER, completion_params, usage_options
 from inferd.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from inferd.server.sse import DONE, SSEResponse, event
 from inferd.server.state import ServerState, new_id
@@ -41,13 +47,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     lora_name = state.check_model(req.model)
     params = completion_params(req)
     prompt_ids, prompt_texts = await _prompts(state, req.prompt)
+    if params.resume_token_ids and len(prompt_ids) > 1:
+        raise APIError(400, "resume continues one prompt's stream: send one prompt", param="resume")
     request_id = new_id("cmpl")
     streams = await submit(
         state.async_engine, request_id, prompt_ids, params, req.cache_salt, lora_name, req.priority, req.ttft_deadline
     )
     try:
         echoes = [
-            (t if t is not None else await state.decode_async(ids)) if req.echo else ""
+            (t if t is not None else await state.decode_async(ids)) if req.echo and req.resume is None else ""
             for t, ids in zip(prompt_texts, prompt_ids, strict=True)
         ]
     except BaseException:
@@ -55,6 +63,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             state.async_engine.abort(rid)
         raise
     headers = {"X-Request-Id": request_id}
+    if params.resume_token_ids:
+        headers[RESUMED_HEADER] = str(len(params.resume_token_ids))
     if req.stream:
         body = _stream(state, req, request_id, streams, echoes, [len(ids) for ids in prompt_ids])
         return SSEResponse(
@@ -87,6 +97,7 @@ def _response(
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 )
             )
     kv = finals[0].kv_transfer_params if len(finals) == 1 else None
@@ -123,6 +134,11 @@ async def _stream(
         return event(body, exclude)
 
     offsets: dict[int, int] = {}
+    pending: dict[int, list[int]] = {}  # return_token_ids: a choice's tokens not yet in a chunk
+
+    def token_ids(index: int) -> list[int] | None:
+        return pending.pop(index, []) if req.return_token_ids else None
+
     usage = UsageInfo()
     try:
         for i, echo in enumerate(echoes):
@@ -134,16 +150,26 @@ async def _stream(
             for c in out.outputs:
                 index = i * req.n + c.index
                 generated[index] = len(c.token_ids)
+                if req.return_token_ids:
+                    pending.setdefault(index, []).extend(c.delta_token_ids)
                 if c.delta_text or (req.logprobs is not None and c.delta_logprobs):
                     logprobs = None
                     if req.logprobs is not None:
                         logprobs, offsets[index] = completion_logprobs(
                             c.delta_logprobs or [], state.token_text, offsets[index]
                         )
-                    yield chunk(CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs))
+                    yield chunk(
+                        CompletionChoice(index=index, text=c.delta_text, logprobs=logprobs, token_ids=token_ids(index))
+                    )
                 if c.finish_reason is not None:
                     yield chunk(
-                        CompletionChoice(index=index, text="", finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                        CompletionChoice(
+                            index=index,
+                            text="",
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                            token_ids=token_ids(index),
+                        )
                     )
             if out.finished:
                 usage.add_output(out)

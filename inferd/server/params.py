@@ -42,6 +42,24 @@ def _constraint(req: SamplingFields) -> Constraint | None:
     )
 
 
+RESUMED_HEADER = "x-inferd-resumed"  # on a resumed request's answer: how many sent tokens it continued after
+
+
+def resume_token_ids(req: SamplingFields) -> list[int] | None:
+    """The token ids `resume` says were sent (n=1: one choice's), checked against the request's shape."""
+    if req.resume is None:
+        return None
+    if req.n != 1:
+        raise APIError(400, f"resume continues one choice: it needs n=1, got n={req.n}", param="resume")
+    if len(req.resume.token_ids) != 1:
+        raise APIError(
+            400,
+            f"resume.token_ids holds one list of token ids per choice: 1 for n=1, got {len(req.resume.token_ids)}",
+            param="resume.token_ids",
+        )
+    return list(req.resume.token_ids[0])
+
+
 def _common(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, structured: Constraint | None
 ) -> SamplingParams:
@@ -67,6 +85,7 @@ def _common(
         kv_transfer_params=req.kv_transfer_params,
         structured=structured,
         logit_bias=req.logit_bias or None,
+        resume_token_ids=resume_token_ids(req),
     )
 
 
@@ -88,6 +107,13 @@ def chat_params(req: ChatCompletionRequest, tools: ToolPlan) -> SamplingParams:
             400,
             f"tool_choice {tools.mode!r} and {structured.param} each constrain the output; send only one",
             param="tool_choice",
+        )
+    if req.resume is not None and tools.mode != "none":
+        raise APIError(
+            400,
+            "resume cannot continue a request with tools: the tool-call reader's state over the text already sent "
+            "is not replayed; send it without resume",
+            param="resume",
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")

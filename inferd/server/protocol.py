@@ -47,6 +47,14 @@ class StructuredOutputs(_Request):
     disable_any_whitespace: bool | None = None
 
 
+class Resume(_Request):
+    """inferd's `resume`: continue a stream that another replica began and that broke (docs/server.md)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a misspelt key must not pass as no resume
+    #: the token ids already sent to the client, one list per choice (n=1: one list)
+    token_ids: list[Annotated[list[TokenId], Field(min_length=1)]] = Field(min_length=1)
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -79,6 +87,11 @@ class SamplingFields(_Request):
     return_timing: bool = False
     #: under `--scheduling-policy deadline`: the first token is due this many ms after arrival (earliest first)
     ttft_deadline_ms: float | None = Field(None, ge=0, allow_inf_nan=False)
+    #: inferd's: the tokens a broken stream already sent; they become the output's first tokens (max_tokens,
+    #: min_tokens, stops and penalties count them) and only the tokens after them come back
+    resume: Resume | None = None
+    #: vLLM's: each choice carries its token ids (`token_ids`; in a stream, those of the chunk's text)
+    return_token_ids: bool = False
 
     @property
     def ttft_deadline(self) -> float | None:
@@ -214,6 +227,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)  # with `return_token_ids`
 
 
 class CompletionResponse(BaseModel):
@@ -255,6 +269,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)  # with `return_token_ids`
 
 
 class ChatCompletionResponse(BaseModel):
@@ -286,6 +301,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)  # with `return_token_ids`
 
 
 class ChatCompletionChunk(BaseModel):
