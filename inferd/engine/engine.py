@@ -360,6 +360,8 @@ class Engine:
                 "room for at least one output token; shorten the prompt or raise --max-model-len",
                 param="prompt",
             )
+        if params.resume_token_ids:
+            self._check_resume(n, params)
         max_tokens = params.max_tokens
         if max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - n)
@@ -377,8 +379,6 @@ class Engine:
             )
         if params.structured is not None:
             self.grammars.compile(params.structured)  # an AsyncEngine compiled it already: a cache hit
-        if params.resume_token_ids:
-            self._check_resume(n, params)
         needed = self.kv.blocks_needed(n + params.max_tokens)
         if needed > self.kv.num_blocks:
             raise InvalidRequestError(
