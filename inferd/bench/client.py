@@ -63,6 +63,8 @@ class RequestOutput:
     text: str = ""
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
+    token_ids: list[int] = field(default_factory=list)  # the chunks' `token_ids` (vLLM's `return_token_ids`)
     finish_reason: str | None = None
 
 
@@ -207,10 +209,13 @@ class StreamingClient:
         for choice in event.get("choices") or []:
             if choice.get("finish_reason"):
                 out.finish_reason = choice["finish_reason"]
+            out.token_ids += choice.get("token_ids") or []
         usage = event.get("usage")
         if usage:
             out.usage_prompt_tokens = usage.get("prompt_tokens", out.usage_prompt_tokens)
             out.usage_completion_tokens = usage.get("completion_tokens", out.usage_completion_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            out.usage_cached_tokens = details.get("cached_tokens", out.usage_cached_tokens)
 
 
 def send_all(
