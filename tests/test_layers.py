@@ -23,6 +23,7 @@ FORBIDDEN = {
     "inferd.measure": {"inferd."},  # the measuring library sits below everything that reports a number
     "inferd.strict_json": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.yaml_config": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
+    "inferd.tracing": {"inferd.engine", "inferd.models", "inferd.server", "inferd.gateway", "inferd.bench"},
     "inferd.fleet": {
         "inferd.engine",
         "inferd.models",

@@ -45,6 +45,7 @@ from inferd.server.protocol import (
 )
 from inferd.server.state import ServerSettings, ServerState, public_root
 from inferd.server.vllm_metrics import exposition_registry
+from inferd.tracing import RequestTracer, make_tracer, wrap_abort, wrap_hook
 
 
 def _errors(*statuses: int) -> dict:
@@ -99,6 +100,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     exposed = exposition_registry(metrics.registry, settings.metrics_names)
     async_engine = AsyncEngine(engine, settings.max_waiting_requests)
     async_engine.hooks = metrics.attach(lambda: (async_engine.stats, async_engine.num_pending))
+    tracer = None
+    if settings.otlp_traces_endpoint:  # a span per request (inferd/tracing.py), ended from the step hook
+        tracer = RequestTracer(*make_tracer("inferd", settings.otlp_traces_endpoint), settings.served_model_names[0])
+        hooks = async_engine.hooks
+        hooks.on_step, hooks.on_abort = wrap_hook(hooks.on_step, tracer), wrap_abort(hooks.on_abort, tracer)
     state = ServerState(
         async_engine,
         settings,
@@ -107,6 +113,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         engine.max_model_len,
         engine.vocab_size,
         model_type=engine.model_type,
+        tracer=tracer,
     )
     dashboard = DashboardHub(engine, async_engine, settings.served_model_names[0]) if settings.dashboard else None
     created = int(time.time())
@@ -125,6 +132,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if dashboard is not None:
             await dashboard.stop()
         await async_engine.stop()
+        if tracer is not None:
+            tracer.shutdown()  # what is queued goes out
         gc.unfreeze()
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)

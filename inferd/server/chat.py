@@ -41,7 +41,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     )
     request_id = new_id("chatcmpl")
     streams = await submit(
-        state.async_engine, request_id, [prompt], params, req.cache_salt, lora_name, req.priority, req.ttft_deadline
+        state.async_engine,
+        request_id,
+        [prompt],
+        params,
+        req.cache_salt,
+        lora_name,
+        req.priority,
+        req.ttft_deadline,
+        trace=state.trace(raw.headers, params),
     )
     headers = {"X-Request-Id": request_id}
     if params.resume_token_ids:

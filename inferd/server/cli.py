@@ -79,6 +79,12 @@ def register(subparsers) -> None:
         "format where its chat template renders tools, else the pythonic format inferd teaches in a system prompt",
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="an OpenTelemetry collector's OTLP/HTTP endpoint (e.g. http://localhost:4318): a span per request, "
+        "vLLM's llm_request with queue, prefill and decode children, parented on the request's traceparent",
+    )
+    p.add_argument(
         "--no-dashboard",
         dest="dashboard",
         action="store_false",
@@ -177,6 +183,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_names=args.metrics_names,
         dashboard=args.dashboard,
         tool_call_parser=args.tool_call_parser,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     app = create_app(engine, settings)
     if connector is not None:  # the handoff's metrics on /metrics

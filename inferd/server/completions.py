@@ -51,7 +51,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise APIError(400, "resume continues one prompt's stream: send one prompt", param="resume")
     request_id = new_id("cmpl")
     streams = await submit(
-        state.async_engine, request_id, prompt_ids, params, req.cache_salt, lora_name, req.priority, req.ttft_deadline
+        state.async_engine,
+        request_id,
+        prompt_ids,
+        params,
+        req.cache_salt,
+        lora_name,
+        req.priority,
+        req.ttft_deadline,
+        trace=state.trace(raw.headers, params),
     )
     try:
         echoes = [

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -20,10 +21,12 @@ from typing import Any
 from inferd.chat import chat_text, message_dict
 from inferd.engine.async_engine import AsyncEngine
 from inferd.errors import ConfigError, DrainTimeoutError, InvalidRequestError
+from inferd.sampling import SamplingParams
 from inferd.server.errors import APIError, model_not_found
 from inferd.server.metrics import ServerMetrics
 from inferd.server.protocol import ChatMessage
 from inferd.structured.tool_plan import TOOL_PARSERS, ToolPlan, tool_plan
+from inferd.tracing import RequestTracer, TraceStart
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class ServerSettings:
     dashboard: bool = True
     #: how tool_choice "auto" reads calls out of the text (inferd.structured.tool_plan.TOOL_PARSERS)
     tool_call_parser: str = "auto"
+    #: an OTLP/HTTP collector: a span per request, parented on its traceparent (inferd/tracing.py); None: off
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         # the server's setting, checked once at start-up: a request never meets an unknown parser
@@ -94,6 +99,7 @@ class ServerState:
     model_type: str = ""  # the Hugging Face model_type: which format tool calls are written in
     ready: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app, once it runs
+    tracer: RequestTracer | None = None  # with otlp_traces_endpoint
     _token_text: object = field(init=False, repr=False)
     _draining: bool = field(default=False, init=False, repr=False)
 
@@ -121,6 +127,18 @@ class ServerState:
         cut = self.async_engine.fail_all(error)  # each stream logs its own line as it sends the error event
         if cut:
             logger.info("drain timeout: ending %d engine requests still running", len(cut))
+
+    def trace(self, headers: Mapping[str, str], params: SamplingParams) -> TraceStart | None:
+        """How a request's spans start (its trace context and vLLM's request attributes); None without tracing."""
+        if self.tracer is None:
+            return None
+        attributes = {
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.n": params.n,
+        }
+        return TraceStart(self.tracer, headers, {k: v for k, v in attributes.items() if v is not None})
 
     @property
     def model_name(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 
@@ -13,6 +13,9 @@ from inferd.engine.async_engine import AsyncEngine, RequestStream
 from inferd.outputs import RequestOutput
 from inferd.request import sub_request_id
 from inferd.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from inferd.tracing import TraceStart
 
 T = TypeVar("T")
 
@@ -30,6 +33,7 @@ async def submit(
     lora_name: str | None = None,
     priority: int = 0,
     ttft_deadline: float | None = None,
+    trace: TraceStart | None = None,
 ) -> list[tuple[str, RequestStream]]:
     """Queue every prompt as one engine request; if any is refused, abort the others and raise its error.
 
@@ -38,6 +42,8 @@ async def submit(
     """
     engine.check_admission(len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
     ids = [base_id if len(prompts) == 1 else sub_request_id(base_id, i) for i in range(len(prompts))]
+    if trace is not None:  # before the engine sees them: a request may end before add_request returns
+        trace.start(ids)
     results = await asyncio.gather(
         *(
             engine.add_request(rid, p, params, cache_salt, lora_name, priority, ttft_deadline)
@@ -50,6 +56,8 @@ async def submit(
         for rid, r in zip(ids, results, strict=True):
             if not isinstance(r, BaseException):
                 engine.abort(rid)
+        if trace is not None:
+            trace.forget(ids)
         raise errors[0]
     return list(zip(ids, results, strict=True))
 
