@@ -187,6 +187,17 @@ class Fallback(_Model):
         return self
 
 
+class ResumeConfig(_Model):
+    """A stream whose replica fails after the client got its first byte is re-issued to another replica of the
+    pool with the tokens already sent, and the continuation spliced into the same client stream
+    (inferd/gateway/resume.py). Off: such a stream ends with an SSE error event."""
+
+    enabled: bool = False
+    max_attempts: int = Field(
+        2, ge=1, description="requests sent to resume one stream; past them a break ends it with the error event"
+    )
+
+
 class RouteConfig(_Model):
     name: str = Field(min_length=1)
     aliases: list[str] = Field(default_factory=list)
@@ -195,6 +206,7 @@ class RouteConfig(_Model):
     adapters: list[str] = Field(default_factory=list)
     backends: list[Backend] = Field(min_length=1)
     fallbacks: list[Fallback] = Field(default_factory=list)
+    resume: ResumeConfig = ResumeConfig()
 
     @model_validator(mode="after")
     def _some_weight(self) -> RouteConfig:

@@ -155,6 +155,14 @@ class GatewayMetrics:
         self.retries = _Counter(
             "inferd_gateway_retries", "Requests sent again to another replica.", ["model"], registry=r
         )
+        self.resumes = _Counter(
+            "inferd_gateway_stream_resumes",
+            "Streams whose replica failed after the first byte, by how they went on: exact (continued where they "
+            "broke, token for token), greedy (a greedy request re-issued with the output so far as prompt), failed "
+            "(ended with the SSE error event).",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.routing = _Counter(
             "inferd_gateway_routing_decisions",
             "Replicas picked, per pool and replica.",

@@ -5,7 +5,8 @@ connection, or answered 503, all before the client saw a byte: another replica m
 answer from the replica (any status, relayed as it is), or a gateway error (the request timed out).
 For a stream the gateway waits for the replica's first chunk before it answers the client, so a
 replica that dies before streaming is still a retry; once a byte went out, a failure ends the stream
-with one SSE error event and no `[DONE]`.
+with one SSE error event and no `[DONE]`, unless the route resumes streams (inferd/gateway/resume.py):
+then the relay asks for a continuation from another replica and goes on with its events.
 
 Events are relayed with their bytes untouched, as soon as they are complete. The only change: when
 the gateway forced `stream_options.include_usage` on (to settle budgets on the real usage) and the
@@ -160,9 +161,11 @@ class SSEFilter:
     `include_usage` on and the client did not ask (`forced_usage`), it takes back what that added: the
     usage-only chunk, and the `"usage": null` field that OpenAI-style servers then put in every chunk."""
 
-    def __init__(self, forced_usage: bool):
+    def __init__(self, forced_usage: bool, each: Callable[[bytes], bytes | None] | None = None):
+        """`each`: applied to every event first (None drops it): a resumable stream's reader (`StreamState`)."""
         self.forced_usage = forced_usage
         self.usage: Usage | None = None
+        self.each = each
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -172,15 +175,21 @@ class SSEFilter:
         if end < 0:
             return b""
         ready, self._buf = self._buf[: end + 2], self._buf[end + 2 :]
-        if b'"usage"' not in ready:
+        if b'"usage"' not in ready and self.each is None:
             return ready
         events = ready[:-2].split(b"\n\n")
+        if self.each is not None:
+            events = [out for ev in events if (out := self.each(ev)) is not None]
         kept = [out for ev in events if (out := self._event(ev)) is not None]
         return b"".join(ev + b"\n\n" for ev in kept)
 
     def tail(self) -> bytes:
         rest, self._buf = self._buf, b""
         return rest
+
+    def drop_partial(self) -> None:
+        """Forget the incomplete event of a stream that broke (another stream's events follow)."""
+        self._buf = b""
 
     def _event(self, event: bytes) -> bytes | None:
         """The event as the client gets it; None to drop it."""
@@ -221,10 +230,29 @@ class ClosingStream(StreamingResponse):
 
 
 def relay_events(
-    up: Upstream, sse: SSEFilter, deadline: float, on_first: Callable[[], None], on_broken: Callable[[str], None]
+    up: Upstream,
+    sse: SSEFilter,
+    deadline: float,
+    on_first: Callable[[], None],
+    on_broken: Callable[[str], None],
+    resume: Callable[[], Awaitable[Upstream | None]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The replica's stream, event by event; a failure after the first byte becomes one SSE error event."""
-    return relay_sse(_chunks(up, deadline), sse, on_first, on_broken, (aiohttp.ClientError,), close=up.close)
+    """The replica's stream, event by event; a failure after the first byte becomes one SSE error event, or,
+    with `resume`, the stream of the replica that continues it (None: it could not be continued)."""
+
+    async def next_stream() -> AsyncIterator[bytes] | None:
+        nxt = await resume()
+        return None if nxt is None else _chunks(nxt, deadline)
+
+    return relay_sse(
+        _chunks(up, deadline),
+        sse,
+        on_first,
+        on_broken,
+        (aiohttp.ClientError,),
+        close=up.close,
+        resume=next_stream if resume is not None else None,
+    )
 
 
 async def relay_sse(
@@ -235,29 +263,44 @@ async def relay_sse(
     failures: tuple[type[BaseException], ...],
     source: str = "the replica",
     close: Callable[[], None] | None = None,
+    resume: Callable[[], Awaitable[AsyncIterator[bytes] | None]] | None = None,
 ) -> AsyncIterator[bytes]:
     """An upstream's stream relayed as whole SSE events, whatever its client (`failures`: the exceptions
     that mean it broke). A break, or the deadline (`TimeoutError`), ends the stream with one SSE error
     event and no `[DONE]`: the client must not take a cut stream for a complete one. `on_first` runs
-    before the first event goes out, `on_broken(kind)` on a break, `close` however it ends."""
+    before the first event goes out, `on_broken(kind)` on a break, `close` however it ends. `resume`, on a
+    break (not the deadline), gives the chunks of a stream that continues this one (None: none could)."""
     sent_any = False
     try:
-        async for chunk in chunks:
-            out = sse.feed(chunk)
-            if out:
-                if not sent_any:
-                    sent_any = True
-                    on_first()
-                yield out
-        tail = sse.tail()
-        if tail:
-            yield tail
-    except (*failures, TimeoutError) as e:
-        timed_out = isinstance(e, TimeoutError)
-        kind = "timeout" if timed_out else "stream_broken"
-        on_broken(kind)
-        msg = "the request timed out at the gateway" if timed_out else f"{source} failed while streaming"
-        yield GatewayError(502, msg, "server_error", code=kind).sse_event()
+        while True:
+            try:
+                async for chunk in chunks:
+                    out = sse.feed(chunk)
+                    if out:
+                        if not sent_any:
+                            sent_any = True
+                            on_first()
+                        yield out
+                tail = sse.tail()
+                if tail:
+                    yield tail
+                return
+            except (*failures, TimeoutError) as e:
+                timed_out = isinstance(e, TimeoutError)
+                kind = "timeout" if timed_out else "stream_broken"
+                on_broken(kind)
+                if resume is not None and not timed_out:
+                    sse.drop_partial()
+                    try:
+                        nxt = await resume()
+                    except TimeoutError:
+                        nxt, timed_out, kind = None, True, "timeout"
+                    if nxt is not None:
+                        chunks = nxt
+                        continue
+                msg = "the request timed out at the gateway" if timed_out else f"{source} failed while streaming"
+                yield GatewayError(502, msg, "server_error", code=kind).sse_event()
+                return
     finally:
         if close is not None:
             close()

@@ -4,7 +4,8 @@
 the wait queue, the metrics, the monitor task); `GatewayState` is everything built from one config
 (pools, routes, tenants, picker, tokenizers) and is swapped whole on reload, so a request keeps the
 state it started with and in-flight streams are never dropped. Pools keep their replicas' live state
-(in-flight counts, load, health) across a reload.
+(in-flight counts, load, health) across a reload. A stream of a route with `resume` that breaks after its
+first byte is continued on another replica of its pool (`Gateway._resume`, inferd/gateway/resume.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from inferd.gateway.budget import (
     limit_vector,
     rate_limit_headers,
 )
-from inferd.gateway.config import GatewayConfig, PoolConfig, TenantConfig
+from inferd.gateway.config import GatewayConfig, PoolConfig, ResumeConfig, TenantConfig
 from inferd.gateway.deletion_cost import DeletionCosts
 from inferd.gateway.errors import GatewayError, bad_request, model_not_found, no_replica, parse_json_body
 from inferd.gateway.kv_index import KVEventIndex
@@ -50,6 +51,15 @@ from inferd.gateway.proxy import (
     relay_events,
 )
 from inferd.gateway.replicas import Pool
+from inferd.gateway.resume import (
+    RESUMED_HEADER,
+    StreamState,
+    continuation,
+    is_greedy,
+    left_to_generate,
+    refuses_resume,
+    why_not_resumable,
+)
 from inferd.gateway.routes import ModelRouter, Target
 from inferd.gateway.store import redis_client
 from inferd.gateway.tokens import PoolTokenizer, PromptTokens
@@ -116,6 +126,7 @@ class RequestInfo:
     max_tokens: int | None
     n: int
     num_prompts: int
+    client_wants_ids: bool = False  # the client asked for return_token_ids (a resumable stream asks for them)
 
 
 def _int_field(body: dict, name: str, minimum: int) -> int | None:
@@ -159,6 +170,21 @@ def read_request(kind: str, body: dict) -> RequestInfo:
 
 
 @dataclass
+class _Resume:
+    """What continuing one stream on another replica of its pool needs (`Gateway._resume`)."""
+
+    state: GatewayState
+    target: Target
+    body: dict  # what was sent upstream, as a dict
+    auth: str | None
+    tried: set[str]
+    fractions: dict[str, float]
+    stream: StreamState | None  # None: the request cannot be continued (Flight.unresumable says why)
+    attempts: int = 0
+    upstreams: list[Upstream] = field(default_factory=list)  # the continuations' answers, closed at the end
+
+
+@dataclass
 class Flight:
     """One admitted request: what must be given back, once, however it ends."""
 
@@ -176,6 +202,8 @@ class Flight:
     charged: int = 0  # tokens counted to the tenant's fair share (vtc) so far
     done: bool = False
     extra_headers: dict[str, str] = field(default_factory=dict)
+    resume: ResumeConfig | None = None  # its route's, for a stream whose route resumes streams
+    unresumable: str | None = None  # why such a stream could not be continued, if it could not
 
     @property
     def weight(self) -> float:
@@ -317,11 +345,17 @@ class Gateway:
             # the cap reserved is the cap sent upstream: a replica's own default (none at all, for chat)
             # could generate more than the budget holds
             info.max_tokens = body["max_tokens"] = tenant.default_max_tokens
-        if st.router.resolve(info.model) is None:
+        route = st.router.resolve(info.model)
+        if route is None:
             self._reject(tenant, "(unknown)", "model_not_found")  # a client's string is no metric label
             raise model_not_found(info.model, st.router.names())
         targets = st.router.plan(info.model)
         flight = Flight(self, tenant, info, arrived)
+        if info.stream and route.resume.enabled:
+            flight.resume = route.resume
+            flight.unresumable = why_not_resumable(kind, body, info.n, info.num_prompts)
+            if flight.unresumable is None:  # the token ids of each chunk: where a continuation takes over
+                body["return_token_ids"], info.client_wants_ids = True, body.get("return_token_ids") is True
         salt = self._cache_salt(tenant, body)
         deadline = arrived + st.config.request_timeout_s
         prompt = await self._prompt_tokens(st, targets[0], kind, body)
@@ -414,7 +448,8 @@ class Gateway:
         hashes = block_hashes(prompt.ids, pool.config.block_size, salt) if prompt and prompt.ids else []
         matched = await self._prefix_match(pool, hashes, target.adapter)
         fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}
-        payload = json.dumps({**body, **_scheduling(flight.tenant, pool.config, body), "model": target.model}).encode()
+        sent = {**body, **_scheduling(flight.tenant, pool.config, body), "model": target.model}
+        payload = json.dumps(sent).encode()
         auth = f"Bearer {pool.config.api_key}" if pool.config.api_key else None
         info = flight.info
         output = (info.max_tokens or 0) * info.n * info.num_prompts
@@ -444,7 +479,11 @@ class Gateway:
                 continue
             pick.replica.record_success()
             self.metrics.upstream_latency.labels(pick.replica.url).observe(up.headers_at - flight.arrived)
-            return await self._answer(flight, up, deadline)
+            resume = None
+            if flight.resume is not None and up.rest is not None:
+                stream = StreamState(flight.info.kind, flight.info.client_wants_ids) if not flight.unresumable else None
+                resume = _Resume(st, target, sent, auth, tried, fractions, stream)
+            return await self._answer(flight, up, deadline, resume)
         return None
 
     async def _prefix_match(self, pool, hashes: list, adapter: str | None) -> dict[str, int]:
@@ -496,7 +535,73 @@ class Gateway:
                 seq = await self.queue.wait(flight.tenant_id, priority, seq, flight.queued_at, deadline)
                 pool = self.state.pools.get(pool.name, pool)  # a reload may have rebuilt it
 
-    async def _answer(self, flight: Flight, up: Upstream, deadline: float) -> Response:
+    async def _resume(self, flight: Flight, r: _Resume, deadline: float) -> Upstream | None:
+        """A stream that broke after its first byte, continued on another replica of its pool: the upstream
+        answer whose events follow, or None (the stream then ends with the error event). Exact where the replica
+        takes `resume`; greedy-equivalent for a greedy request where it does not (inferd/gateway/resume.py)."""
+        model, broken = flight.info.model, flight.replica_label
+        flight.release_pick()  # the broken replica's slot
+
+        def failed(why: str) -> None:
+            self.metrics.resumes.labels(model, "failed").inc()
+            logger.warning("a stream of %s broke on %s and was not resumed: %s", model, broken, why)
+
+        s = r.stream
+        if s is None:
+            return failed(f"it cannot be: {flight.unresumable}")
+        if s.finished:
+            return failed("its choice had already finished")
+        if s.text and not s.saw_ids:
+            return failed("the replica sent no token ids (return_token_ids)")
+        if not left_to_generate(r.body, len(s.token_ids)):
+            return failed("max_tokens leaves nothing after the tokens sent")
+        try:
+            return await self._continue(flight, r, s, deadline, failed)
+        except GatewayError as e:  # the deadline, or the wait queue's limits, while it waited for a replica
+            flight.release_pick()
+            return failed(e.message)
+
+    async def _continue(self, flight: Flight, r: _Resume, s: StreamState, deadline: float, failed) -> Upstream | None:
+        """`_resume`'s attempts: one replica after another, up to the route's `max_attempts`."""
+        model = flight.info.model
+        exact = True
+        pool = r.target.pool
+        while r.attempts < flight.resume.max_attempts:
+            pick = await self._pick(r.state, flight, pool, r.tried, r.fractions, deadline, r.target.adapter)
+            if pick is None:
+                return failed("no other replica of the pool can take it")
+            r.attempts += 1
+            flight.picked(pick)
+            url = pick.replica.url
+            r.tried.add(url)
+            body, prompt_extra = continuation(flight.info.kind, r.body, s, exact)
+            try:
+                up = await open_upstream(
+                    self.session, url + PATHS[flight.info.kind], json.dumps(body).encode(), r.auth, True, deadline
+                )
+            except Retry as e:
+                self._upstream_failed(r.state, flight, e)
+                continue
+            taken = up.status == 200 and up.rest is not None
+            if taken and (not exact or not s.token_ids or RESUMED_HEADER in up.response.headers):
+                pick.replica.record_success()
+                r.upstreams.append(up)
+                s.begin(prompt_extra)
+                outcome = "exact" if exact else "greedy"
+                self.metrics.resumes.labels(model, outcome).inc()
+                logger.info("a stream of %s resumed on %s after %d tokens (%s)", model, url, len(s.token_ids), outcome)
+                return up
+            up.close()
+            flight.release_pick()
+            if exact and is_greedy(r.body) and (taken or refuses_resume(up.status, up.body or b"")):
+                exact = False  # a replica that does not take `resume`: a greedy request goes on as prompt
+                r.tried.discard(url)
+                continue
+            why = "it ignored `resume`" if taken else f"it answered {up.status}"
+            return failed(f"replica {url} cannot continue it exactly ({why}) and the request is not greedy")
+        return failed(f"all {flight.resume.max_attempts} attempts were used")
+
+    async def _answer(self, flight: Flight, up: Upstream, deadline: float, resume: _Resume | None = None) -> Response:
         headers = {**up.headers(), **flight.extra_headers}
         if flight.gateway.state.config.expose_replica_header:
             headers["x-inferd-replica"] = flight.pick.replica.url
@@ -506,7 +611,8 @@ class Gateway:
             usage = _json_usage(up.body) if up.status == 200 else None
             await flight.finish(up.status, usage)
             return Response(up.body, status_code=up.status, headers=headers)
-        sse = SSEFilter(forced_usage=not flight.info.client_wants_usage)
+        stream = resume.stream if resume is not None else None
+        sse = SSEFilter(forced_usage=not flight.info.client_wants_usage, each=stream.event if stream else None)
         broken: list[str] = []
 
         def on_first() -> None:
@@ -521,9 +627,13 @@ class Gateway:
 
         async def on_close() -> None:
             up.close()
-            await flight.finish(200 if not broken else 502, sse.usage, keep_reservation=sse.usage is None)
+            for more in resume.upstreams if resume is not None else ():
+                more.close()
+            ok = not broken or (resume is not None and len(resume.upstreams) == len(broken))  # each break resumed
+            await flight.finish(200 if ok else 502, sse.usage, keep_reservation=sse.usage is None)
 
-        body = relay_events(up, sse, deadline, on_first, on_broken)
+        go_on = (lambda: self._resume(flight, resume, deadline)) if resume is not None else None
+        body = relay_events(up, sse, deadline, on_first, on_broken, go_on)
         headers.pop("content-type", None)
         return ClosingStream(body, on_close, headers)
 
