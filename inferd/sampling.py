@@ -8,6 +8,9 @@ from inferd.errors import InvalidRequestError
 from inferd.structured.spec import Constraint
 
 _EPS = 1e-5
+# on the HTTP answer to a request that continued a stream (`resume_token_ids`): how many sent tokens it went on
+# after; the gateway reads it to know a replica honoured the resume (inferd/gateway/resume.py)
+RESUMED_HEADER = "x-inferd-resumed"
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 

@@ -30,7 +30,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from inferd.server.params import RESUMED_HEADER  # an inferd replica's answer to `resume` (no engine imported)
+from inferd.sampling import RESUMED_HEADER  # an inferd replica's answer to `resume`
 
 __all__ = ["RESUMED_HEADER", "StreamState", "continuation", "refuses_resume", "why_not_resumable"]
 _TOKEN_IDS = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')  # digits only: it cannot match in a string

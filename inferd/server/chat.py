@@ -13,9 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from inferd.outputs import RequestOutput
+from inferd.sampling import RESUMED_HEADER
 from inferd.server.errors import stream_error
 from inferd.server.logprobs import chat_logprobs
-from inferd.server.params import RESUMED_HEADER, chat_params, usage_options
+from inferd.server.params import chat_params, usage_options
 from inferd.server.protocol import (
     AssistantMessage,
     ChatChoice,

@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, Response
 
 from inferd.outputs import RequestOutput
 from inferd.prompts import prompt_items
+from inferd.sampling import RESUMED_HEADER
 from inferd.server.errors import APIError, stream_error
 from inferd.server.logprobs import completion_logprobs
-from inferd.server.params import RESUMED_HEADER, completion_params, usage_options
+from inferd.server.params import completion_params, usage_options
 from inferd.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from inferd.server.sse import DONE, SSEResponse, event
 from inferd.server.state import ServerState, new_id

@@ -42,9 +42,6 @@ def _constraint(req: SamplingFields) -> Constraint | None:
     )
 
 
-RESUMED_HEADER = "x-inferd-resumed"  # on a resumed request's answer: how many sent tokens it continued after
-
-
 def resume_token_ids(req: SamplingFields) -> list[int] | None:
     """The token ids `resume` says were sent (n=1: one choice's), checked against the request's shape."""
     if req.resume is None:
