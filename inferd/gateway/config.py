@@ -104,6 +104,15 @@ class DeletionCostConfig(_Model):
     ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
 
+class TracingConfig(_Model):
+    """OpenTelemetry: a span per request with a child per upstream attempt, whose context goes to the replica in
+    `traceparent` (inferd/tracing.py). Read at start. Without an endpoint the client's traceparent is passed on."""
+
+    otlp_endpoint: str | None = Field(None, description="an OTLP/HTTP collector, e.g. http://otel-collector:4318")
+    service_name: str = "inferd-gateway"
+    headers: dict[str, str] = Field(default_factory=dict, description="sent with each export (a collector's key)")
+
+
 class DnsDiscovery(_Model):
     """Replicas behind a DNS name (a Kubernetes headless service, say): every address it resolves to."""
 
@@ -285,6 +294,7 @@ class GatewayConfig(_Model):
     routing: RoutingConfig = RoutingConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     pod_deletion_cost: DeletionCostConfig = DeletionCostConfig()
+    tracing: TracingConfig = TracingConfig()
     budget_store: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None
     redis_timeout_s: float = Field(

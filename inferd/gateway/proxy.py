@@ -112,11 +112,19 @@ _SENT_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identit
 
 
 async def open_upstream(
-    session: aiohttp.ClientSession, url: str, payload: bytes, auth: str | None, stream: bool, deadline: float
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: bytes,
+    auth: str | None,
+    stream: bool,
+    deadline: float,
+    trace: dict[str, str] | None = None,
 ) -> Upstream:
-    """Send the request (`auth`: the replica's Authorization header); raise Retry, or GatewayError 504 at
-    the deadline."""
+    """Send the request (`auth`: the replica's Authorization header; `trace`: its W3C trace context headers);
+    raise Retry, or GatewayError 504 at the deadline."""
     headers = _SENT_HEADERS if auth is None else {**_SENT_HEADERS, "Authorization": auth}
+    if trace:
+        headers = {**headers, **trace}
     resp = None
     try:
         async with asyncio.timeout_at(deadline):

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from fastapi import Request
@@ -65,6 +66,7 @@ from inferd.gateway.store import redis_client
 from inferd.gateway.tokens import PoolTokenizer, PromptTokens
 from inferd.prefix_hash import adapter_salt, block_hashes
 from inferd.prompts import check_prompt
+from inferd.tracing import TRACE_HEADERS, extract, inject, make_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +206,9 @@ class Flight:
     extra_headers: dict[str, str] = field(default_factory=dict)
     resume: ResumeConfig | None = None  # its route's, for a stream whose route resumes streams
     unresumable: str | None = None  # why such a stream could not be continued, if it could not
+    span: Any = None  # its OpenTelemetry span (with tracing), and the current upstream attempt's
+    attempt_span: Any = None
+    trace_headers: dict[str, str] = field(default_factory=dict)  # without tracing: the client's, passed on
 
     @property
     def weight(self) -> float:
@@ -224,6 +229,48 @@ class Flight:
         self.charged += self.expected_tokens
         self.gateway.queue.charge(self.tenant_id, self.expected_tokens, self.weight)
 
+    def attempt(self, replica: str, pool: str, resumed: bool = False) -> dict[str, str]:
+        """The trace context headers of an upstream attempt: a child span of the request's, ending the attempt
+        before it (a retry); without tracing, the client's own headers."""
+        tracer = self.gateway.tracer
+        if tracer is None or self.span is None:
+            return self.trace_headers
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        self.end_attempt("retried")
+        attrs = {"server.address": replica, "inferd.pool": pool, "inferd.resumed": resumed}
+        self.attempt_span = tracer.start_span("upstream", trace.set_span_in_context(self.span), SpanKind.CLIENT, attrs)
+        return inject(self.attempt_span)
+
+    def end_attempt(self, error: str | None, status: int | None = None) -> None:
+        span, self.attempt_span = self.attempt_span, None
+        if span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
+
+    def _end_span(self, status: int, usage: Usage | None) -> None:
+        self.end_attempt("failed" if status >= 500 else None, status)
+        span, self.span = self.span, None
+        if span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attribute("http.response.status_code", status)
+        span.set_attribute("inferd.replica", self.replica_label)
+        if usage is not None:
+            span.set_attribute("gen_ai.usage.prompt_tokens", usage.prompt)
+            span.set_attribute("gen_ai.usage.completion_tokens", usage.completion)
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR, f"status {status}"))
+        span.end()
+
     def release_pick(self) -> None:
         if self.pick is not None:
             self.pick.release()
@@ -235,6 +282,7 @@ class Flight:
         if self.done:
             return
         self.done = True
+        self._end_span(status, usage)
         m, g = self.gateway.metrics, self.gateway
         replica = self.replica_label
         m.requests.labels(self.tenant_id, self.info.model, replica, str(status)).inc()
@@ -299,6 +347,12 @@ class Gateway:
         self.queue = AdmissionQueue(q.max_size, q.max_wait_s, q.fairness)
         self.metrics = GatewayMetrics(self._snapshot, self.kv_index.stats if self.kv_index else None)
         self.monitor = Monitor(self)
+        tracing = config.tracing  # a span per request, a child per upstream attempt (inferd/tracing.py)
+        self.tracer, self._tracer_provider = (
+            make_tracer(tracing.service_name, tracing.otlp_endpoint, tracing.headers)
+            if tracing.otlp_endpoint
+            else (None, None)
+        )
 
     def _snapshot(self) -> tuple[list, int]:
         now = time.monotonic()
@@ -326,6 +380,8 @@ class Gateway:
             await self._session.close()
         if self.redis is not None:
             await self.redis.aclose()
+        if self._tracer_provider is not None:
+            self._tracer_provider.shutdown()  # what is queued goes out
 
     def reload(self, config: GatewayConfig) -> None:
         """Swap in a new config; requests in flight keep the state they started with."""
@@ -351,6 +407,7 @@ class Gateway:
             raise model_not_found(info.model, st.router.names())
         targets = st.router.plan(info.model)
         flight = Flight(self, tenant, info, arrived)
+        self._trace(flight, raw)
         if info.stream and route.resume.enabled:
             flight.resume = route.resume
             flight.unresumable = why_not_resumable(kind, body, info.n, info.num_prompts)
@@ -372,6 +429,22 @@ class Gateway:
             status = e.status if isinstance(e, GatewayError) else 500
             await flight.finish(status, None)
             raise
+
+    def _trace(self, flight: Flight, raw: Request) -> None:
+        """Start the request's span under the client's trace context; without tracing keep that context to pass
+        on to the replica."""
+        if self.tracer is None:
+            flight.trace_headers = {k: raw.headers[k] for k in TRACE_HEADERS if k in raw.headers}
+            return
+        from opentelemetry.trace import SpanKind
+
+        attrs = {"gen_ai.request.model": flight.info.model, "inferd.tenant": flight.tenant_id,
+                 "inferd.stream": flight.info.stream}  # fmt: skip
+        # its start is the request's arrival (the body was read by now)
+        start = time.time_ns() - int((time.monotonic() - flight.arrived) * 1e9)
+        flight.span = self.tracer.start_span(
+            "gateway_request", extract(raw.headers), SpanKind.SERVER, attrs, start_time=start
+        )
 
     def _reject(self, tenant: TenantConfig | None, model: str, reason: str) -> None:
         self.metrics.rejections.labels(tenant.id if tenant else ANONYMOUS, model, reason).inc()
@@ -471,8 +544,10 @@ class Gateway:
                 await self.prefix_index.insert(pick.replica.url, hashes)
             url = pick.replica.url + PATHS[flight.info.kind]
             try:
-                up = await open_upstream(self.session, url, payload, auth, flight.info.stream, deadline)
+                trace = flight.attempt(pick.replica.url, pool.name)
+                up = await open_upstream(self.session, url, payload, auth, flight.info.stream, deadline, trace)
             except Retry as r:
+                flight.end_attempt(r.kind)
                 self._upstream_failed(st, flight, r)
                 if attempt < st.config.retries:
                     self.metrics.retries.labels(flight.info.model).inc()
@@ -576,10 +651,13 @@ class Gateway:
             r.tried.add(url)
             body, prompt_extra = continuation(flight.info.kind, r.body, s, exact)
             try:
+                trace = flight.attempt(url, pool.name, resumed=True)
+                payload = json.dumps(body).encode()
                 up = await open_upstream(
-                    self.session, url + PATHS[flight.info.kind], json.dumps(body).encode(), r.auth, True, deadline
+                    self.session, url + PATHS[flight.info.kind], payload, r.auth, True, deadline, trace
                 )
             except Retry as e:
+                flight.end_attempt(e.kind)
                 self._upstream_failed(r.state, flight, e)
                 continue
             taken = up.status == 200 and up.rest is not None
