@@ -225,11 +225,13 @@ def send_all(
     concurrency: int | None = None,
     at: Sequence[float] | None = None,
     model: str = "m",
+    api_key: str | None = None,
 ) -> list[RequestOutput]:
     """Stream `requests` (prompts as text or token ids) to `model` at `url`, exactly their output lengths (eos
     ignored), greedy: at most `concurrency` in flight, or each sent at its time in `at` (seconds from the start),
-    else all at once. The outputs, in request order; a failure is an output with `success` False."""
-    cfg = ClientConfig(url, model, ignore_eos=True, timeout_s=300.0)
+    else all at once (as the tenant of `api_key`, if given). The outputs, in request order; a failure is an output
+    with `success` False."""
+    cfg = ClientConfig(url, model, api_key=api_key, ignore_eos=True, timeout_s=300.0)
 
     async def go() -> list[RequestOutput]:
         sem = asyncio.Semaphore(concurrency or len(requests) or 1)
