@@ -2,9 +2,10 @@
 
 Many chats, each with a system prompt of its own and a history that grows every turn (the user's new message, then
 the model's answer as it came back: `return_token_ids`), so every turn's prompt is the previous turn's prompt and
-answer plus a new message. Every chat sends turn 1, then every chat turn 2, and so on, so a chat comes back after all
-the others were served: the working set (every chat's history) is several times one replica's KV pool, and
-a chat's blocks survive only if its replica keeps them (a KV tier) and it comes back to that replica (routing).
+answer plus a new message. Every chat sends turn 1, then every chat turn 2 (in a shuffled order), and so on, so a
+chat comes back after the others were served: the working set (every chat's history) is several times one
+replica's KV pool, and a chat's blocks survive only if its replica keeps them (a KV tier) and it comes back to that
+replica (routing).
 
 Two pairs of `inferd serve` replicas of the default model publish KV events: one pair with no tier, one with a
 host-memory tier (`--kv-offload-memory`). In front of each pair, three gateways: round-robin, prefix affinity on
@@ -49,9 +50,12 @@ def run_phase(url: str, seed: int, args) -> list[dict]:
     rows = []
     for turn in range(args.turns):
         prompts = [h + words(args.user_tokens) for h in histories]
-        requests = [BenchRequest(p, len(p), args.output_tokens, extra_body={"return_token_ids": True}) for p in prompts]
+        order = list(range(args.chats))
+        rng.shuffle(order)  # chats come back in any order (a fixed one would make round-robin sticky by chance)
+        ids = {"return_token_ids": True}
+        requests = [BenchRequest(prompts[i], len(prompts[i]), args.output_tokens, extra_body=ids) for i in order]
         outs = send_all(url, requests, concurrency=args.concurrency)
-        for i, out in enumerate(outs):
+        for i, out in zip(order, outs, strict=True):
             if not out.success:
                 raise RuntimeError(f"turn {turn} of chat {i} failed: {out.error}")
             histories[i] = prompts[i] + out.token_ids
