@@ -10,8 +10,11 @@
   request whose replica dies is sent again to another one; a stream is retried until its first byte.
 - `InferdRequestRouter`: Serve's request-router extension, scoring replicas with the gateway's own
   scorers (`inferd.gateway.picker.SCORERS`: queue, KV cache, in-flight, prefix) over each replica's
-  routing stats and the gateway's prefix index (`inferd.gateway.prefix.MemoryPrefixIndex`), so routing
-  on Ray is the routing on Kubernetes and behind `inferd gateway`.
+  routing stats and the gateway's prefix indexes, so routing on Ray is the routing on Kubernetes and behind
+  `inferd gateway`: a replica whose engine publishes KV events (`enable_kv_cache_events` in the pool's
+  engine settings; each replica binds free ports and reports them, at its node's address, with its routing
+  stats) is scored on what its cache holds now (`inferd.gateway.kv_index.KVEventIndex`), the others on the
+  keys the router sent them (`inferd.gateway.prefix.MemoryPrefixIndex`).
 - `PoolAutoscalingPolicy`: Serve's custom autoscaling policy, driven by the pool's `AutoscalingPolicy`
   (replicas = ceil(total signal / target), the largest over targets, step limits); Serve applies the
   min/max bounds and the up/down delays the policy's windows map to.
@@ -27,6 +30,7 @@ the gateway's routing and, in each replica, the engine and the server's app.
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -51,6 +55,7 @@ from inferd.errors import ConfigError, InferdError, InvalidRequestError
 from inferd.fleet.spec import AutoscalingPolicy, FleetSpec, ModelSpec, PoolSpec, load_fleet
 from inferd.gateway.config import Scorers
 from inferd.gateway.errors import GatewayError, model_not_found, parse_json_body
+from inferd.gateway.kv_index import KVEventIndex, public_endpoint
 from inferd.gateway.picker import SCORERS, Candidate
 from inferd.gateway.prefix import MemoryPrefixIndex
 from inferd.gateway.replicas import Load, Replica
@@ -136,7 +141,11 @@ class EngineReplica:
 
         fleet = FleetSpec.model_validate(spec)
         model, pool_spec = next((m, p) for m, p in fleet.pools() if p.name == pool)
-        engine = Engine(model.engine_config(pool_spec))  # as `inferd serve` reads the pool's flags
+        config = model.engine_config(pool_spec)  # as `inferd serve` reads the pool's flags
+        if config.kv_events.enabled:  # replicas share nodes: each binds ports of its own (routing stats say which)
+            ports = {"kv_events_endpoint": "tcp://*:*", "kv_events_replay_endpoint": "tcp://*:*"}
+            config = dataclasses.replace(config, kv_events=dataclasses.replace(config.kv_events, **ports))
+        engine = Engine(config)
         settings = ServerSettings([model.name, *model.aliases], model_root=model.model, metrics_names=metrics_names)
         self.app = create_app(engine, settings)
         self.state = self.app.state.inferd
@@ -192,7 +201,24 @@ class EngineReplica:
         the load, and the LoRA adapters running or waiting here and the slots, as `lora_requests_info` says."""
         st = self.state.async_engine.stats
         lora = {"lora_active": sorted(st.running_loras.keys() | st.waiting_loras.keys()), "max_loras": st.max_loras}
-        return self._signals() | lora | {"replica": self.replica_id, "requests": float(self.requests)}
+        ids = {"replica": self.replica_id, "requests": float(self.requests)}
+        return self._signals() | lora | self._kv_events() | ids
+
+    def _kv_events(self) -> dict[str, Any]:
+        """Where this replica's KV events can be subscribed to, at its node's address (none: not published)."""
+        publisher = self.state.async_engine.engine.kv_events
+        if publisher is None:
+            return {}
+        import ray
+
+        node = f"http://{ray.util.get_node_ip_address()}"
+        info = publisher.info()
+        replay = info["replay_endpoint"]
+        return {"kv_events": {
+            "endpoint": public_endpoint(info["endpoint"], node),
+            "replay_endpoint": public_endpoint(replay, node) if replay else None,
+            "topic": info["topic"],
+        }}  # fmt: skip
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by the autoscaling policy, averaged by Serve over the look-back window."""
@@ -214,10 +240,30 @@ def rank(cands: list[Candidate], weights: Scorers) -> list[tuple[float, Candidat
 class InferdRequestRouter(RequestRouter):
     """Serve's request router with the gateway's scorers and prefix index."""
 
-    def initialize_state(self, scorers: dict | None = None, capacity_blocks: int = 65536, **_: Any) -> None:
+    def initialize_state(
+        self, scorers: dict | None = None, capacity_blocks: int = 65536, kv_events: bool = True, **_: Any
+    ) -> None:
         self.weights = Scorers.model_validate(scorers or {})
-        self.index = MemoryPrefixIndex(capacity_blocks)
+        self.index = MemoryPrefixIndex(capacity_blocks)  # the keys sent to each replica
+        self.events = KVEventIndex(capacity_blocks) if kv_events else None  # what publishing replicas hold
+        self._subscribed: set[str] = set()
         self.rng = random.Random()
+
+    def _subscribe(self, replicas: list[RunningReplica]) -> None:
+        """Subscribe to the KV events of replicas that report publishing them (once each)."""
+        for r in replicas:
+            rid = r.replica_id.to_full_id_str()
+            info = (r.routing_stats or {}).get("kv_events")
+            if info and rid not in self._subscribed:
+                self.events.subscribe(rid, info["endpoint"], info.get("replay_endpoint"), info.get("topic") or "")
+                self._subscribed.add(rid)
+
+    async def _match(self, ids: list[str], hashes: list[bytes], adapter: str | None) -> dict[str, int]:
+        """Leading blocks of the prompt each replica holds: from its KV events where it publishes them (not for
+        an adapter's requests: the engine salts their keys with the weights' digest), else from the keys sent."""
+        exact = self.events.match(ids, hashes) if self.events is not None and adapter is None else {}
+        rest = [i for i in ids if i not in exact]
+        return exact | (await self.index.match(rest, hashes) if rest else {})
 
     def _candidate(
         self, r: RunningReplica, hashes: list[bytes], matched: dict[str, int], now: float, adapter: str | None
@@ -239,10 +285,12 @@ class InferdRequestRouter(RequestRouter):
         req = pending_request.args[0] if pending_request is not None and pending_request.args else None
         hashes = getattr(req, "block_hashes", None) or []
         ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
-        matched = await self.index.match(ids, hashes) if hashes else {}
+        adapter = getattr(req, "adapter", None)
+        if self.events is not None:
+            self._subscribe(candidate_replicas)
+        matched = await self._match(ids, hashes, adapter) if hashes else {}
         now = time.monotonic()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        adapter = getattr(req, "adapter", None)
         cands = [self._candidate(r, hashes, matched, now, adapter) for r in candidate_replicas]
         self.rng.shuffle(cands)  # ties go to a random replica
         return [[by_id[c.replica.url]] for _, c in rank(cands, self.weights)]
@@ -255,7 +303,11 @@ class InferdRequestRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        _now(self.index.forget(replica_id.to_full_id_str()))
+        rid = replica_id.to_full_id_str()
+        _now(self.index.forget(rid))
+        if rid in self._subscribed:
+            self._subscribed.discard(rid)
+            self.events.retain(self._subscribed)
 
 
 def _now(coro) -> Any:

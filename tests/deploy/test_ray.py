@@ -134,6 +134,50 @@ MODEL = "tiny"
 PREFIX = " ".join(f"word{i}" for i in range(60))  # several full blocks of 16 tokens
 
 
+def test_the_router_scores_a_publishing_replica_on_its_kv_events(monkeypatch):
+    """Serve's router without Serve: replica A publishes KV events (a real publisher), B does not. A block A's
+    events say it holds wins it the request; once A's events say the block left, the keys the router sent decide."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from inferd.config import KVEventsConfig
+    from inferd.engine.kv_publisher import ZmqEventPublisher
+    from inferd.kv_events import BlockRemoved, BlockStored
+    from inferd.prefix_hash import block_hashes
+    from inferd.runtime.ray import InferdRequestRouter
+    from tests.gateway.conftest import wait_until
+
+    config = KVEventsConfig(True, kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay_endpoint="tcp://127.0.0.1:*")
+    pub = ZmqEventPublisher(config, 16, "CPU")
+    router = InferdRequestRouter.__new__(InferdRequestRouter)
+    router.initialize_state(scorers={"prefix": 1.0, "queue": 0.0, "kv_cache": 0.0, "in_flight": 0.0})
+    router._replica_queue_len_cache = {}  # noqa: SLF001
+    try:
+        events = {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": ""}
+        class Id(str):  # a ReplicaID as the router uses it: hashable, with its full id
+            def to_full_id_str(self) -> str:
+                return str(self)
+
+        replica = lambda rid, stats: SimpleNamespace(replica_id=Id(rid), routing_stats=stats)  # noqa: E731
+        a, b = replica("a", {"kv_events": events}), replica("b", {})
+        tokens = list(range(100, 164))
+        hashes = block_hashes(tokens, 16)
+        pending = SimpleNamespace(args=[SimpleNamespace(block_hashes=hashes, adapter=None)])
+        choose = lambda: asyncio.run(router.choose_replicas([a, b], pending))[0][0].replica_id.to_full_id_str()  # noqa: E731
+
+        pub.publish([BlockStored(hashes, None, tokens, 16, None, "CPU")])
+        choose()  # the first pick subscribes
+        wait_until(lambda: router.events.synced("a"), what="the router's subscription")
+        assert {choose() for _ in range(8)} == {"a"}
+        asyncio.run(router.index.insert("b", hashes))  # keys sent to B earlier
+        pub.publish([BlockRemoved(hashes[:1], "CPU")])  # A evicted the prefix's first block
+        wait_until(lambda: router.events.match(["a"], hashes) == {"a": 0}, what="the eviction's event")
+        assert {choose() for _ in range(8)} == {"b"}
+    finally:
+        router.events.close()
+        pub.close()
+
+
 @pytest.fixture(scope="module")
 def ray_app(tiny_models, tmp_path_factory):
     import ray
@@ -148,7 +192,7 @@ models:
   - name: {MODEL}
     model: {tiny_models["llama"]}
     engine: {{max_model_len: 512, kv_cache_memory: 32MiB, num_threads: 1, max_num_seqs: 8, attention_backend: torch,
-              lora_modules: ["sql={adapter}"]}}
+              lora_modules: ["sql={adapter}"], enable_kv_cache_events: true}}
     pools:
       - name: tiny-both
         replicas: 2
@@ -258,6 +302,9 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_holds_it(ray_app):
     hits = {rid: after[rid]["prefix_cache_hits"] - before[rid]["prefix_cache_hits"] for rid in after}
     assert hits[holder] >= 5 * 48, hits  # five requests found ~60 prefix tokens cached there
     assert all(h == 0 for rid, h in hits.items() if rid != holder), hits
+    # each replica publishes its KV events on ports of its own, at its node's address, for the router
+    endpoints = [s["kv_events"]["endpoint"] for s in after.values()]
+    assert len(set(endpoints)) == 2 and all(e.startswith("tcp://") and "0.0.0.0" not in e for e in endpoints)
 
 
 @pytest.mark.slow

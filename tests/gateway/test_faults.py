@@ -49,7 +49,10 @@ def test_failover_when_a_replica_is_killed_mid_run(replicas, victim, gateway):
     ]
     # round robin: half the requests reach the victim whatever its load (the scored picker could steer them
     # all to the idle survivor, and the victim then never had two in flight)
-    gw = gateway(base_config(pools, models, retries=2, routing={"picker": "round_robin"}))
+    # probes every 2 s: the frozen victim is not ejected before requests reach it (on a loaded machine the
+    # 0.2 s probes ejected it first, and no request was ever in flight there to be cut)
+    health = {"interval_s": 2.0, "timeout_s": 0.5, "failures_to_eject": 1, "ejection_s": 30}
+    gw = gateway(base_config(pools, models, retries=2, routing={"picker": "round_robin"}, health=health))
 
     stream_body = {"model": "doomed", "prompt": [5, 6], "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=stream_body, timeout=60) as stream:

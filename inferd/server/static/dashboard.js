@@ -416,6 +416,9 @@ function playBody(mode) {
     temperature: Number($("p-temp").value),
     top_p: Number($("p-topp").value),
     stream: true,
+    // the last chunk's usage says where copy 0's time went (usage.timing), drawn as its timeline
+    stream_options: { include_usage: true },
+    return_timing: true,
   };
   if ($("p-seed").value !== "") body.seed = Number($("p-seed").value);
   if (mode === "chat") body.messages = [{ role: "user", content: prompt }];
@@ -435,6 +438,7 @@ async function sendPlay() {
   out.append(span);
   const text = document.createTextNode("");
   out.append(text);
+  $("p-timeline").replaceChildren();
   playAbort = new AbortController();
   $("p-send").disabled = true;
   $("p-stop").disabled = false;
@@ -462,6 +466,7 @@ async function sendPlay() {
         if (data === "[DONE]") return;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
+        if (k === 0 && chunk.usage && chunk.usage.timing) showTimeline(chunk.usage.timing);
         const choice = chunk.choices && chunk.choices[0];
         if (!choice) return;
         const delta = mode === "chat" ? (choice.delta && choice.delta.content) || "" : choice.text || "";
@@ -487,6 +492,39 @@ async function sendPlay() {
     $("p-stop").disabled = true;
     playAbort = null;
   }
+}
+
+// one request's timeline, from the engine's timestamps: queue, prefill (its chunks), decode (its steps)
+function showTimeline(t) {
+  const box = $("p-timeline");
+  box.replaceChildren();
+  const parts = [
+    ["queue", t.queue_ms, "waiting to be scheduled"],
+    ["prefill", t.prefill_ms, `${t.prefill_chunks} chunk(s), ${t.cached_prompt_tokens} prompt tokens from the cache` +
+      (t.kv_loaded_tokens ? `, ${t.kv_loaded_tokens} loaded in ${ms(t.kv_load_ms)}` : "")],
+    ["decode", t.decode_ms, `${t.decode_steps} step(s)`],
+  ].filter(([, v]) => v !== null && v !== undefined);
+  const total = Math.max(t.total_ms || 0, parts.reduce((a, [, v]) => a + v, 0), 1e-9);
+  const bar = document.createElement("div");
+  bar.className = "tl-bar";
+  const legend = document.createElement("div");
+  legend.className = "legend mono";
+  for (const [name, v, what] of parts) {
+    const seg = document.createElement("span");
+    seg.className = "tl-" + name;
+    seg.style.width = (100 * v / total).toFixed(2) + "%";
+    seg.title = `${name}: ${ms(v)} (${what})`;
+    bar.append(seg);
+    const item = document.createElement("span");
+    item.innerHTML = `<i class="tl-${name}"></i>`;
+    item.append(`${name} ${ms(v)} · ${what}`);
+    legend.append(item);
+  }
+  const more = document.createElement("span");
+  more.textContent = `TTFT ${ms(t.ttft_ms)} · total ${ms(t.total_ms)}` +
+    (t.preemptions ? ` · preempted ${t.preemptions}x (recomputed)` : "");
+  legend.append(more);
+  box.append(bar, legend);
 }
 
 function showPlayStats(t0, times, tokens) {
