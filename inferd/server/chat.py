@@ -29,7 +29,7 @@ from inferd.server.protocol import (
 )
 from inferd.server.sse import DONE, SSEResponse, event
 from inferd.server.state import ServerState, new_id
-from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit, unless_disconnected
+from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit_request, unless_disconnected
 from inferd.structured.tool_plan import ToolPlan
 
 
@@ -41,17 +41,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs, tools=tools
     )
     request_id = new_id("chatcmpl")
-    streams = await submit(
-        state.async_engine,
-        request_id,
-        [prompt],
-        params,
-        req.cache_salt,
-        lora_name,
-        req.priority,
-        req.ttft_deadline,
-        trace=state.trace(raw.headers, params),
-    )
+    streams = await submit_request(state, raw, req, request_id, [prompt], params, lora_name)
     headers = {"X-Request-Id": request_id}
     if params.resume_token_ids:
         headers[RESUMED_HEADER] = str(len(params.resume_token_ids))

@@ -23,7 +23,7 @@ from inferd.server.params import completion_params, usage_options
 from inferd.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from inferd.server.sse import DONE, SSEResponse, event
 from inferd.server.state import ServerState, new_id
-from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit, unless_disconnected
+from inferd.server.streams import ClientDisconnected, final_outputs, iterate, submit_request, unless_disconnected
 
 
 async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
@@ -51,17 +51,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if params.resume_token_ids and len(prompt_ids) > 1:
         raise APIError(400, "resume continues one prompt's stream: send one prompt", param="resume")
     request_id = new_id("cmpl")
-    streams = await submit(
-        state.async_engine,
-        request_id,
-        prompt_ids,
-        params,
-        req.cache_salt,
-        lora_name,
-        req.priority,
-        req.ttft_deadline,
-        trace=state.trace(raw.headers, params),
-    )
+    streams = await submit_request(state, raw, req, request_id, prompt_ids, params, lora_name)
     try:
         echoes = [
             (t if t is not None else await state.decode_async(ids)) if req.echo and req.resume is None else ""

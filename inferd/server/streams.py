@@ -15,9 +15,22 @@ from inferd.request import sub_request_id
 from inferd.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from inferd.server.state import ServerState
     from inferd.tracing import TraceStart
 
 T = TypeVar("T")
+
+
+async def submit_request(
+    state: ServerState, raw: Request, req, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    lora_name: str | None,
+) -> list[tuple[str, RequestStream]]:  # fmt: skip
+    """`submit` an OpenAI request's prompts with what every such request carries: its cache salt, priority and
+    TTFT deadline (`req`'s fields) and its trace context (`raw`'s headers)."""
+    return await submit(
+        state.async_engine, request_id, prompts, params, req.cache_salt, lora_name, req.priority, req.ttft_deadline,
+        trace=state.trace(raw.headers, params),
+    )  # fmt: skip
 
 
 class ClientDisconnected(Exception):

@@ -154,6 +154,7 @@ def test_the_router_scores_a_publishing_replica_on_its_kv_events(monkeypatch):
     router._replica_queue_len_cache = {}  # noqa: SLF001
     try:
         events = {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": ""}
+
         class Id(str):  # a ReplicaID as the router uses it: hashable, with its full id
             def to_full_id_str(self) -> str:
                 return str(self)
