@@ -60,13 +60,23 @@ def layout_of(kv: KVCaches) -> KVLayout:
     return KVLayout(len(kv), k.shape[1], k.shape[2], k.shape[3], str(k.dtype).removeprefix("torch."))
 
 
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as 32-bit words along its last dimension where they split evenly (torch's CPU index ops move
+    bytes one at a time, about 6x slower on a block of K/V), else as bytes. Any dtype, fp8 included (torch's CPU
+    index ops have no fp8 kernels): a copy through this view copies the bytes as they are."""
+    b = t.view(torch.uint8)
+    if b.shape[-1] % 4 == 0 and b.storage_offset() % 4 == 0:
+        return b.view(torch.int32)
+    return b
+
+
 def _rows(kv: KVCaches, block_ids: Sequence[int]) -> list[torch.Tensor]:
     """Per layer, K then V of the given blocks as [m, block bytes] uint8 tensors on the CPU."""
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv[0][0].device)
     out = []
     for k, v in kv:
         for t in (k, v):
-            rows = t.view(torch.uint8).index_select(0, idx).contiguous()
+            rows = as_words(t).index_select(0, idx).contiguous().view(torch.uint8)
             out.append(rows.reshape(len(block_ids), -1).cpu())
     return out
 
@@ -110,8 +120,11 @@ def copy_blocks(src: KVCaches, src_ids: Sequence[int], dst: KVCaches, dst_ids: S
     s = torch.tensor(list(src_ids), dtype=torch.long, device=src[0][0].device)
     d = torch.tensor(list(dst_ids), dtype=torch.long, device=dst[0][0].device)
     for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
-        for a, b in ((sk, dk), (sv, dv)):  # as bytes: torch's CPU index ops have no fp8 kernels
-            b.view(torch.uint8).index_copy_(0, d, a.view(torch.uint8).index_select(0, s).to(b.device))
+        for a, b in ((sk, dk), (sv, dv)):
+            to, fro = as_words(b), as_words(a)
+            if to.dtype != fro.dtype:  # one side's rows do not split into words: both as bytes
+                to, fro = b.view(torch.uint8), a.view(torch.uint8)
+            to.index_copy_(0, d, fro.index_select(0, s).to(b.device))
 
 
 def host_identity() -> str:

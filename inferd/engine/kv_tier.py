@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from inferd.disagg.transport import as_words
 from inferd.prefix_hash import BlockHash
 
 if TYPE_CHECKING:
@@ -187,8 +188,7 @@ class KVTiers:
             if disk_path is None:
                 raise ValueError("a disk KV tier needs a file path")
             tiers.append(TierStore(DISK, disk_blocks, block_shape, Path(disk_path)))
-        word = torch.int32 if (k.shape[-1] * k.element_size()) % 4 == 0 else torch.uint8
-        return cls(tiers, caches, events, word=word) if tiers else None
+        return cls(tiers, caches, events, word=as_words(k).dtype) if tiers else None
 
     def describe(self) -> str:
         mib = lambda t: t.data.numel() / 1024**2  # noqa: E731
