@@ -205,6 +205,11 @@ class ResumeConfig(_Model):
     max_attempts: int = Field(
         2, ge=1, description="requests sent to resume one stream; past them a break ends it with the error event"
     )
+    seed_unseeded: bool = Field(
+        True,
+        description="a sampled stream without a seed gets one from the gateway (returned in x-inferd-seed), so it "
+        "can be continued exactly; off: such a stream ends with the error event when its replica fails",
+    )
 
 
 class RouteConfig(_Model):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from inferd.sampling import RESUMED_HEADER  # an inferd replica's answer to `resume`
 
-__all__ = ["RESUMED_HEADER", "StreamState", "continuation", "refuses_resume", "why_not_resumable"]
+__all__ = ["RESUMED_HEADER", "SEED_HEADER", "StreamState", "continuation", "refuses_resume", "why_not_resumable"]
 _TOKEN_IDS = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')  # digits only: it cannot match in a string
 
 
@@ -44,6 +44,9 @@ def is_greedy(body: dict) -> bool:
 def is_seeded(body: dict) -> bool:
     seed = body.get("seed")
     return isinstance(seed, int) and not isinstance(seed, bool)
+
+
+SEED_HEADER = "x-inferd-seed"  # the seed the gateway gave a sampled stream that had none (ResumeConfig.seed_unseeded)
 
 
 def why_not_resumable(kind: str, body: dict, n: int, num_prompts: int) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,9 +55,11 @@ from inferd.gateway.proxy import (
 from inferd.gateway.replicas import Pool
 from inferd.gateway.resume import (
     RESUMED_HEADER,
+    SEED_HEADER,
     StreamState,
     continuation,
     is_greedy,
+    is_seeded,
     left_to_generate,
     refuses_resume,
     why_not_resumable,
@@ -408,8 +411,12 @@ class Gateway:
         targets = st.router.plan(info.model)
         flight = Flight(self, tenant, info, arrived)
         self._trace(flight, raw)
+        seed = None
         if info.stream and route.resume.enabled:
             flight.resume = route.resume
+            if route.resume.seed_unseeded and not (is_greedy(body) or is_seeded(body)):
+                # any seed samples as well as none, and a seeded stream's tokens can be continued exactly
+                seed = body["seed"] = secrets.randbits(63)
             flight.unresumable = why_not_resumable(kind, body, info.n, info.num_prompts)
             if flight.unresumable is None:  # the token ids of each chunk: where a continuation takes over
                 body["return_token_ids"], info.client_wants_ids = True, body.get("return_token_ids") is True
@@ -417,6 +424,8 @@ class Gateway:
         deadline = arrived + st.config.request_timeout_s
         prompt = await self._prompt_tokens(st, targets[0], kind, body)
         await self._reserve(flight, prompt)
+        if seed is not None:
+            flight.extra_headers[SEED_HEADER] = str(seed)
         try:
             if info.stream:
                 body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}

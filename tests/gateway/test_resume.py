@@ -98,15 +98,19 @@ def _events(raw: bytes) -> list[str]:
     return [e for e in raw.decode().split("\n\n") if e]
 
 
-def _stream_until_cut(gw_url: str, path: str, body: dict, victim: Proc, kill_too: Proc | None = None) -> bytes:
+def _stream_until_cut(
+    gw_url: str, path: str, body: dict, victim: Proc, kill_too: Proc | None = None, headers: dict | None = None
+) -> bytes:
     """Stream `body` through the gateway until it lands on `victim` (round robin), freeze the victim after the
-    first bytes and kill it; the whole stream the client got."""
+    first bytes and kill it; the whole stream the client got (and its response headers in `headers`)."""
     for _ in range(4):
         with httpx.stream("POST", f"{gw_url}{path}", json=body, timeout=60) as r:
             assert r.status_code == 200
             if r.headers["x-inferd-replica"] != victim.url:
                 r.read()
                 continue
+            if headers is not None:
+                headers.update(r.headers)
             chunks = r.iter_raw()
             got = next(chunks)
             os.kill(victim.popen.pid, signal.SIGSTOP)  # mid-stream, whatever the machine's speed
@@ -196,9 +200,25 @@ def test_attempts_are_bounded_and_what_cannot_resume_ends_with_the_error_event(v
     assert "attempts were used" in gw.log.read_text()
 
 
-def test_a_sampled_stream_without_a_seed_is_not_resumed(replicas, victims, gateway):
+def test_a_sampled_stream_without_a_seed_is_seeded_by_the_gateway_and_resumed_exactly(replicas, victims, gateway):
     (victim,) = victims(1)
-    gw = gateway(_resume_config([victim.url, replicas[1].url]))
+    survivor = replicas[1]
+    gw = gateway(_resume_config([victim.url, survivor.url]))
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+    body |= {"stream": True, "return_token_ids": True}
+    headers: dict = {}
+    events = _events(_stream_until_cut(gw.url, "/v1/completions", body, victim, headers=headers))
+    seed = int(headers["x-inferd-seed"])
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    want_ids, want_text, _ = _tokens(_direct(survivor, "/v1/completions", {**body, "seed": seed}))
+    ids, text, _ = _tokens(events)
+    assert ids == want_ids and text == want_text and len(ids) == 300
+    assert _resumes(gw.url, "exact") == 1
+
+
+def test_a_sampled_stream_without_a_seed_is_not_resumed_when_the_gateway_seeds_none(replicas, victims, gateway):
+    (victim,) = victims(1)
+    gw = gateway(_resume_config([victim.url, replicas[1].url], seed_unseeded=False))
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 300, "ignore_eos": True, "temperature": 1.0}
     events = _events(_stream_until_cut(gw.url, "/v1/completions", {**body, "stream": True}, victim))
     assert json.loads(events[-1][6:])["error"]["code"] == "stream_broken"
