@@ -66,7 +66,8 @@ def trial(args, logs: Path, seed: int, victim_by: str) -> dict:
         ranked = drain_order([SimpleNamespace(url=r.url, started=r.started) for r in reps], rates)
         drawn = random.Random(seed * 7919).choice(reps).url
         victim = ranked[0].url if victim_by == "cache_aware" else drawn
-        next(r for r in reps if r.url == victim).stop()
+        victim_at = [r.url for r in reps].index(victim)
+        reps[victim_at].stop()
         time.sleep(2)  # the gateway's health checks mark it down
         after = send_all(gateway.url, requests[args.warm :], concurrency=args.concurrency)
         ok = [o for o in after if o.success]
@@ -77,7 +78,7 @@ def trial(args, logs: Path, seed: int, victim_by: str) -> dict:
             "victim_by": victim_by,
             "victim_hit_rate_rank": [s.url for s in ranked].index(victim),  # 0: the fewest recent hits
             "hit_rates_blocks_per_s": {str(i): round(rates.get(r.url, 0.0), 3) for i, r in enumerate(reps)},
-            "victim": str(reps.index(next(r for r in reps if r.url == victim))),
+            "victim": str(victim_at),
             "failed": len(after) - len(ok),
             "ttft_mean_s": round(sum(ttfts) / len(ttfts), 3),
             "ttft_p50_s": round(percentile(ttfts, 50), 3),

@@ -272,7 +272,7 @@ class KVCacheManager:
         goes without the dropped entry."""
         offloaded = computed.offloaded
         if not offloaded:
-            return self.pool.allocate(n) if n else []
+            return self.pool.allocate(n)
         with self.tiers.pin(offloaded):  # the allocation offloads evicted blocks, which must not push these out
             new = self.pool.allocate(n)
         if self.tiers.load(offloaded, [b.block_id for b in new[: len(offloaded)]]):

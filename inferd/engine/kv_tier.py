@@ -119,12 +119,6 @@ class TierStore:
         self._free = list(range(capacity - 1, -1, -1))
         self.stats = TierStats(capacity)
 
-    def get(self, key: BlockHash, token_ids: Sequence[int]) -> TierEntry | None:
-        entry = self.entries.get(key)
-        if entry is None or entry.token_ids != tuple(token_ids):
-            return None
-        return entry
-
     def touch(self, entry: TierEntry) -> None:
         self.entries.move_to_end(entry.key)
 

@@ -69,7 +69,7 @@ from inferd.gateway.store import redis_client
 from inferd.gateway.tokens import PoolTokenizer, PromptTokens
 from inferd.prefix_hash import adapter_salt, block_hashes
 from inferd.prompts import check_prompt
-from inferd.tracing import TRACE_HEADERS, extract, inject, make_tracer
+from inferd.tracing import TRACE_HEADERS, extract, inject, make_tracer, wall_ns
 
 logger = logging.getLogger(__name__)
 
@@ -450,7 +450,7 @@ class Gateway:
         attrs = {"gen_ai.request.model": flight.info.model, "inferd.tenant": flight.tenant_id,
                  "inferd.stream": flight.info.stream}  # fmt: skip
         # its start is the request's arrival (the body was read by now)
-        start = time.time_ns() - int((time.monotonic() - flight.arrived) * 1e9)
+        start = wall_ns(flight.arrived, time.monotonic(), time.time_ns())
         flight.span = self.tracer.start_span(
             "gateway_request", extract(raw.headers), SpanKind.SERVER, attrs, start_time=start
         )
