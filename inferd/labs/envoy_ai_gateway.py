@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-
-import httpx
 
 from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
@@ -18,110 +15,66 @@ DEFINITION = "token-aware rate limiting, model routing, and multi-tenant traffic
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]  # token ids: the gateway counts them exactly, no tokenizer needed
 M = 4
 COST = len(PROMPT) + M  # tokens one request reserves and, with ignore_eos, uses
+LIMIT = 3 * COST + COST - 1  # tenant 'exact': three requests fit, and one token short of a fourth
+BUDGET = 10 * COST  # tenants 'heavy' and 'light' each
+OUT_LIMIT, RESERVE = 1000, 64  # tenant 'settle': output tokens per window, and what one request asks for
 
 
-def _tenant(name: str, **limits) -> dict:
-    key = f"sk-lab-{name}"
-    return {"id": name, "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()], "limits": limits}
+def _tenant(name: str, **tokens: int) -> dict:
+    key_hash = hashlib.sha256(f"sk-lab-{name}".encode()).hexdigest()
+    return {"id": name, "api_key_sha256": [key_hash], "limits": {"tokens": tokens}}
 
 
-def _post(url: str, tenant: str, **body) -> httpx.Response:
-    auth = {"Authorization": f"Bearer sk-lab-{tenant}"}
-    return complete(url, PROMPT, body.pop("max_tokens", M), headers=auth, **body)
+def _post(url: str, tenant: str, max_tokens: int = M, **body):
+    return complete(url, PROMPT, max_tokens, headers={"Authorization": f"Bearer sk-lab-{tenant}"}, **body)
 
 
-@dataclass
-class Exact:
-    """Tenant 'exact': requests until one is refused, then one asking for exactly what remains."""
-
-    limit: int
-    cost: int
-    admitted: int
-    used_at_refusal: int
-    remaining_at_refusal: int
-    refused_status: int
-    exact_fit_ok: float
+def exact_budget(url: str) -> dict[str, float]:
+    """Tenant 'exact': four requests (the fourth is one token short), then one asking for exactly what remains."""
+    rs = [_post(url, "exact") for _ in range(4)]
+    used = sum(r.json()["usage"]["total_tokens"] for r in rs if r.status_code == 200)
+    fit = _post(url, "exact", max_tokens=M - 1)
+    n = dict(limit=LIMIT, cost=COST, admitted=sum(r.status_code == 200 for r in rs), used_at_refusal=used)
+    n |= dict(used_plus_cost=used + COST, refused_status=rs[-1].status_code, exact_fit_ok=float(fit.status_code == 200))
+    return n | {"remaining_at_refusal": int(rs[-1].headers["x-ratelimit-remaining-tokens"])}
 
 
-def exact_budget(url: str) -> Exact:
-    limit = 3 * COST + (COST - 1)  # three requests fit, and one token short of a fourth
-    statuses, used = [], 0
-    for _ in range(4):
-        r = _post(url, "exact")
-        statuses.append(r.status_code)
-        if r.status_code == 200:
-            used += r.json()["usage"]["total_tokens"]
-        else:
-            remaining = int(r.headers["x-ratelimit-remaining-tokens"])
-    fit = _post(url, "exact", max_tokens=M - 1)  # asks for exactly what remains
-    return Exact(limit, COST, statuses.count(200), used, remaining, statuses[-1], float(fit.status_code == 200))
-
-
-@dataclass
-class Settled:
-    """A request that reserves 64 output tokens but stops early on a stop string: what is charged?"""
-
-    out_limit: int
-    reserved: int
-    reserved_seen: int  # at admission, from the remaining-tokens header
-    actual: int
-    charged: int
-    settle_error: int
-
-
-def reserve_settle(url: str, replica_url: str) -> Settled:
-    limit, reserve = 1000, 64
+def reserve_settle(url: str, replica_url: str) -> dict[str, float]:
+    """A request reserving RESERVE output tokens that stops early on a stop string, then a 1-token one: the
+    remaining-output header after the second shows what the first was charged."""
     greedy = complete(replica_url, PROMPT, 8).json()["choices"][0]["text"]
-    r1 = _post(url, "settle", max_tokens=reserve, ignore_eos=True, stop=[greedy] if greedy else None)
-    actual = r1.json()["usage"]["completion_tokens"]
-    at_admission = int(r1.headers["x-ratelimit-remaining-output-tokens"])
+    r = _post(url, "settle", max_tokens=RESERVE, stop=[greedy] if greedy else None)
     after = int(_post(url, "settle", max_tokens=1).headers["x-ratelimit-remaining-output-tokens"])
-    charged = limit - 1 - after
-    return Settled(limit, reserve, limit - at_admission, actual, charged, abs(charged - actual))
+    actual, charged = r.json()["usage"]["completion_tokens"], OUT_LIMIT - 1 - after
+    seen = OUT_LIMIT - int(r.headers["x-ratelimit-remaining-output-tokens"])
+    n = dict(reserved=RESERVE, reserved_seen=seen, actual=actual, charged=charged)
+    return n | {"settle_error": abs(charged - actual)}
 
 
-@dataclass
-class Fairness:
-    """Tenant 'heavy' floods while 'light' keeps within the same budget."""
-
-    budget: int
-    heavy_sent: int
-    heavy_ok: int
-    heavy_429: int
-    heavy_tokens: int
-    light_sent: int
-    light_ok: int
-    light_ok_pct: float
-
-
-def fairness(url: str) -> Fairness:
-    heavy, light = [], []
-    with ThreadPoolExecutor(8) as pool:  # interleaved: light's requests arrive in the middle of heavy's flood
+def fairness(url: str) -> dict[str, float]:
+    """Tenant 'heavy' sends 30 requests at once; 'light', with the same budget, 8 in the middle of the flood."""
+    with ThreadPoolExecutor(8) as pool:
+        heavy, light = [], []
         for i in range(30):
             heavy.append(pool.submit(_post, url, "heavy"))
-            if i % 4 == 1 and len(light) < 8:
+            if i % 4 == 1:
                 light.append(pool.submit(_post, url, "light"))
-        light += [pool.submit(_post, url, "light") for _ in range(8 - len(light))]
         heavy_codes = [f.result().status_code for f in heavy]
-        light_codes = [f.result().status_code for f in light]
+        light_ok = sum(f.result().status_code == 200 for f in light)
     ok = heavy_codes.count(200)
-    light_ok = light_codes.count(200)
-    return Fairness(10 * COST, 30, ok, heavy_codes.count(429), ok * COST, 8, light_ok, 100 * light_ok / 8)
+    n = dict(
+        budget=BUDGET, heavy_sent=len(heavy), heavy_ok=ok, heavy_429=heavy_codes.count(429), heavy_tokens=ok * COST
+    )
+    return n | dict(light_sent=len(light), light_ok=light_ok, light_ok_pct=100 * light_ok / len(light))
 
 
 def measure(ctx: LabContext) -> Measurement:
-    replicas = ctx.any_replicas()
-    tenants = [
-        _tenant("exact", tokens={"total": 3 * COST + COST - 1}),
-        _tenant("settle", tokens={"output": 1000}),
-        _tenant("heavy", tokens={"total": 10 * COST}),
-        _tenant("light", tokens={"total": 10 * COST}),
-    ]
+    replica = ctx.any_replicas()[0]
+    tenants = [_tenant("exact", total=LIMIT), _tenant("settle", output=OUT_LIMIT)]
+    tenants += [_tenant("heavy", total=BUDGET), _tenant("light", total=BUDGET)]
     with ctx.scoped():
-        gw = ctx.gateway(replicas[:1], tenants=tenants)
-        exact, settled, fair = exact_budget(gw.url), reserve_settle(gw.url, replicas[0].url), fairness(gw.url)
-    n = asdict(exact) | asdict(settled) | asdict(fair)
-    n["used_plus_cost"] = exact.used_at_refusal + COST
+        url = ctx.gateway([replica], tenants=tenants).url
+        n = exact_budget(url) | reserve_settle(url, replica.url) | fairness(url)
     return Measurement(numbers=n, settings={"prompt_tokens": len(PROMPT), "max_tokens": M})
 
 
@@ -130,25 +83,23 @@ def explain(m: Measurement) -> Explanation:
         m.decide(
             "used_plus_cost > limit",
             must=True,
-            yes="Tenant 'exact' had {limit} tokens per window and each request costs {cost} (prompt + max_tokens): "
-            "{admitted} were served, using {used_at_refusal}; the next was refused with HTTP {refused_status}, "
-            "because it needed {cost} and {remaining_at_refusal} remained ({used_plus_cost} would pass the limit).",
+            yes="Tenant 'exact' had {limit} tokens per window at {cost} a request (prompt + max_tokens): {admitted} "
+            "were served ({used_at_refusal} tokens) and the next refused with HTTP {refused_status}, since "
+            "{used_plus_cost} would pass the limit.",
             no="The gateway refused a request although {used_plus_cost} tokens were within the {limit} limit.",
         ),
         m.decide(
             "exact_fit_ok >= 1.0",
             must=True,
-            yes="A request asking for exactly the {remaining_at_refusal} remaining tokens was then served "
-            "({exact_fit_ok} = yes): the limit is exact, not approximate.",
+            yes="A request for exactly the {remaining_at_refusal} tokens left was then served ({exact_fit_ok} = "
+            "yes): the limit is exact.",
             no="A request for exactly the remaining tokens was refused ({exact_fit_ok} = no).",
         ),
         m.decide(
             "charged < reserved",
-            yes="Reserve vs settle: a request asking for up to {reserved} output tokens had {reserved_seen} reserved "
-            "at admission, stopped on a stop string after {actual}, and the window was charged {charged}: the "
-            "reservation was settled to the real usage and the rest given back.",
-            no="Reserve vs settle: the request reserved {reserved} output tokens and was charged {charged} (it "
-            "produced {actual}).",
+            yes="A request for up to {reserved} output tokens had {reserved_seen} reserved at admission, stopped on "
+            "a stop string after {actual} and was charged {charged}: the reservation settles to the real usage.",
+            no="A request that reserved {reserved} output tokens was charged {charged} (it produced {actual}).",
         ),
         m.decide(
             "settle_error <= 0.0",
@@ -159,8 +110,8 @@ def explain(m: Measurement) -> Explanation:
         m.decide(
             "heavy_tokens <= budget",
             must=True,
-            yes="Under contention, tenant 'heavy' sent {heavy_sent} requests at once: {heavy_ok} were served "
-            "({heavy_tokens} tokens, within its {budget}) and {heavy_429} refused with 429.",
+            yes="Tenant 'heavy' sent {heavy_sent} requests at once: {heavy_ok} were served ({heavy_tokens} tokens, "
+            "within its {budget}) and {heavy_429} refused with 429.",
             no="Tenant 'heavy' was served {heavy_tokens} tokens, past its budget of {budget}.",
         ),
         m.decide(
@@ -171,15 +122,15 @@ def explain(m: Measurement) -> Explanation:
         ),
     ]
     intro = [
-        "inferd's gateway does the same job in one Python process: it counts each request's prompt tokens "
-        "exactly, reserves prompt + max_tokens against the tenant's budget at admission (refusing with 429 and "
-        "OpenAI's x-ratelimit-* headers when it does not fit), and settles to the real usage when the response "
-        "ends. This lab ran it in front of a real inferd replica.",
+        "inferd's gateway does the same job in one Python process, here in front of a real inferd replica: it "
+        "counts each request's prompt tokens exactly, reserves prompt + max_tokens against the tenant's budget "
+        "at admission (refusing with 429 and OpenAI's x-ratelimit-* headers when it does not fit), and settles "
+        "to the real usage when the response ends.",
     ]
     why = [
-        "Why it matters: tokens, not requests, are what cost money on an LLM platform; budgets per tenant in "
-        "tokens keep one team's batch job from starving another's chat, and settling to real usage keeps the "
-        "budgets honest when answers stop early."
+        "Why it matters: tokens, not requests, are what cost money on an LLM platform; per-tenant token budgets "
+        "keep one team's batch job from starving another's chat, and settling keeps them honest when answers "
+        "stop early."
     ]
     return Explanation(intro, claims, why)
 
