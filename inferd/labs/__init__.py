@@ -13,30 +13,11 @@ from __future__ import annotations
 import importlib
 
 # in the order `inferd lab all` runs them (and the report lists them)
-LAB_MODULES = [
-    "prefill",
-    "decode",
-    "disaggregated",
-    "kv_cache",
-    "paged_attention",
-    "continuous_batching",
-    "ttft",
-    "itl",
-    "throughput",
-    "goodput",
-    "vllm",
-    "tensorrt_llm",
-    "sglang",
-    "structured_generation",
-    "speculative_decoding",
-    "kserve",
-    "ray_serve",
-    "dynamo",
-    "envoy_ai_gateway",
-    "autoscaling",
-    "gpu_economics",
-    "cost",
-]
+_MECHANICS = ["prefill", "decode", "disaggregated", "kv_cache", "paged_attention", "continuous_batching"]
+_METRICS = ["ttft", "itl", "throughput", "goodput"]
+_ENGINES = ["vllm", "tensorrt_llm", "sglang", "structured_generation", "speculative_decoding"]
+_PLATFORMS = ["kserve", "ray_serve", "dynamo", "envoy_ai_gateway", "autoscaling"]
+LAB_MODULES = [*_MECHANICS, *_METRICS, *_ENGINES, *_PLATFORMS, "gpu_economics", "cost"]
 
 
 def all_labs() -> list:

@@ -1,14 +1,11 @@
 """What a lab is: a glossary term, a measurement on this machine, and an explanation built from the numbers.
 
-A lab measures (`Measurement`: flat numbers, plot series, the settings used), then explains: paragraphs of
-plain text and `Claim`s. A claim is a sentence with its measured numbers in it *and* the relation it states
-(`left op factor x right`, over the measurement's numbers), so anyone holding the JSON can check that the
-sentence is true of the numbers (`Claim.holds`). Claims are decided from the numbers (`decide`): where this
-machine bears the textbook out the lab says so; where it does not, the lab says that instead, with the
-opposite relation, and `agrees` records which. A claim marked `must` is an invariant no machine may
-contradict (paged concurrency above contiguous, goodput at or below throughput): its relation is fixed, so
-numbers that break it leave a claim false of its numbers, which `inferd lab` reports, naming the claim,
-before it exits non-zero.
+A lab measures (`Measurement`: flat numbers, plot series, settings), then explains: plain paragraphs and
+`Claim`s. A claim is a sentence with its numbers in it and the relation it states over them (`left op right`),
+so anyone holding the JSON can check it (`Claim.holds`). `decide` tells the textbook's sentence where the
+numbers bear it out, else the other one with the opposite relation (`agrees` records which). A `must` claim is
+an invariant no machine may contradict: its relation never flips, so numbers that break it leave a false
+claim, which `inferd lab` names before it exits non-zero.
 """
 
 from __future__ import annotations
@@ -20,39 +17,31 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from inferd.labs.context import LabContext
 
-_OPS: dict[str, Callable[[float, float], bool]] = {
-    "<": operator.lt,
-    "<=": operator.le,
-    ">": operator.gt,
-    ">=": operator.ge,
-}
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}
 
 
 def fmt(x: float) -> str:
     """How every number appears in a lab's text: three significant figures, no exponent for everyday sizes."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return str(x)
     if x == 0:
         return "0"
+    if not math.isfinite(x):
+        return str(x)
     a = abs(x)
     if float(x).is_integer() and a < 1e9:
         return f"{int(x):,}"
-    if a >= 1000:
-        return f"{x:,.0f}"
     if a >= 100:
-        return f"{x:.0f}"
+        return f"{x:,.0f}"
     if a >= 10:
         return f"{x:.1f}"
     if a >= 1:
         return f"{x:.2f}"
-    if a >= 0.001:
-        return f"{x:.3g}"
-    return f"{x:.2e}"
+    return f"{x:.3g}" if a >= 0.001 else f"{x:.2e}"
 
 
 @dataclass
@@ -81,31 +70,20 @@ class Claim:
         return [fmt(float(numbers[s])) for s in (self.left, self.right) if isinstance(s, str)]
 
 
-def decide(
-    numbers: dict[str, float],
-    relation: str,
-    *,
-    yes: str,
-    no: str,
-    textbook: bool = True,
-    must: bool = False,
-) -> Claim:
-    """The claim `relation` ("left op right", right a key or a number, e.g. "paged > contiguous"), told with
-    `yes` where the numbers bear it out, else with `no` and the opposite relation. A `must` claim is an
-    invariant: told with `no` where the numbers break it, it keeps its relation, so it is false of them and
-    the run that made it fails. Templates name numbers as {key}, formatted with `fmt`."""
+def decide(numbers: dict, relation: str, *, yes: str, no: str, textbook: bool = True, must: bool = False) -> Claim:
+    """The claim `relation` ("left op right", right a key or a number), told with `yes` where the numbers bear
+    it out, else with `no` and the opposite relation (a `must` claim keeps its relation, and is false). The
+    templates name numbers as {key}, formatted with `fmt`; `textbook=False`: neither side is the glossary's."""
     left, op, right_text = relation.split()
     try:
         right: str | float = float(right_text)
     except ValueError:
         right = right_text
-    probe = Claim("", left, op, right)
     shown = {k: fmt(v) for k, v in numbers.items() if isinstance(v, int | float)}
-    if probe.holds(numbers):
+    if Claim("", left, op, right).holds(numbers):
         return Claim(yes.format(**shown), left, op, right, True if textbook else None, must)
-    if must:
-        return Claim(no.format(**shown), left, op, right, False, must)
-    return Claim(no.format(**shown), left, _NEGATE[op], right, False if textbook else None, must)
+    flipped = op if must else _NEGATE[op]
+    return Claim(no.format(**shown), left, flipped, right, False if textbook or must else None, must)
 
 
 @dataclass
@@ -121,6 +99,11 @@ class Measurement:
         """`decide` over this measurement's numbers."""
         return decide(self.numbers, relation, **told)
 
+    def ends(self, *keys: str) -> None:
+        """numbers `<key>_lo` and `<key>_hi`: the first and last point of each series (a sweep's two ends)."""
+        for k in keys:
+            self.numbers[f"{k}_lo"], self.numbers[f"{k}_hi"] = self.series[k][0], self.series[k][-1]
+
 
 @dataclass
 class Explanation:
@@ -131,15 +114,9 @@ class Explanation:
     claims_heading: str = "What this machine showed:"
 
     def text(self, title: str) -> str:
-        parts = [title, *self.intro]
-        if self.claims:
-            parts.append(self.claims_heading + "\n" + "\n".join(f"- {_marked(c)}" for c in self.claims))
-        parts += self.why
-        return "\n\n".join(parts)
-
-
-def _marked(claim: Claim) -> str:
-    return f"INVARIANT BROKEN: {claim.text}" if claim.must and claim.agrees is False else claim.text
+        marked = [f"- {'INVARIANT BROKEN: ' if c.must and c.agrees is False else ''}{c.text}" for c in self.claims]
+        claims = [self.claims_heading + "\n" + "\n".join(marked)] if self.claims else []
+        return "\n\n".join([title, *self.intro, *claims, *self.why])
 
 
 @dataclass(frozen=True)
@@ -154,6 +131,25 @@ class Lab:
     plot: Callable[[Measurement, Figure], None]
     measured_here: bool = True  # False: the lab reports a stored result (and says so)
     timed: bool = True  # False: its numbers are sizes and counts, which a busy machine does not change
+
+
+def lines(fig: Figure, x: list, ys: dict[str, list], style: str = "o-", **axes) -> Axes:
+    """One panel: each series of `ys` against `x`, labelled by its key; `axes`: title, labels, scales."""
+    ax = fig.subplots()
+    for label, y in ys.items():
+        ax.plot(x, y, style, label=label)
+    ax.set(**axes)
+    if len(ys) > 1:
+        ax.legend()
+    return ax
+
+
+def bars(fig: Figure, values: dict[str, float], **axes) -> Axes:
+    """One panel: a bar per key of `values`; `axes`: title, labels, scales."""
+    ax = fig.subplots()
+    ax.bar(list(values), list(values.values()))
+    ax.set(**axes)
+    return ax
 
 
 @dataclass

@@ -32,40 +32,23 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from inferd.labs import all_labs, find_lab
+    from inferd.labs.context import LabContext
+    from inferd.labs.runner import check_result, run_lab, write_glossary_page, write_report
 
     if args.target == "list":
-        for lab in all_labs():
-            print(f"{lab.name:22s} {lab.term}")
+        print("\n".join(f"{lab.name:22s} {lab.term}" for lab in all_labs()))
         return 0
     if args.price_per_hour is not None and args.price_per_hour <= 0:
         raise InferdError("--price-per-hour must be a positive number of dollars")
     if args.write_docs and args.quick:
         raise InferdError("--write-docs writes the glossary pages from a real model; drop --quick")
-    if args.target == "all":
-        labs = all_labs()
-    else:
-        lab = find_lab(args.target)
-        if lab is None:
-            names = ", ".join(x.name for x in all_labs())
-            raise InferdError(f"no lab named {args.target!r}; the labs are: {names}")
-        labs = [lab]
-    return _run_labs(labs, args)
-
-
-def _run_labs(labs, args: argparse.Namespace) -> int:
-    from inferd.labs.context import LabContext
-    from inferd.labs.runner import check_result, run_lab, write_glossary_page, write_report
-
+    labs = all_labs() if args.target == "all" else [find_lab(args.target)]
+    if labs == [None]:
+        names = ", ".join(x.name for x in all_labs())
+        raise InferdError(f"no lab named {args.target!r}; the labs are: {names}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # labs send hundreds of requests: no line each
     out = args.report if (args.report is not None and args.target == "all") else args.out
-    ctx = LabContext(
-        quick=args.quick,
-        model=args.model,
-        out=out,
-        device=args.device,
-        price_per_hour=args.price_per_hour,
-        fleet=args.fleet,
-    )
+    ctx = LabContext(args.quick, args.model, out, args.device, args.price_per_hour, args.fleet)
     results, problems = [], []
     try:
         for lab in labs:
@@ -80,8 +63,7 @@ def _run_labs(labs, args: argparse.Namespace) -> int:
                 continue
             results.append(result)
             problems += check_result(result)
-            print(result.text + "\n", flush=True)
-            print(f"(wrote {out / (lab.name + '.json')} and {out / result.plot})\n", flush=True)
+            print(f"{result.text}\n\n(wrote {out / (lab.name + '.json')} and {out / result.plot})\n", flush=True)
             if args.write_docs:
                 page = write_glossary_page(result, args.docs_dir)
                 shutil.copyfile(out / result.plot, args.docs_dir / result.plot)

@@ -1,19 +1,18 @@
-"""What every lab shares in one run: the model (loaded once per set of engine settings), this machine's
-measured matmul peak and memory bandwidth, the model's shape in bytes and FLOPs (both from the measuring
-library, `inferd.measure`, as the benchmarks take them), earlier labs' measurements (the cost lab
-reuses the goodput lab's when both run), and the real servers labs start on loopback through `inferd.procs`
-(`inferd serve`, its disaggregated roles, the proxy, the gateway), every one stopped when the run ends.
+"""What every lab of one run shares: the model (loaded once per set of engine settings), this machine's matmul
+peak and memory bandwidth and the model's bytes and FLOPs (`inferd.measure`), earlier labs' measurements, and
+the servers labs start on loopback through `inferd.procs`, every one stopped when the run ends.
 
-`--quick` swaps the default model for a tiny random-weight Llama built on the fly (`inferd.models.tiny`), so
-every lab finishes in seconds; its numbers show the mechanics, not a real model's speed, and each lab's
-text says which model it measured.
+`--quick` swaps the default model for a tiny random-weight Llama (`inferd.models.tiny`): every lab finishes in
+seconds, its numbers show the mechanics, not a real model's speed, and each lab's text names the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,80 +28,24 @@ from inferd.bench.datasets import BenchRequest
 from inferd.bench.metrics import ttft
 from inferd.bench.peers import home_path
 from inferd.bench.results import machine_info
-from inferd.config import DEFAULT_MODEL, engine_default
-from inferd.errors import ConfigError
+from inferd.config import DEFAULT_MODEL, EngineConfig, make_engine_config
 from inferd.measure.hardware import Hardware, measure_hardware
 from inferd.measure.model import ModelFacts, model_facts
-from inferd.procs import (
-    Proc,
-    free_port,
-    gateway_config,
-    metrics,
-    start_gateway,
-    start_proxy,
-    start_serve,
-    wait_http,
-)
+from inferd.models.tiny import is_tiny, tiny_model
+from inferd.procs import Proc, free_port, gateway_config, metrics, start_gateway, start_proxy, start_serve, wait_http
 
 if TYPE_CHECKING:
     from inferd.engine.engine import LLM
-    from inferd.labs.base import Measurement
+    from inferd.labs.base import Lab, Measurement
 
 KV_SECRET = "inferd-lab-kv-secret"  # loopback only, for this run's disaggregated instances
 START_TIMEOUT = 600.0  # a real model on a busy machine can take minutes to load
 
 
-def _is_default(name: str, value: Any) -> bool:
-    """A setting equal to the engine's default (`engine_default`) is dropped, so `llm(attention_backend="auto")`
-    is the same model as `llm()`."""
-    try:
-        return engine_default(name) == value
-    except ConfigError:
-        return False
-
-
-def _scheduler_fields() -> set[str]:
-    from dataclasses import fields
-
-    from inferd.config import SchedulerConfig
-
-    return {f.name for f in fields(SchedulerConfig)}
-
-
-def _speculative_fields() -> set[str]:
-    from dataclasses import fields
-
-    from inferd.config import SpeculativeConfig
-
-    return {f.name for f in fields(SpeculativeConfig)}
-
-
-def _only_scheduler_differs(old: dict, new: dict) -> bool:
-    changed = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
-    return changed <= _scheduler_fields() | _speculative_fields()
-
-
-def _set_scheduler(llm: LLM, settings: dict) -> None:
-    """Scheduling limits and speculative settings are read every step, so an idle engine takes new ones without
-    reloading the model."""
-    from inferd.config import SchedulerConfig, SpeculativeConfig
-
-    engine = llm.engine
-    if engine.has_unfinished_requests():
-        raise RuntimeError("cannot change scheduler settings while requests run")
-    config = SchedulerConfig(**{k: v for k, v in settings.items() if k in _scheduler_fields()})
-    config.validate()
-    engine.scheduler.config = config
-    engine.set_speculative(SpeculativeConfig(**{k: v for k, v in settings.items() if k in _speculative_fields()}))
-
-
 def describe_machine(device: str) -> dict:
-    info = machine_info()
-    info["device"] = device
-    if device.startswith("cuda") and torch.cuda.is_available():
+    info = machine_info() | {"device": device, "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
-    info["torch"] = torch.__version__
-    info["torch_threads"] = torch.get_num_threads()
     info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]  # read as a lab ends: its last minute
     return info
 
@@ -126,7 +69,7 @@ class LabContext:
     fleet: Path | None = None  # the fleet spec the KServe lab renders (None: examples/fleet.yaml)
     workdir: Path | None = None  # where tiny models and process logs go (a temp folder if None)
     measurements: dict[str, Measurement] = field(default_factory=dict)
-    _llm: tuple[tuple, LLM] | None = None
+    _llm: tuple[EngineConfig, LLM] | None = None
     _hardware: Hardware | None = None
     _facts: ModelFacts | None = None
     _closers: list[Callable[[], None]] = field(default_factory=list)
@@ -134,28 +77,15 @@ class LabContext:
     date: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
 
     def __post_init__(self) -> None:
-        if self.workdir is None:
-            import tempfile
-
-            self.workdir = Path(tempfile.mkdtemp(prefix="inferd-lab-"))
+        self.workdir = self.workdir or Path(tempfile.mkdtemp(prefix="inferd-lab-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.model is None:
-            if self.quick:
-                from inferd.models.tiny import tiny_model
-
-                self.model = str(tiny_model())
-            else:
-                self.model = DEFAULT_MODEL
+        self.model = self.model or (str(tiny_model()) if self.quick else DEFAULT_MODEL)
 
     @property
     def model_label(self) -> str:
         if self.model == DEFAULT_MODEL:
             return "Gemma 3 270M (gemma3-270m)"
-        from inferd.models.tiny import is_tiny
-
-        if is_tiny(self.model):
-            return "a tiny random-weight Llama (--quick)"
-        return Path(self.model).name
+        return "a tiny random-weight Llama (--quick)" if is_tiny(self.model) else Path(self.model).name
 
     def size(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -165,32 +95,33 @@ class LabContext:
         return self.size(1024, 2048)
 
     def llm(self, **settings) -> LLM:
-        """The model with these engine settings; the last one is kept, so labs in a row share it."""
+        """The model with these engine settings; the last one is kept, so labs in a row share it, and an idle
+        one takes new scheduling and speculative settings (read every step) without reloading."""
         from inferd.engine.engine import LLM
 
-        base = {
+        full = {
             "max_model_len": self.max_model_len,
             "kv_cache_memory": self.size(64, 512) * 2**20,
             "max_num_batched_tokens": self.max_model_len,  # a whole prompt in one step, unless a lab chunks it
             "device": self.device,
         }
         if self.quick:  # one thread: on a shared machine a second one mostly waits for its core
-            base["num_threads"] = 1
-            base["attention_backend"] = "torch"  # no native-kernel build in a quick run (the TensorRT lab asks)
-        full = {k: v for k, v in {**base, **settings}.items() if not _is_default(k, v)}
-        key = tuple(sorted(full.items()))
-        if self._llm is not None and self._llm[0] == key:
-            return self._llm[1]
-        if self._llm is not None and _only_scheduler_differs(dict(self._llm[0]), full):
-            llm = self._llm[1]
-            _set_scheduler(llm, full)
-            self._llm = (key, llm)
-            return llm
+            full |= {"num_threads": 1, "attention_backend": "torch"}  # no native-kernel build (the TensorRT lab asks)
+        full |= settings
+        config = make_engine_config(self.model, **full)
+        if self._llm is not None:
+            old, llm = self._llm
+            if dataclasses.replace(old, scheduler=config.scheduler, speculative=config.speculative) == config:
+                if old != config:
+                    config.validate()
+                    llm.engine.set_speculative(config.speculative)  # refused while requests run
+                    llm.engine.scheduler.config = config.scheduler
+                self._llm = (config, llm)
+                return llm
         self._llm = None
         gc.collect()
-        llm = LLM(self.model, **full)
-        self._llm = (key, llm)
-        return llm
+        self._llm = (config, LLM(self.model, **full))
+        return self._llm[1]
 
     @property
     def torch_device(self) -> torch.device:
@@ -200,26 +131,37 @@ class LabContext:
 
     def facts(self) -> ModelFacts:
         if self._facts is None:
-            engine = self.llm().engine
-            self._facts = model_facts(engine.model, engine.dtype, engine.kv_dtype, self.model_label)
+            e = self.llm().engine
+            self._facts = model_facts(e.model, e.dtype, e.kv_dtype, self.model_label)
         return self._facts
 
     def hardware(self) -> Hardware:
         if self._hardware is None:
-            engine = self.llm().engine
             n, nbytes, runs = self.size((512, 64 * 2**20, 3), (2048, 2**30, 5))
-            self._hardware = measure_hardware(engine.device, engine.dtype, n, nbytes, runs)
+            self._hardware = measure_hardware(self.llm().engine.device, self.llm().engine.dtype, n, nbytes, runs)
         return self._hardware
+
+    def measured(self, lab: Lab | str) -> Measurement:
+        """This run's measurement of a lab (by itself or its name), measured now if it has not run yet."""
+        if isinstance(lab, str):
+            from inferd.labs import find_lab
+
+            lab = find_lab(lab)
+        if lab.name not in self.measurements:
+            self.measurements[lab.name] = lab.measure(self)
+        return self.measurements[lab.name]
 
     # -- processes: real servers on loopback (`inferd.procs`), each stopped when the run ends ------------------
     def started(self, proc: Proc) -> Proc:
-        self.on_close(proc.stop)
+        self._closers.append(proc.stop)
         return proc
 
     def serve(self, *extra: str) -> Proc:
         """An `inferd serve` of this run's model as "m", one thread unless `extra` says otherwise (later flags
         win); wait for it with `wait`."""
-        return self.started(start_serve(self.model, self.workdir, "m", *self.replica_flags(), *extra))
+        flags = ["--device", self.device, "--max-model-len", str(self.max_model_len), "--kv-cache-memory", "256MiB"]
+        flags += ["--attention-backend", "torch"] if self.quick else []
+        return self.started(start_serve(self.model, self.workdir, "m", *flags, *extra))
 
     def prefill(self, *extra: str) -> tuple[Proc, str]:
         """A `--role prefill` instance and its KV channel's host:port (a `decode` instance's peer)."""
@@ -245,19 +187,13 @@ class LabContext:
 
     def replicas(self, count: int, *extra: str) -> list[Proc]:
         """`count` inferd replicas of this run's model, started once per set of flags and kept for later labs."""
-        key = (count, extra)
-        procs = self._replicas.get(key)
+        procs = self._replicas.get((count, extra))
         if not procs or not all(p.alive() for p in procs):  # none yet, or stopped (a `scoped` block's end)
-            procs = self._replicas[key] = [self.serve(*extra) for _ in range(count)]
+            procs = self._replicas[(count, extra)] = [self.serve(*extra) for _ in range(count)]
             self.wait(*procs)
         return procs
 
-    def replica_flags(self) -> list[str]:
-        """`inferd serve` flags every lab replica of this run starts with (a lab's own flags come after and win)."""
-        flags = ["--device", self.device, "--max-model-len", str(self.max_model_len), "--kv-cache-memory", "256MiB"]
-        return flags + (["--attention-backend", "torch"] if self.quick else [])
-
-    def any_replicas(self) -> list:
+    def any_replicas(self) -> list[Proc]:
         """Replicas this run already started (any flags), or one new one."""
         return next(iter(self._replicas.values()), None) or self.replicas(1)
 
@@ -271,9 +207,6 @@ class LabContext:
             while len(self._closers) > mark:
                 self._closers.pop()()
 
-    def on_close(self, fn: Callable[[], None]) -> None:
-        self._closers.append(fn)
-
     def close(self) -> None:
         while self._closers:
             self._closers.pop()()
@@ -283,8 +216,8 @@ class LabContext:
 
 
 def shown_path(path: Path) -> str:
-    """A path as a lab's text shows it: relative to the working directory when inside it (a checkout's
-    benchmarks/results/...), else with the home folder as ~, so a page written from the text names no user."""
+    """A path as a lab's text shows it: relative to the working directory when inside it, else with the home
+    folder as ~, so a page written from the text names no user."""
     path = Path(path).resolve()
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else home_path(path)
 
