@@ -71,7 +71,7 @@ def test_autoscaling_lab_compares_the_two_policies_on_one_trace(lab_run):
 def test_disaggregated_lab_reports_the_handoff_and_both_setups(lab_run):
     n = _result(lab_run, "disaggregated-prefill-decode").numbers
     for setup in ("colo", "dis"):
-        assert n[f"{setup}_failed"] == 0 and n[f"{setup}_shorts"] > 5 and n[f"{setup}_longs"] >= 2
+        assert n[f"{setup}_shorts"] > 5 and n[f"{setup}_longs"] >= 2  # a failed request fails the lab
         assert 0 < n[f"{setup}_itl_p50_ms"] <= n[f"{setup}_itl_p99_ms"] <= n[f"{setup}_itl_max_ms"]
     assert n["remote_prefills"] >= n["dis_longs"] and n["kv_blocks"] > 0  # the long prompts were handed over
     assert n["bytes_per_block"] == n["expected_bytes_per_block"] and n["leases_left"] == 0
