@@ -138,6 +138,11 @@ class SchedulerConfig:
         _check_fields(self)
 
 
+# self_draft's drafts are passes over the model's body: past a few running requests a step is no longer bound by
+# the weights' bytes, and they cost what they save
+SELF_DRAFT_MAX_RUNNING = 4
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (inferd/engine/spec_decode.py): drafts proposed per request, verified in one step."""
@@ -146,10 +151,12 @@ class SpeculativeConfig:
         None,
         "speculative decoding: ngram (prompt lookup: the tokens that followed the last n tokens' latest earlier "
         "occurrence in the request's own text) or suffix (suffix decoding: the most frequent continuation of the "
-        "request's text in suffix trees over its own prompt and output and over recent requests' outputs); "
-        "requests without logprobs, penalties, biases or a grammar take it, greedy ones token-exact, sampled ones "
-        "by rejection sampling. Default: none",
-        choices=("ngram", "suffix"),
+        "request's text in suffix trees over its own prompt and output and over recent requests' outputs) or "
+        "self_draft (the model drafts its own next tokens with an LM head cut to the draft_vocab_size tokens most "
+        "frequent in its traffic, so a draft reads a fraction of the head's bytes); requests without logprobs, "
+        "penalties, biases or a grammar take it, greedy ones token-exact, sampled ones by rejection sampling. "
+        "Default: none",
+        choices=("ngram", "suffix", "self_draft"),
     )
     num_speculative_tokens: int | None = setting(
         None,
@@ -181,6 +188,13 @@ class SpeculativeConfig:
         "share of what followed its path, by count) falls below this; 0 to 1",
         minimum=0,
     )
+    draft_vocab_size: int = setting(
+        16384,
+        "self_draft: the tokens the draft head scores, the most frequent in the prompts and outputs the engine has "
+        "seen (counted as they pass; the head is rebuilt as the counts grow, and drafting waits for the first "
+        "build)",
+        minimum=1,
+    )
     speculative_draft_policy: str = setting(
         "cost",
         "how many of its proposed drafts a request carries: cost (each step, drafts while the step's tokens per "
@@ -201,6 +215,15 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
         return self.suffix_decoding_max_tree_depth if self.speculative_method == "suffix" else 4
+
+    @property
+    def draft_max_running(self) -> int | None:
+        """Drafts only in steps with at most this many running requests: speculative_disable_by_batch_size, and
+        for self_draft (whose every draft costs a pass over the body) at most SELF_DRAFT_MAX_RUNNING."""
+        limit = self.speculative_disable_by_batch_size
+        if self.speculative_method == "self_draft":
+            return min(limit or SELF_DRAFT_MAX_RUNNING, SELF_DRAFT_MAX_RUNNING)
+        return limit
 
     def validate(self) -> None:
         hints = typing.get_type_hints(SpeculativeConfig)
@@ -413,6 +436,7 @@ _SPECULATIVE_KEYS = {
     "suffix_decoding_max_spec_factor": "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob": "suffix_decoding_min_token_prob",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
+    "draft_vocab_size": "draft_vocab_size",
     "draft_policy": "speculative_draft_policy",  # inferd's own
 }
 

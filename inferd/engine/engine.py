@@ -23,6 +23,7 @@ import torch
 from inferd.chat import render_chat
 from inferd.config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig, make_engine_config
 from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.draft_head import DraftHead
 from inferd.engine.events import StepEvents
 from inferd.engine.kv_cache import KVCacheManager
 from inferd.engine.kv_publisher import KVEventRecorder, ZmqEventPublisher
@@ -30,7 +31,7 @@ from inferd.engine.kv_tier import KVTiers, TierStats
 from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
-from inferd.engine.spec_decode import PROPOSERS, DraftPlanner, Proposer, SpecStats
+from inferd.engine.spec_decode import PROPOSERS, DraftPlanner, Proposer, SelfDraftProposer, SpecStats
 from inferd.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
@@ -139,7 +140,6 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         # speculative decoding: drafts for the next step, verified by the runner (inferd/engine/spec_decode.py)
         self.spec_stats = SpecStats()
-        self.proposer = self._proposer(config.speculative)
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -151,6 +151,7 @@ class Engine:
             kv_dtype=self.kv_dtype,
         )
         self.kv.attach_tiers(self._kv_tiers(recorder))
+        self.proposer = self._proposer(config.speculative)
         # structured outputs: the tokenizer's tables build in the background; requests compile their grammar
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.grammars = self.grammars
@@ -430,6 +431,12 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def _proposer(self, spec: SpeculativeConfig) -> Proposer | None:
+        self_draft = spec.speculative_method == "self_draft"  # the runner drafts, into slots the scheduler adds
+        self.runner.draft_head = DraftHead(self.model, spec.draft_vocab_size) if self_draft else None
+        self.scheduler.lookahead = spec.draft_tokens if self_draft else 0
+        self.scheduler.lookahead_max_running = spec.draft_max_running
+        if self_draft:  # every draft it made: its passes already ran, so the planner has nothing left to save
+            return SelfDraftProposer(spec, self.max_model_len)
         if spec.speculative_method not in PROPOSERS:
             return None
         planner = DraftPlanner(self.spec_stats) if spec.speculative_draft_policy == "cost" else None
@@ -495,6 +502,8 @@ class Engine:
             self._count_drafts(sched, runner_output, time.perf_counter() - started)
             # requests this step ended (their outputs final: a stop string's tail is cut by now)
             self.proposer.finish(dict.fromkeys(s.request for s in sampled_tokens if s.request.is_finished))
+            if isinstance(self.proposer, SelfDraftProposer):
+                self.proposer.made = runner_output.draft_token_ids
             self.scheduler.set_drafts(self.proposer.propose(self.scheduler.running))
         return [self._make_output(p) for p in touched.values()]
 

@@ -243,12 +243,15 @@ class KVCacheManager:
             self.stats.queries += request.num_tokens
             self.stats.hits += computed.num_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request`. False (and no change) if it can't."""
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None, num_lookahead: int = 0
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens of `request`, and `num_lookahead` slots past them (the
+        runner's own drafts, written after the step: never cached). False (and no change) if it can't."""
         computed = computed or ComputedBlocks()
         blocks = self.req_blocks.setdefault(request.request_id, [])
         total_tokens = request.num_computed_tokens + computed.num_tokens + num_new_tokens
-        num_new_blocks = self.blocks_needed(total_tokens) - len(blocks) - len(computed.blocks)
+        num_new_blocks = self.blocks_needed(total_tokens + num_lookahead) - len(blocks) - len(computed.blocks)
         # cached blocks that sit in the free queue stop being allocatable once we take them
         num_reclaimed = sum(1 for b in computed.blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inferd.config import engine_default
+from inferd.engine.draft_head import DraftHead
 from inferd.engine.sampler import Sampler, argmax_only, argmax_under_grammar
 from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.errors import ConfigError
@@ -99,6 +100,7 @@ class ModelRunner:
         self.grammars: GrammarCompiler | None = None  # structured outputs' compiled grammars (the engine's)
         self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.lora = None  # LoRA adapters' slots in the model (inferd.engine.lora.LoRAManager), when served
+        self.draft_head: DraftHead | None = None  # self-drafting's head (inferd/engine/draft_head.py), when on
 
     def _pick_decode_kernel(self, backend: str):
         if backend == "torch" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
@@ -133,7 +135,36 @@ class ModelRunner:
         finished, failed = self._load_kv(sched)
         out = self._compute(sched)
         out.finished_loading, out.failed_loading = finished, failed
+        if self.draft_head is not None and any(c.num_lookahead for c in sched.chunks):
+            out.draft_token_ids = self._self_draft(sched.chunks, out)
         return out
+
+    def _self_draft(self, chunks: list[ScheduledChunk], out: RunnerOutput) -> dict[str, list[int]]:
+        """Self-drafting: after the step, each chunk with `num_lookahead` drafts that many tokens past the one
+        it sampled, one decode pass over all of them per draft position, the model's body with the draft head
+        (`DraftHead.argmax`). Each pass writes K/V into the slots allocated for them; verification rewrites
+        those positions in the next step, so nothing a draft wrote is ever read as a computed token."""
+        if not self.draft_head.ready:
+            return {}
+        sampled = dict(zip(out.request_ids, out.token_ids, strict=True))
+        live: dict[str, list[int]] = {}  # request -> [position of its last token, that token, drafts wanted]
+        for c in chunks:
+            token = sampled.get(c.request_id)
+            if c.num_lookahead and token is not None and token not in self.requests[c.request_id].eos_token_ids:
+                position = c.start + c.num_tokens - c.num_drafts + len(out.accepted_drafts.get(c.request_id, ()))
+                live[c.request_id] = [position, token, c.num_lookahead]
+        drafts: dict[str, list[int]] = {rid: [] for rid in live}
+        while live:
+            passes = [ScheduledChunk(rid, [token], pos, False, True, []) for rid, (pos, token, _) in live.items()]
+            step = self.prepare(SchedulerOutput(passes))
+            picked = self.draft_head.argmax(self._forward(step)[step.logits_indices])
+            for state, token in zip(step.sampling, picked, strict=True):
+                mine, entry = drafts[state.request_id], live[state.request_id]
+                mine.append(token)
+                entry[0], entry[1] = entry[0] + 1, token
+                if len(mine) == entry[2] or token in state.eos_token_ids:
+                    del live[state.request_id]
+        return drafts
 
     def _load_kv(self, sched: SchedulerOutput) -> tuple[list[str], list[str]]:
         """The connector's loads of this step (requests not computed before their next step)."""
@@ -209,10 +240,12 @@ class ModelRunner:
         finally:
             self.lora.deactivate()
 
-    @staticmethod
-    def _append(states: list[CachedRequest], tokens: list[list[int]]) -> None:
-        """The runner's copy of each request's output grows by its tokens of this step."""
+    def _append(self, states: list[CachedRequest], tokens: list[list[int]]) -> None:
+        """The runner's copy of each request's output grows by its tokens of this step (and the draft head, if
+        any, counts them)."""
         for state, new in zip(states, tokens, strict=True):
+            if self.draft_head is not None:
+                self.draft_head.observe(new)
             for token_id in new:
                 state.output_token_ids.append(token_id)
                 if state.matcher is not None and not state.matcher.accept(token_id):
@@ -257,6 +290,8 @@ class ModelRunner:
             self.requests[request_id].block_ids = []
         for new in sched.new_requests:
             self.requests[new.request_id] = self._cached_request(new)
+            if self.draft_head is not None:
+                self.draft_head.observe(new.prompt_token_ids)
         for chunk in sched.chunks:
             self.requests[chunk.request_id].block_ids.extend(chunk.new_block_ids)
 

@@ -12,6 +12,7 @@ The scheduler is also the one place where a request moves forward: `update_from_
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from inferd.config import SchedulerConfig
 from inferd.engine.kv_cache import ComputedBlocks, KVCacheManager
+from inferd.engine.spec_decode import takes_drafts
 from inferd.engine.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 from inferd.outputs import TokenLogprobs
 from inferd.request import Request, RequestStatus
@@ -113,6 +115,10 @@ class Scheduler:
         self._load_started: dict[str, float] = {}
         # speculative decoding: drafts for the next step by request (`set_drafts`), used once
         self.drafts: dict[str, list[int]] = {}
+        # self-drafting: slots past a decoding request's chunk for the drafts the runner makes after the step
+        # (`lookahead` of them, in steps with at most `lookahead_max_running` running requests); 0: none
+        self.lookahead = 0
+        self.lookahead_max_running: int | None = None
         # LoRA: the most adapters running requests may use at once (the model's slots); None without LoRA
         self.max_loras: int | None = None
 
@@ -181,16 +187,34 @@ class Scheduler:
             n = self._chunk(remaining + len(draft), room)
             draft = draft[: n - remaining]
             num_blocks = self.kv.num_blocks_of(request.request_id)
-            while not self.kv.allocate_slots(request, n):
+            ahead = self._lookahead(request, n, len(draft))
+            if ahead and not self.kv.allocate_slots(request, n, num_lookahead=ahead):
+                ahead = 0  # drafts are worth no preemption
+            while not ahead and not self.kv.allocate_slots(request, n):
                 victim = self._victim(i)
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.chunks.append(self._chunk_record(request, request.num_computed_tokens, n, num_blocks, draft))
+                record = self._chunk_record(request, request.num_computed_tokens, n, num_blocks, draft)
+                out.chunks.append(dataclasses.replace(record, num_lookahead=ahead) if ahead else record)
                 budget -= n
                 i += 1
         return budget
+
+    def _lookahead(self, request: Request, n: int, num_drafts: int) -> int:
+        """Draft slots for a decoding request whose chunk samples (`lookahead`, within its max_tokens and the
+        context: the drafts after this step's token must fit there, with the token the next step adds)."""
+        limit = self.lookahead_max_running
+        if not self.lookahead or (limit is not None and len(self.running) > limit) or not takes_drafts(request):
+            return 0
+        if n - num_drafts != request.num_tokens - request.num_computed_tokens:
+            return 0  # the budget cut the chunk: nothing is sampled this step
+        room = min(
+            request.params.max_tokens - len(request.output_token_ids) - num_drafts - 2,
+            self.max_model_len - (request.num_computed_tokens + n) - 1,
+        )
+        return max(0, min(self.lookahead, room))
 
     def _head_reserve(self, budget: int) -> tuple[Request | None, int]:
         """Under a ranked policy: the first waiting request and the tokens of its first chunk, if it can be

@@ -9,7 +9,7 @@ k + 1 tokens, every one of them the token plain greedy decoding would have chose
 K/V is simply overwritten by the next step (the request's computed length advances only past accepted
 ones).
 
-Two proposers, neither with a model of its own:
+Three proposers, none with a model of its own:
 
 - n-gram prompt lookup (vLLM's `ngram`, llama.cpp's lookup decoding, `NgramProposer`): find the latest earlier
   occurrence of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its
@@ -21,6 +21,14 @@ Two proposers, neither with a model of its own:
   the request's text found there (of the suffix whose draft scores best), as long as its estimated probability
   holds. It also pays where outputs repeat earlier requests' outputs: agents that call the same tools with the
   same JSON shapes, the same record asked again.
+
+- self-drafting (`self_draft`, `SelfDraftProposer`): the model drafts its own next tokens, its whole body with
+  its LM head cut to the tokens most frequent in the engine's traffic (inferd/engine/draft_head.py), which
+  reads a fraction of the head's bytes; the scheduler allocates slots past each drafting request's chunk and
+  the runner makes the drafts after the step (`ScheduledChunk.num_lookahead`, vLLM's lookahead slots). A draft
+  is exactly the model's argmax whenever that token is among the head's rows, so acceptance is the share of
+  the output inside the cut vocabulary. It pays where the head is a large share of the weights and steps are
+  bound by bytes (small models, large vocabularies, small batches).
 
 Who takes it: requests without logprobs, penalties, logit biases or a grammar, past `min_tokens` (and, if
 set, only in steps with at most `speculative_disable_by_batch_size` running requests: vLLM's rule).
@@ -220,7 +228,7 @@ class Proposer:
         """Drafts for the requests that take them, within their max_tokens and the context length, cut by
         the planner to what pays in the next step."""
         c = self.config
-        limit = c.speculative_disable_by_batch_size
+        limit = c.draft_max_running
         if limit is not None and len(running) > limit:
             return {}
         drafts = {}
@@ -524,4 +532,20 @@ class SuffixProposer(Proposer):
             self.cache.remove(self._cached.popleft())
 
 
-PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
+class SelfDraftProposer(Proposer):
+    """The drafts the runner made after the last step with the model's own body and a cut LM head
+    (inferd/engine/draft_head.py; `ModelRunner._self_draft`), handed over by the engine (`made`)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, planner: DraftPlanner | None = None):
+        super().__init__(config, max_model_len, planner)
+        self.made: dict[str, list[int]] = {}
+
+    def draft(self, request: Request, k: int) -> list[int]:
+        return self.made.get(request.request_id, [])[:k]
+
+
+PROPOSERS: dict[str, type[Proposer]] = {
+    "ngram": NgramProposer,
+    "suffix": SuffixProposer,
+    "self_draft": SelfDraftProposer,
+}

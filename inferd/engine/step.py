@@ -8,7 +8,8 @@ its own per-request state (block table, sampling state) and updates it from thes
 - a request entering the batch for the first time arrives once as a `NewRequest`;
 - every scheduled request has one `ScheduledChunk` per step: the tokens to compute, where they
   start, whether a token is sampled at the end, and the blocks added to its table this step (a new
-  or resumed request's whole table); a decoding request may carry draft tokens to verify;
+  or resumed request's whole table); a decoding request may carry draft tokens to verify, and slots
+  for the drafts the runner makes itself after the step (`num_lookahead`);
 - `preempted_ids` lose their blocks (the runner keeps their sampling state: they come back with a
   fresh table and are recomputed); `finished_ids` are gone for good.
 """
@@ -46,6 +47,9 @@ class ScheduledChunk:
     # speculative decoding: the last num_drafts of token_ids are drafts, not yet the request's tokens; the
     # runner computes logits at every position from the last known token on and keeps what the model agrees to
     num_drafts: int = 0
+    # self-drafting (`self_draft`): after the step the runner drafts this many tokens past the one it samples, into
+    # slots allocated with this chunk's; the next step verifies them
+    num_lookahead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +82,8 @@ class RunnerOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # self-drafting: the drafts the runner made after this step's token, for chunks with num_lookahead
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # requests whose K/V the KV connector loaded (or failed to load) before this step
     finished_loading: list[str] = field(default_factory=list)
     failed_loading: list[str] = field(default_factory=list)
