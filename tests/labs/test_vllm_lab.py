@@ -69,13 +69,7 @@ def test_stored_figures_come_from_one_run_with_its_own_date_and_cpu(no_peer, tmp
     ctx = LabContext(quick=True, model="unused", workdir=tmp_path / "w")
     m = vllm.measure(ctx, _runs_file(tmp_path / "runs.json"))
     assert m.measured_here is False and m.settings["run_index"] == 1
-    assert m.series == {
-        "concurrency": [1, 32],
-        "inferd": [30.0, 300.0],
-        "inferd_ttft_ms": [100.0, 100.0],
-        "vllm": [25.0, 250.0],
-        "vllm_ttft_ms": [100.0, 100.0],
-    }
+    assert m.series == {"concurrency": [1, 32], "inferd": [30.0, 300.0], "vllm": [25.0, 250.0]}
     text = vllm.explain(m).text("vLLM")
     assert "2026-12-02 10:00 UTC" in text and "Paired CPU" in text and "0123456789ab" in text
     assert "avx2 avx512f avx512_bf16" in text and "run 2 of 4" in text and "--servers inferd,vllm" in text
