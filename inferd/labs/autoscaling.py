@@ -1,8 +1,5 @@
-"""Inference-aware autoscaling: a simulated day of diurnal load with bursts, served by a fleet a
-CPU-utilisation policy scales, then by one a queue/TTFT policy scales, on the same trace, in the fleet
-simulator (`inferd.autoscale.sim`) with the real `PoolAutoscaler`. The replica is this machine's, profiled by
-`inferd profile` against a lab replica; `--quick` takes the shipped example profile and a compressed day.
-"""
+"""Inference-aware autoscaling: a simulated day of diurnal load with bursts on one replica profile, scaled by a
+CPU-utilisation policy, then by a queue/TTFT one, in the fleet simulator with the real `PoolAutoscaler`."""
 
 from __future__ import annotations
 
@@ -94,10 +91,9 @@ def explain(m: Measurement) -> Explanation:
     claims = [
         m.decide(
             "queue_replica_hours < util_replica_hours",
-            yes="Over the same simulated {hours}-hour day ({requests} requests, {mean_rate} per second on average, "
-            "{peak_rate} at the busiest), the utilisation policy (target {util_target_pct}% busy) paid for "
-            "{util_replica_hours} replica-hours and the queue/TTFT policy {queue_replica_hours}, {hours_saved_pct}% "
-            "fewer.",
+            yes="Over one simulated {hours}-hour day ({requests} requests, {mean_rate}/s on average, {peak_rate} at "
+            "peak) the utilisation policy (target {util_target_pct}% busy) paid for {util_replica_hours} "
+            "replica-hours, the queue/TTFT policy {queue_replica_hours}: {hours_saved_pct}% fewer.",
             no="Over the same simulated {hours}-hour day ({requests} requests), the queue/TTFT policy used "
             "{queue_replica_hours} replica-hours, not fewer than the utilisation policy's {util_replica_hours}.",
         ),
@@ -113,43 +109,37 @@ def explain(m: Measurement) -> Explanation:
         m.decide(
             "unfinished <= 0.0",
             must=True,
-            yes="Both fleets served all {requests} requests ({unfinished} unfinished): a scale-down drains a replica "
-            "before it leaves.",
+            yes="Both fleets served all {requests} requests ({unfinished} unfinished): a scale-down drains first.",
             no="{unfinished} requests were never finished.",
         ),
         m.decide(
             "queue_slo_pct >= 90.0",
             yes="The queue/TTFT policy met the SLOs (TTFT {ttft_slo_s} s, TPOT {tpot_slo_ms} ms) for {queue_slo_pct}% "
             "of requests (utilisation policy: {util_slo_pct}%).",
-            no="The queue/TTFT policy met the SLOs (TTFT {ttft_slo_s} s, TPOT {tpot_slo_ms} ms) for only "
-            "{queue_slo_pct}% of requests (utilisation: {util_slo_pct}%): bursts outran its scale-ups.",
+            no="The queue/TTFT policy met the SLOs for only {queue_slo_pct}% of requests (TTFT {ttft_slo_s} s, TPOT "
+            "{tpot_slo_ms} ms; utilisation: {util_slo_pct}%): bursts outran its scale-ups.",
         ),
         m.decide(
             "queue_usd_per_m <= util_usd_per_m",
-            yes="At ${price_per_hour} per replica-hour that is ${queue_usd_per_m} per million tokens against "
-            "${util_usd_per_m}.",
+            yes="At ${price_per_hour} per replica-hour that is ${queue_usd_per_m} per million tokens, against "
+            "${util_usd_per_m} for utilisation.",
             no="At ${price_per_hour} per replica-hour the queue/TTFT policy cost ${queue_usd_per_m} per million "
             "tokens against ${util_usd_per_m}.",
         ),
     ]
-    intro = [
-        f"The replica: {m.settings['profile_from']} (prefill {fmt(n['prefill_tok_s'])} tokens/s, a decode step "
-        f"{fmt(n['step_ms_b1'])} ms at batch 1, {fmt(n['step_ms_bmax'])} ms at {fmt(n['max_num_seqs'])}, a cold "
-        f"start of {fmt(n['cold_start_s'])} s) carries {fmt(n['per_replica'])} requests/s within the TTFT SLO. "
-        "The load is a sine from a trough to four times it, with four bursts of 2.5x. Both fleets may grow from "
-        f"one replica to {fmt(n['max_allowed'])}, decide every 15 s on a 60 s window and scale down after 5 "
-        "stable minutes; only the signal differs: the utilisation policy sums each replica's busy share of the "
-        "window (100% as soon as one request steps), the queue/TTFT policy counts requests waiting per replica "
-        "and the TTFT p95 against 80% of the SLO.",
-    ]
+    intro = f"The replica: {m.settings['profile_from']} (prefill {fmt(n['prefill_tok_s'])} tokens/s, a decode step "
+    intro += f"{fmt(n['step_ms_b1'])} ms at batch 1, {fmt(n['step_ms_bmax'])} ms at {fmt(n['max_num_seqs'])}, a cold "
+    intro += f"start of {fmt(n['cold_start_s'])} s) carries {fmt(n['per_replica'])} requests/s within the TTFT SLO. "
+    intro += "The load is a sine from a trough to four times it, with four bursts of 2.5x. Both fleets grow from one "
+    intro += f"replica up to {fmt(n['max_allowed'])}, decide every 15 s on a 60 s window and scale down after 5 "
+    intro += "stable minutes; only the signal differs: the utilisation policy sums each replica's busy share of the "
+    intro += "window (100% as soon as one request steps), the queue/TTFT policy counts requests waiting per replica "
+    intro += "and the TTFT p95 against 80% of the SLO."
     if n["hours"] < 24:
-        intro.append(f"The day is compressed into {fmt(n['hours'])} simulated hours: steeper ramps than a real day's.")
-    why = [
-        "Why it matters: replicas are the cost, and utilisation cannot tell one request from a full batch, so "
-        "it either pays for idle batch slots or, set high, reacts once queues have formed; queue depth and TTFT "
-        "measure what users feel."
-    ]
-    return Explanation(intro, claims, why)
+        intro += f" The day is compressed into {fmt(n['hours'])} simulated hours: steeper ramps than a real day's."
+    why = "Why it matters: replicas are the cost, and utilisation cannot tell one request from a full batch, so it "
+    why += "either pays for idle batch slots or, set high, reacts once queues have formed."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:

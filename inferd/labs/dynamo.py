@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
-from inferd.labs.base import Explanation, Lab, Measurement
+from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext, delta, leases_released, summed_delta, ttfts
 from inferd.labs.sglang import shared_prefix_prompts
 from inferd.measure.stats import percentile
@@ -119,28 +119,18 @@ def explain(m: Measurement) -> Explanation:
             no="The decode workers counted {accounted} prefills for {requests} requests.",
         ),
     ]
-    intro = [
-        "Dynamo's two ideas are disaggregation (prefill workers hand the KV cache to decode workers) and a "
-        "KV-aware router that sends each request to the worker whose cache holds most of its prompt. This lab "
-        "builds both from inferd's parts: a `--role prefill` instance, two `--role decode` workers, each behind "
-        "its own `inferd disagg proxy`, and `inferd gateway` picking the worker round-robin or by prefix. A "
-        "decode worker pulls only the blocks its own prefix cache lacks.",
-    ]
-    why = [
-        "Why it matters: at scale the KV transfer is interconnect traffic and time in every request; routing "
-        "that knows where the KV already is cuts both, and disaggregation pays only for long prompts under "
-        "load, so a platform sizes and routes the two together."
-    ]
-    return Explanation(intro, claims, why)
+    intro = "Dynamo's two ideas are disaggregation (prefill workers hand the KV cache to decode workers) and a "
+    intro += "KV-aware router that sends each request to the worker whose cache holds most of its prompt. Here both "
+    intro += "are built from inferd's parts: a `--role prefill` instance, two `--role decode` workers, each behind its "
+    intro += "own `inferd disagg proxy`, and `inferd gateway` picking the worker round-robin or by prefix."
+    why = "Why it matters: at scale the KV transfer is interconnect traffic and time in every request; routing "
+    why += "that knows where the KV already is cuts both, and disaggregation pays only for long prompts under load."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:
-    a, b = fig.subplots(1, 2)
-    n = m.numbers
-    a.bar(["round-robin", "prefix-aware"], [n["rr_kb_per_req"], n["pa_kb_per_req"]])
-    a.set(ylabel="KV pulled per request (kB)", title="Routing over two decode workers")
-    b.bar(["prefilled on the worker", "handed over"], [n["local_ttft_ms"], n["remote_ttft_ms"]], color="C1")
-    b.set(ylabel="TTFT at idle (ms)", title="What the handoff costs")
+    kb = {"round-robin": m.numbers["rr_kb_per_req"], "prefix-aware": m.numbers["pa_kb_per_req"]}
+    bars(fig, kb, ylabel="KV pulled per request (kB)", title="Routing over two decode workers")
 
 
 LAB = Lab("nvidia-dynamo", "NVIDIA Dynamo", DEFINITION, measure, explain, plot)

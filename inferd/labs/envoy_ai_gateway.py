@@ -91,21 +91,15 @@ def explain(m: Measurement) -> Explanation:
         m.decide(
             "exact_fit_ok >= 1.0",
             must=True,
-            yes="A request for exactly the {remaining_at_refusal} tokens left was then served ({exact_fit_ok} = "
-            "yes): the limit is exact.",
+            yes="Then a request for exactly the {remaining_at_refusal} tokens left was served ({exact_fit_ok} = yes).",
             no="A request for exactly the remaining tokens was refused ({exact_fit_ok} = no).",
-        ),
-        m.decide(
-            "charged < reserved",
-            yes="A request for up to {reserved} output tokens had {reserved_seen} reserved at admission, stopped on "
-            "a stop string after {actual} and was charged {charged}: the reservation settles to the real usage.",
-            no="A request that reserved {reserved} output tokens was charged {charged} (it produced {actual}).",
         ),
         m.decide(
             "settle_error <= 0.0",
             must=True,
-            yes="The settled charge matched the tokens produced exactly (difference {settle_error}).",
-            no="The settled charge was off the tokens produced by {settle_error}.",
+            yes="A request for up to {reserved} output tokens had {reserved_seen} reserved at admission, stopped on "
+            "a stop string after {actual} and was charged {charged}: settled to the real usage ({settle_error} off).",
+            no="A request that produced {actual} tokens was charged {charged}: {settle_error} off the real usage.",
         ),
         m.decide(
             "heavy_tokens <= budget",
@@ -121,18 +115,12 @@ def explain(m: Measurement) -> Explanation:
             no="Tenant 'light' had only {light_ok_pct}% of its {light_sent} requests served while 'heavy' flooded.",
         ),
     ]
-    intro = [
-        "inferd's gateway does the same job in one Python process, here in front of a real inferd replica: it "
-        "counts each request's prompt tokens exactly, reserves prompt + max_tokens against the tenant's budget "
-        "at admission (refusing with 429 and OpenAI's x-ratelimit-* headers when it does not fit), and settles "
-        "to the real usage when the response ends.",
-    ]
-    why = [
-        "Why it matters: tokens, not requests, are what cost money on an LLM platform; per-tenant token budgets "
-        "keep one team's batch job from starving another's chat, and settling keeps them honest when answers "
-        "stop early."
-    ]
-    return Explanation(intro, claims, why)
+    intro = "inferd's gateway does the same job in one Python process, here in front of a real inferd replica: it "
+    intro += "counts each request's prompt tokens exactly, reserves prompt + max_tokens against the tenant's budget at "
+    intro += "admission (refusing with 429 and OpenAI's x-ratelimit-* headers) and settles to the real usage."
+    why = "Why it matters: tokens, not requests, are what cost money on an LLM platform; per-tenant token budgets "
+    why += "keep one team's batch job from starving another's chat, and settling keeps them honest."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:
