@@ -1,8 +1,5 @@
-"""Disaggregated prefill/decode: the same arrivals (short prompts streaming their answers, and every so often a
-long prompt) sent to one colocated `inferd serve`, then through `inferd disagg proxy` to a prefill and a decode
-instance (the prompt's KV cache handed over through shared memory, docs/disaggregation.md). Both setups run on
-the same cores: colocated, one server with a thread per core (up to two); disaggregated, a thread per role.
-"""
+"""Disaggregated prefill/decode: short streamed requests among long prompts, served colocated and then split into
+a prefill and a decode instance (docs/disaggregation.md), on the same cores."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from inferd.bench.client import send_all
 from inferd.bench.datasets import BenchRequest
 from inferd.bench.drive import random_prompts
 from inferd.bench.metrics import itls, summarize_ms, ttft
-from inferd.labs.base import Explanation, Lab, Measurement, decide
+from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext, delta, leases_released, ttfts, usable_cores
 from inferd.measure.arrivals import arrivals_within
 from inferd.procs import metrics
@@ -74,12 +71,11 @@ def measure(ctx: LabContext) -> Measurement:
         colocated, colo_gaps = _workload(colo.url, load, facts.vocab)
         colo.stop()  # idle, but nothing of it should share the cores with the roles
         ttfts(proxy.url, warm, 1)
-        before, pre_before = metrics(decode.url), metrics(prefill.url)
+        before = metrics(decode.url)
         disagg, dis_gaps = _workload(proxy.url, load, facts.vocab)
-        after, pre_after = metrics(decode.url), metrics(prefill.url)
+        after = metrics(decode.url)
         leases_left = leases_released(prefill)
     rise = lambda key: delta(after, before, f"inferd:{key}")
-    queued = lambda key: delta(pre_after, pre_before, f"inferd:request_queue_time_seconds_{key}")
     blocks, kv_bytes = rise("kv_transfer_blocks_total"), rise("kv_transfer_bytes_total")
     pulls = rise("kv_transfer_seconds_count")
     expected = facts.kv_bytes_per_token * block_size
@@ -87,21 +83,17 @@ def measure(ctx: LabContext) -> Measurement:
     n |= dict(cores=cores, colo_threads=threads, long_prompt=load.long_prompt, leases_left=leases_left)
     n |= dict(remote_prefills=rise("remote_prefills_total"), kv_blocks=blocks, kv_mb=kv_bytes / 1e6, transfers=pulls)
     per_pull = lambda key: rise(key) / max(pulls, 1.0)
-    n |= dict(
-        kv_kb_per_request=per_pull("kv_transfer_bytes_total") / 1e3,
-        transfer_ms=1000 * per_pull("kv_transfer_seconds_sum"),
-    )
+    kv_kb, pull_ms = per_pull("kv_transfer_bytes_total") / 1e3, 1000 * per_pull("kv_transfer_seconds_sum")
+    n |= dict(kv_kb_per_request=kv_kb, transfer_ms=pull_ms, elem_bytes=facts.elem_bytes)
     n |= dict(bytes_per_block=kv_bytes / blocks if blocks else 0.0, expected_bytes_per_block=expected)
     n["block_bytes_error"] = abs(kv_bytes - blocks * expected) if blocks else expected  # none moved: wrong
     n |= dict(layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, block_size=block_size)
-    n |= dict(elem_bytes=facts.elem_bytes, prefill_wait_ms=1000 * queued("sum") / max(queued("count"), 1.0))
     n["colo_spike"] = n["colo_itl_p99_ms"] / max(n["colo_itl_p50_ms"], 1e-9)
     settings = {**load.__dict__, "cores": cores, "colocated_threads": threads}
     return Measurement(numbers=n, series={"colocated": colo_gaps, "disaggregated": dis_gaps}, settings=settings)
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
         m.decide(
             "dis_itl_p99_ms < colo_itl_p99_ms",
@@ -114,7 +106,15 @@ def explain(m: Measurement) -> Explanation:
             "thread against {colo_threads} colocated, on shared cores, loading each handed-over prompt ({transfer_ms} "
             "ms per pull).",
         ),
-        _cores_claim(n),
+        m.decide(
+            "dis_itl_p50_ms > colo_itl_p50_ms",
+            textbook=False,
+            yes="Splitting {cores} usable cores added no compute: one thread per role against {colo_threads} "
+            "colocated, so the median ITL rose from {colo_itl_p50_ms} to {dis_itl_p50_ms} ms (on GPUs each role "
+            "gets its own).",
+            no="On {cores} usable cores one decode thread was enough: median ITL {colo_itl_p50_ms} ms colocated "
+            "({colo_threads} threads), {dis_itl_p50_ms} ms disaggregated.",
+        ),
         m.decide(
             "dis_ttft_p50_ms > colo_ttft_p50_ms",
             yes="What it costs: the short requests' TTFT p50 rose from {colo_ttft_p50_ms} ms to {dis_ttft_p50_ms} ms, "
@@ -122,7 +122,6 @@ def explain(m: Measurement) -> Explanation:
             no="The short requests' TTFT p50 was {colo_ttft_p50_ms} ms colocated and {dis_ttft_p50_ms} ms "
             "disaggregated: the hop and the pull ({transfer_ms} ms) cost less than queueing behind long prefills.",
         ),
-        *_ttft_cause(n),
         m.decide(
             "block_bytes_error <= 0.0",
             must=True,
@@ -140,55 +139,14 @@ def explain(m: Measurement) -> Explanation:
             no="{leases_left} leases still held prefill blocks after the run.",
         ),
     ]
-    intro = [
-        "The lab sent the same arrivals to one colocated `inferd serve`, then through `inferd disagg proxy` to a "
-        "`--role prefill` instance that computes each prompt and lends its KV blocks under a signed lease, and a "
-        "`--role decode` instance that pulls them through shared memory and generates. ITL is what the client "
-        "saw: the gaps between the streamed chunks.",
-    ]
-    why = [
-        "Why it matters: long prompts (RAG contexts, documents, agents' histories) and chat streams share "
-        "replicas; separating prefill from decode keeps the token stream steady under any prompt mix and lets "
-        "each pool be sized for its own bottleneck, at the price of a KV transfer per request: at scale, a fast "
-        "interconnect."
-    ]
-    return Explanation(intro, claims, why)
-
-
-def _ttft_cause(n: dict) -> list:
-    """Where a TTFT rise came from: waiting at the prefill instance, or the handoff itself."""
-    if n["dis_ttft_p50_ms"] <= n["colo_ttft_p50_ms"]:
-        return []
-    return [
-        decide(
-            n,
-            "prefill_wait_ms > transfer_ms",
-            textbook=False,
-            yes="Requests waited {prefill_wait_ms} ms on average in the prefill queue behind the long prompts, "
-            "against a pull of {transfer_ms} ms: the interference moved from the decode steps to the short "
-            "requests' TTFT, which `inferd disagg proxy --decider cost` (like Dynamo's conditional "
-            "disaggregation) avoids by prefilling short prompts on the decode instance.",
-            no="Requests waited {prefill_wait_ms} ms on average in the prefill queue and the pull took "
-            "{transfer_ms} ms: the rise is the handoff itself, not queueing.",
-        )
-    ]
-
-
-def _cores_claim(n: dict):
-    """What sharing the cores meant here."""
-    if n["cores"] < 2:
-        yes = "This machine gave the lab {cores} core: both roles shared it, so disaggregation could only change "
-        return decide(n, "cores < 2", textbook=False, yes=yes + "which process waits, not add compute.", no="")
-    return decide(
-        n,
-        "dis_itl_p50_ms > colo_itl_p50_ms",
-        textbook=False,
-        yes="Disaggregation split the same {cores} cores rather than adding any: one thread per role against "
-        "{colo_threads} colocated, so the median ITL rose from {colo_itl_p50_ms} to {dis_itl_p50_ms} ms (on a GPU "
-        "cluster each role gets GPUs of its own).",
-        no="Both setups had the same {cores} cores (one thread per role, {colo_threads} colocated), and the median "
-        "ITL was {colo_itl_p50_ms} ms colocated and {dis_itl_p50_ms} ms disaggregated: one thread was enough.",
-    )
+    intro = "The lab sent the same arrivals to one colocated `inferd serve`, then through `inferd disagg proxy` to a "
+    intro += "`--role prefill` instance that computes each prompt and lends its KV blocks under a signed lease, and a "
+    intro += "`--role decode` instance that pulls them through shared memory and generates. ITL is what the client "
+    intro += "saw: the gaps between the streamed chunks."
+    why = "Why it matters: long prompts (RAG contexts, documents, agents' histories) and chat streams share replicas; "
+    why += "separating prefill from decode keeps the token stream steady and lets each pool be sized for its own "
+    why += "bottleneck, at the price of a KV transfer per request: at scale, a fast interconnect."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:

@@ -1,10 +1,6 @@
-"""KServe: the reader's fleet spec rendered as `inferd deploy k8s` writes `kserve.yaml` (an LLMInferenceService
-per model, and a ServingRuntime and an InferenceService for KServe's classic API), validated offline against
-KServe's CRD schemas (`inferd.deploy.validate`, unknown fields rejected), and the memory its pods ask for set
-against what a replica takes here: an `inferd serve` with the pool's own flags, idle and under a burst.
-
-No cluster is touched: the lab writes `<out>/kserve.yaml` and says what `kubectl apply` would do with it.
-"""
+"""KServe: the fleet spec rendered as `inferd deploy k8s` writes `kserve.yaml`, validated offline against KServe's
+CRD schemas, and the memory its pods ask for set against what a replica with the pool's flags takes here. No
+cluster is touched: the lab writes `<out>/kserve.yaml`."""
 
 from __future__ import annotations
 
@@ -29,16 +25,6 @@ DEFINITION = (
 MIB = 2**20
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"  # in a checkout
 BREAKS = 3  # fields `validation` breaks in a copy of the LLMInferenceService
-TERMS = {  # the glossary term of each engine flag and pod resource in the field table
-    "continuous batching": ("--max-num-seqs", "--drain-timeout"),
-    "KV cache": ("--kv-cache-memory", "--max-model-len", "memory"),
-    "PagedAttention": ("--num-blocks", "--block-size"),
-    "GPU economics": ("--dtype", "--quantization", "--num-threads", "cpu", "nvidia.com/gpu"),
-    "vLLM": ("--metrics-names", "--served-model-name"),
-    "SGLang": ("--enable-prefix-caching", "--no-enable-prefix-caching"),
-    "KServe": ("--model",),
-}
-TERM = {key: term for term, keys in TERMS.items() for key in keys}
 
 
 def read_fleet(ctx: LabContext):
@@ -79,28 +65,28 @@ def validation(objs: list[dict]) -> tuple[list[dict], list[str]]:
     return [o | {"errors": [str(e) for e in o["errors"]]} for o in checked], [str(e) for e in errors(bad)]
 
 
-def field_rows(llm: dict) -> list[tuple[str, str, str, str]]:
-    """(field, value rendered, what it does, glossary term) for the LLMInferenceService's fields that decide cost
-    and latency: its replicas, the engine's flags (explained by their --help) and the pod's resources."""
+def field_rows(llm: dict) -> list[tuple[str, str, str]]:
+    """(field, value rendered, what it does) for the LLMInferenceService's fields that decide cost and latency:
+    its replicas, the engine's flags (explained by their --help) and the pod's resources."""
     from inferd.cli import flag_help
 
     spec, c = llm["spec"], llm["spec"]["template"]["containers"][0]
-    rows = [("spec.model.uri", spec["model"]["uri"], "where the weights come from", "KServe")]
-    rows.append(("spec.replicas", str(spec["replicas"]), "engine pods, each with its own weights and KV pool", "-"))
+    rows = [("spec.model.uri", spec["model"]["uri"], "where the weights come from")]
+    rows.append(("spec.replicas", str(spec["replicas"]), "engine pods, each with its own weights and KV pool"))
     helps, args = flag_help(c["args"][0]), [*c["args"][1:], "--"]  # args[0] is the subcommand
     for flag, value in zip(args, args[1:], strict=False):
         if flag.startswith("--"):
             shown = "(on)" if value.startswith("--") else value
-            rows.append((f"c.args {flag}", shown, helps.get(flag) or "-", TERM.get(flag, "-")))
+            rows.append((f"c.args {flag}", shown, helps.get(flag) or "-"))
     does = {"requests": "reserved for the pod", "limits": "the most the pod may use (memory: else OOM-killed)"}
     for kind, resources in c["resources"].items():
-        rows += [(f"c.resources.{kind}.{k}", str(v), does[kind], TERM.get(k, "-")) for k, v in resources.items()]
+        rows += [(f"c.resources.{kind}.{k}", str(v), does[kind]) for k, v in resources.items()]
     return rows
 
 
-def table(rows: list[tuple[str, str, str, str]]) -> str:
-    lines = ["| field | value rendered | what it does | glossary |", "|---|---|---|---|"]
-    return "\n".join(lines + [f"| `{f}` | `{v}` | {d} | {t} |" for f, v, d, t in rows])
+def table(rows: list[tuple[str, str, str]]) -> str:
+    lines = ["| field | value rendered | what it does |", "|---|---|---|"]
+    return "\n".join(lines + [f"| `{f}` | `{v}` | {d} |" for f, v, d in rows])
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -135,10 +121,9 @@ def measure(ctx: LabContext) -> Measurement:
     n |= dict(max_num_seqs=seqs, max_model_len=max_len, kv_bytes_per_token=per_token, weights_mib=weights)
     n |= dict(kv_pool_tokens=pool_tokens, kv_pool_mib=pool_tokens * per_token / MIB, full_tokens=seqs * max_len)
     n |= dict(kv_full_mib=seqs * max_len * per_token / MIB, full_seqs_fit=pool_tokens // max_len)
-    n |= dict(burst_tokens=seqs * (prompt_len + 2), rss_idle_mib=seen[0] / MIB, rss_peak_mib=max(seen) / MIB)
+    n |= dict(rss_idle_mib=seen[0] / MIB, rss_peak_mib=max(seen) / MIB)
     n |= dict(host_kv_mib=n["kv_pool_mib"] * host, host_weights_mib=weights * host)
     n |= dict(limit_mib=parse_memory(memory["resources"]["limits"]["memory"]) / MIB)
-    n["burst_kv_mib"] = n["burst_tokens"] * per_token / MIB
     n["runtime_mib"] = max(0.0, n["rss_peak_mib"] - n["host_kv_mib"] - n["host_weights_mib"])
     n["spare_mib"] = n["limit_mib"] - n["rss_peak_mib"]
     n["suggested_mib"] = 256 * math.ceil(1.25 * n["rss_peak_mib"] / 256)  # a quarter over the peak
@@ -170,19 +155,11 @@ def explain(m: Measurement) -> Explanation:
         m.decide(
             "limit_mib >= rss_peak_mib",
             textbook=False,
-            yes="The pod's memory limit ({limit_mib} MiB) covers a replica's measured peak of {rss_peak_mib} MiB "
-            "with {spare_mib} MiB to spare.",
+            yes="The pod's memory limit ({limit_mib} MiB) covers a replica's peak under {max_num_seqs} requests at "
+            "once, {rss_peak_mib} MiB ({rss_idle_mib} MiB idle: the KV pool is reserved at start), with {spare_mib} "
+            "MiB to spare.",
             no="The pod's memory limit ({limit_mib} MiB) is below a replica's measured peak of {rss_peak_mib} MiB: "
             "Kubernetes would OOM-kill it under load. Raise resources.memory to about {suggested_mib} MiB.",
-        ),
-        m.decide(
-            "rss_idle_mib >= host_kv_mib",
-            textbook=False,
-            yes="An idle replica already held {rss_idle_mib} MiB, its {host_kv_mib} MiB KV pool included (reserved "
-            "at start, so the request must cover it); {max_num_seqs} requests at once ({burst_tokens} tokens, "
-            "{burst_kv_mib} MiB of KV) raised it to {rss_peak_mib} MiB.",
-            no="An idle replica held {rss_idle_mib} MiB, less than its {host_kv_mib} MiB KV pool: the pool's pages "
-            "were not all touched yet.",
         ),
         m.decide(
             "kv_pool_mib >= weights_mib",
@@ -201,23 +178,17 @@ def explain(m: Measurement) -> Explanation:
             "{kv_full_mib} MiB); past the pool the scheduler queues or preempts.",
         ),
     ]
-    intro = [
-        f"This lab rendered the fleet spec ({s['fleet']}) as `inferd deploy k8s` writes kserve.yaml: {kinds}, "
-        f"validated them against KServe's CRD schemas (inferd/deploy/crds) and wrote them to {s['out_yaml']}. "
-        f"The memory numbers come from `inferd serve` with pool {s['pool']}'s flags, serving {s['measured_model']} "
-        f"(the spec names {s['fleet_model']}).",
-        "The LLMInferenceService's fields that decide cost and latency (`c` is its engine container):\n\n"
-        + table([tuple(r) for r in m.series["fields"]]),
-    ]
-    why = [
-        f"No cluster was used ({s['cluster']}). `kubectl apply -f {Path(s['out_yaml']).name}` on a cluster with "
-        "KServe would store the objects (checked against the same schemas) and its controller would create the "
-        "engine Deployment, an HTTPRoute on the inference Gateway and llm-d's scheduler.",
-        "Why it matters: on Kubernetes a model is a resource to declare, not a server to babysit, and its memory "
-        "request must hold the weights, the whole KV pool and the runtime with its activations "
-        f"({fmt(m.numbers['runtime_mib'])} MiB here at the peak) from the moment the pod starts.",
-    ]
-    return Explanation(intro, claims, why)
+    intro = f"This lab rendered the fleet spec ({s['fleet']}) as `inferd deploy k8s` writes kserve.yaml: {kinds}, "
+    intro += f"validated them against KServe's CRD schemas (inferd/deploy/crds) and wrote them to {s['out_yaml']}. "
+    intro += f"The memory numbers come from `inferd serve` with pool {s['pool']}'s flags, serving {s['measured_model']}"
+    intro += f" (the spec names {s['fleet_model']})."
+    fields = "The LLMInferenceService's fields that decide cost and latency (`c` is its engine container):\n\n"
+    cluster = f"No cluster was used ({s['cluster']}). `kubectl apply -f {Path(s['out_yaml']).name}` on a cluster with "
+    cluster += "KServe would store the objects (checked against the same schemas) and its controller would create the "
+    cluster += "engine Deployment, an HTTPRoute on the inference Gateway and llm-d's scheduler."
+    why = "Why it matters: on Kubernetes a model is a resource to declare, and its memory request must hold the "
+    why += f"weights, the whole KV pool and the runtime, {fmt(m.numbers['runtime_mib'])} MiB at the peak here."
+    return Explanation([intro, fields + table([tuple(r) for r in m.series["fields"]])], claims, [cluster, why])
 
 
 def plot(m: Measurement, fig) -> None:

@@ -1,9 +1,5 @@
-"""Ray Serve: the fleet's Serve application (`inferd/runtime/ray.py`) on a local Ray instance, scaled by load from
-one engine replica to two and back. The lab records the autoscaling policy's decisions (inferd's
-`PoolAutoscalingPolicy`, run in Serve's controller, writes each to a file), Serve's replica count as it followed
-them (`ReplicaWatch`), and where the router sent requests, read from each replica's own request counter. Ray is
-started for the lab alone and stopped at its end, on failure too, by the runtime's `local_ray`.
-"""
+"""Ray Serve: the fleet's Serve application (`inferd/runtime/ray.py`) on a Ray of its own (`local_ray`), scaled
+from one replica to two and back by inferd's policy, whose decisions it records, and routing by load and prefix."""
 
 from __future__ import annotations
 
@@ -50,9 +46,8 @@ def load_until(url: str, prompt_len: int, out_len: int, until: threading.Event) 
     def client(i: int) -> None:
         n = 0
         while not until.is_set():
-            codes.append(
-                complete(url, [16 + (i * 37 + n * 11 + k) % 400 for k in range(prompt_len)], out_len).status_code
-            )
+            prompt = [16 + (i * 37 + n * 11 + k) % 400 for k in range(prompt_len)]
+            codes.append(complete(url, prompt, out_len).status_code)
             n += 1
 
     with ThreadPoolExecutor(CLIENTS) as pool:
@@ -132,68 +127,60 @@ def explain(m: Measurement) -> Explanation:
         m.decide(
             "up_desired >= 2",
             must=True,
-            yes="Under load ({load_clients} clients, one replica running {max_seqs} at a time) the policy saw "
-            "{up_waiting} requests waiting against a target of {target_waiting} per replica and asked for "
-            "{up_desired} replicas at {up_decision_s} s; the second was running at {scaled_up_s} s, "
-            "{up_replica_start_s} s later: what starting a replica costs before scaling relieves a queue.",
+            yes="Under load ({load_clients} clients, {max_seqs} running at a time) the policy saw {up_waiting} "
+            "requests waiting (target {target_waiting} per replica) and asked for {up_desired} replicas at "
+            "{up_decision_s} s; the second ran at {scaled_up_s} s, {up_replica_start_s} s later: a replica's start.",
             no="Under load the policy never asked for a second replica (it saw {up_waiting} waiting).",
         ),
         m.decide(
             "down_decision_s >= load_end_s",
             must=True,
-            yes="When the load stopped (at {load_end_s} s) the policy asked for one replica fewer at "
-            "{down_decision_s} s; Serve removed it at {scaled_down_s} s, after the scale-down delay.",
+            yes="The load stopped at {load_end_s} s; the policy asked for one replica fewer at {down_decision_s} s "
+            "and Serve removed it at {scaled_down_s} s, after the scale-down delay.",
             no="After the load stopped the policy made no scale-down decision.",
         ),
         m.decide(
             "errors <= 0",
             must=True,
-            yes="All {requests} requests were answered 200 while a replica was added and removed ({errors} errors).",
+            yes="All {requests} requests were answered 200 while the pool scaled ({errors} errors).",
             no="{errors} of {requests} requests failed while the pool scaled.",
         ),
         m.decide(
             "header_mismatch <= 0",
             must=True,
-            yes="Each of the {spread_requests} + {affine_requests} routed requests below was counted by the replica "
-            "whose id came back in its answer (disagreements: {header_mismatch}).",
+            yes="Each routed request was counted by the replica named in its answer ({header_mismatch} disagreements).",
             no="The replicas' counters and the answers' replica ids disagreed on {header_mismatch} requests.",
         ),
         m.decide(
             "spread_replicas >= 2",
             textbook=False,
-            yes="{spread_requests} distinct prompts, 4 at a time, went to {spread_replicas} replicas ({spread_max} "
-            "and {spread_min}): with no prefix to follow, the router's queue and KV scorers spread them.",
-            no="{spread_requests} distinct prompts, 4 at a time, all went to {spread_replicas} replica ({spread_max}): "
+            yes="{spread_requests} distinct prompts, 4 at a time, went to {spread_replicas} replicas ({spread_max} and "
+            "{spread_min}): with no prefix to follow, the queue and KV scorers spread them.",
+            no="{spread_requests} distinct prompts, 4 at a time, all went to {spread_replicas} replica: "
             + (single if m.numbers["routing_replicas_min"] < 2 else "the router saw no queue worth avoiding")
             + ".",
         ),
         m.decide(
             "affine_max_pct >= 75.0",
             yes="{affine_requests} prompts sharing a 64-token prefix went {affine_max_pct}% to one replica "
-            "({affine_max}): the router sends a prefix to the replica whose KV cache holds it.",
+            "({affine_max}): the router follows the prefix to the KV cache holding it.",
             no="{affine_requests} prompts sharing a prefix were split, at most {affine_max_pct}% on one replica.",
         ),
         m.decide(
             "ray_left <= 0",
             must=True,
-            yes="Ray was started for the lab alone ({ray_processes} processes, up in {ray_start_s} s) and shut down "
-            "at its end: {ray_left} of them left running.",
+            yes="Ray ran for the lab alone ({ray_processes} processes, up in {ray_start_s} s) and was shut down: "
+            "{ray_left} left running.",
             no="{ray_left} of the {ray_processes} processes Ray started were still running after shutdown.",
         ),
     ]
-    intro = [
-        "`inferd deploy ray` turns the fleet spec into a Serve application: an engine deployment per pool running "
-        "inferd's engine and server in-process, an OpenAI ingress, a request router scoring replicas with the "
-        "gateway's scorers (queue, KV cache, prefix), and inferd's own autoscaling policy (replicas = ceil(fleet "
-        "total / per-replica target)). Here it ran on a local Ray with a pool of 1 to 2 replicas scaled on "
-        "waiting requests; times are seconds since the app was deployed.",
-    ]
-    why = [
-        "Why it matters: on Ray the serving platform is Python code (a cache-aware router and a queue-based "
-        "policy are a class each) and Ray places and restarts the replicas, at the price of a second control "
-        "plane beside Kubernetes."
-    ]
-    return Explanation(intro, claims, why)
+    intro = "`inferd deploy ray` turns the fleet spec into a Serve application: an engine deployment per pool, an "
+    intro += "OpenAI ingress, a request router scoring replicas with the gateway's scorers (queue, KV cache, prefix) "
+    intro += "and inferd's own autoscaling policy. Here a pool of 1 to 2 replicas scaled on waiting requests, on a "
+    intro += "local Ray; times are seconds since the app was deployed."
+    why = "Why it matters: on Ray the serving platform is Python code (a cache-aware router and a queue-based policy "
+    why += "are a class each), at the price of a second control plane beside Kubernetes."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:

@@ -1,12 +1,6 @@
-"""vLLM: inferd against vLLM's CPU build on the same workload, with figures from one run only.
-
-Where vLLM is installed as `benchmarks/vs_peers.py --setup vllm` installs it (its own virtual environment under
-~/.cache/inferd-peers, or INFERD_PEERS_DIR) and its server imports, the lab runs that script: both servers up
-side by side, each level's requests sent to both in turn, measured now. Elsewhere (and with --quick, or another
-model than the default one the script serves) it shows the newest stored run in which both servers ran a common
-level, with that run's own date, commit and CPU: from this CPU kind's file (benchmarks/results/vs_peers-<kind>.json)
-where it holds one, else from the file with the newest such run; never pairing figures from two runs.
-"""
+"""vLLM: inferd against vLLM's CPU build on the same workload, with figures from one run only: measured now where
+vLLM is installed (`benchmarks/vs_peers.py --setup vllm`) and its server imports, else the newest stored run with
+both servers (this CPU kind's file first), shown with that run's own date, commit and CPU, never as this machine's."""
 
 from __future__ import annotations
 
