@@ -9,6 +9,8 @@ under load (vLLM's worker is OOM-killed), so plain `vllm` is left out unless ask
   inferd-ngram   the same with SPEC (vLLM's spelling, vLLM's values; inferd's default draft policy, `cost`)
   inferd-ngram8  the same with up to 8 drafts a request (SPEC8): the cost policy decides how many pay
   inferd-suffix  the same with suffix decoding (SUFFIX: vLLM's spelling and defaults; not in the default set)
+  inferd-self    the same with self-drafting (SELF: the model drafts 3 tokens with its LM head cut to its
+                 traffic's most frequent tokens)
   vllm           vLLM CPU, bf16 (vs_peers' `vllm`, with a 2 GiB KV cache like inferd's), no speculation
   vllm-ngram     the same with SPEC
   llama-server   Q4_K_M (vs_peers' `llama-server`), no speculation
@@ -62,12 +64,28 @@ RAW_DIR = ROOT / "results" / "speculative" / "raw"  # each bench run's JSON (not
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 SPEC8 = SPEC | {"num_speculative_tokens": 8}
 SUFFIX = {"method": "suffix"}  # vLLM's defaults: depth 24, up to 24 drafts, 10000 cached outputs
-SPECS = {"inferd-ngram": SPEC, "inferd-ngram8": SPEC8, "inferd-suffix": SUFFIX, "vllm-ngram": SPEC}
+SELF = {"method": "self_draft", "num_speculative_tokens": 3}  # inferd's own: the model drafts with a cut LM head
+SPECS = {
+    "inferd-ngram": SPEC,
+    "inferd-ngram8": SPEC8,
+    "inferd-suffix": SUFFIX,
+    "inferd-self": SELF,
+    "vllm-ngram": SPEC,
+}
 WORKLOADS = {"quote": "quote", "open": "random", "repeat": "random"}  # name -> `inferd bench serve --dataset`
 DEFAULT_WORKLOADS = ("quote", "open")
 TWICE = {"repeat"}  # workloads whose prompts are sent once uncounted, then measured
-SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "inferd-suffix", "vllm", "vllm-ngram", "llama-server")
-DEFAULT_SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "vllm-ngram", "llama-server")
+SERVERS = (
+    "inferd",
+    "inferd-ngram",
+    "inferd-ngram8",
+    "inferd-suffix",
+    "inferd-self",
+    "vllm",
+    "vllm-ngram",
+    "llama-server",
+)
+DEFAULT_SERVERS = ("inferd", "inferd-ngram", "inferd-ngram8", "inferd-self", "vllm-ngram", "llama-server")
 KEYS = (
     "completed",
     "failed",
@@ -139,6 +157,8 @@ def ratios(entries: dict) -> dict:
         "inferd_ngram8_over_llama_server": ("inferd-ngram8", "llama-server"),
         "inferd_suffix_over_off": ("inferd-suffix", "inferd"),
         "inferd_suffix_over_ngram": ("inferd-suffix", "inferd-ngram"),
+        "inferd_self_over_off": ("inferd-self", "inferd"),
+        "inferd_self_over_llama_server": ("inferd-self", "llama-server"),
         "inferd_over_vllm": ("inferd", "vllm"),
     }
     out: dict = {}
@@ -197,6 +217,7 @@ def main() -> int:
                      "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": True,
                      "temperature": 0, "levels": levels, "runs": args.runs, "speculative_config": SPEC,
                      "speculative_config_8": SPEC8, "speculative_config_suffix": SUFFIX,
+                     "speculative_config_self": SELF,
                      "sent_twice": sorted(TWICE & set(workloads))},
         "servers": entries,
         "ratios": ratios(entries),

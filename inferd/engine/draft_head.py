@@ -6,9 +6,10 @@ the `draft_vocab_size` most frequent tokens (FR-Spec's frequency-ranked draft vo
 with the model itself as the drafter) reads a fraction of those bytes per draft token, and the draft is the
 model's own argmax whenever that token is among the rows kept: the body's hidden state is exactly the one
 verification computes. The frequencies are the engine's own: every prompt and output token is counted as it
-passes, and the head is rebuilt from the counts when they have doubled since the last build (drafting waits
-for the first, after as many tokens as the head has rows or 2048). The rows are the head's weights as the model computes with them (read back through the head
-itself, whatever its layout), stored the way the head stores them (int8 rows for an int8 head).
+passes, and the head is rebuilt from the counts each time they double (drafting waits for the first build,
+after as many tokens as the head has rows, or 256). The rows are the head's weights as the model computes
+with them (read back through the head itself, whatever its layout), stored the way the head stores them
+(int8 rows for an int8 head).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from inferd.models.layers import Linear
 from inferd.models.lm_head import LMHead
 from inferd.models.quant import Int8Linear
 
-FIRST_BUILD_TOKENS = 2048  # tokens counted before the first head is built (fewer for a smaller head)
+FIRST_BUILD_TOKENS = 256  # tokens counted before the first head is built (fewer for a smaller head)
 
 
 class DraftHead:
