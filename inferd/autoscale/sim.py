@@ -9,10 +9,18 @@ decode, then prompts already started, then newcomers), so a burst of long prompt
 chunks over several steps, each paying the decode step again; without it every newcomer's prompt is
 prefilled in the step it joins. Between events the batch does not change, so the simulation jumps over runs of identical
 steps at once (to the next completion, or to the step boundary after a request arrives), which keeps a
-24-hour trace fast. KV cache capacity is not modelled beyond `max_num_seqs`.
+24-hour trace fast. KV cache capacity is not modelled beyond `max_num_seqs`, except for shared prefixes:
+given `kv_cache_tokens`, each replica keeps the shared prefixes of the workload (`Workload.prefix_ids`) in an
+LRU cache of that many tokens, and a request whose prefix is there when it joins the batch prefills only the
+rest of its prompt.
 
 The gateway sends each request to the ready replica with the fewest requests (queued + running), or
-holds it while none is ready. The autoscaler is the real `PoolAutoscaler`, fed every `interval_s` the
+holds it while none is ready; with `routing="prefix"` a replica holding the request's prefix counts
+`max_num_seqs / 2` requests fewer (prefix affinity, as the gateway's scorers weigh it). When a pool shrinks
+(the autoscaler's decision, or `scale_down_at`) the replica to drain is chosen by `victim`: the newest;
+one at random; the fewest recent cache hits (`cache_hits`, what `inferd up` and the pod-deletion cost use);
+or the fewest tokens of recently used prefixes that no other replica holds (`unique_recent`: what the
+traffic would have to recompute without it). The autoscaler is the real `PoolAutoscaler`, fed every `interval_s` the
 signals the live fleet would read over `window_s` (percentiles of the exact samples here, by
 `inferd.measure.stats`, not histogram estimates).
 A new replica serves after `cold_start_s`; one scaled down takes no new requests and leaves once empty.
@@ -24,7 +32,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+import random
+from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +44,10 @@ from inferd.autoscale.profile import Profile
 from inferd.autoscale.signals import Measured
 from inferd.autoscale.workload import Workload
 from inferd.fleet.spec import AutoscalingPolicy
-from inferd.measure.stats import percentile
+from inferd.gateway.replicas import CACHE_HALF_LIFE_S
+from inferd.measure.stats import DecayedRate, percentile
+
+VICTIMS = ("newest", "random", "cache_hits", "unique_recent")
 
 
 @dataclass
@@ -61,6 +74,9 @@ class Replica:
     block_prefill: list = field(default_factory=list)  # requests whose first token this block gives
     pending: dict = field(default_factory=dict)  # running requests whose prompt is not all prefilled: tokens left
     version: int = 0
+    cache: OrderedDict = field(default_factory=OrderedDict)  # shared prefix -> its tokens, least recent first
+    cached: int = 0  # tokens in `cache`
+    hits: DecayedRate = field(default_factory=lambda: DecayedRate(CACHE_HALF_LIFE_S))  # prefix tokens served
 
     def load(self) -> int:
         return len(self.queue) + len(self.running)
@@ -85,9 +101,21 @@ class Simulator:
         price_per_hour: float | None = None,
         timeline_s: float | None = None,
         warm_start: bool = True,
+        kv_cache_tokens: int | None = None,
+        routing: str = "least_load",
+        victim: str = "newest",
+        victim_horizon_s: float = 60.0,
+        scale_down_at: float | None = None,
+        seed: int = 0,
     ):
         if policy is None and replicas < 1:
             raise ValueError("a fixed fleet needs at least one replica")
+        if victim not in VICTIMS or routing not in ("least_load", "prefix"):
+            raise ValueError(f"victim is one of {VICTIMS}, routing least_load or prefix")
+        self.kv_tokens, self.routing, self.victim, self.horizon = kv_cache_tokens, routing, victim, victim_horizon_s
+        self.rng = random.Random(seed)
+        self.prefix_used: dict[int, float] = {}  # shared prefix -> when a request for it last arrived
+        self.cached_tokens = 0  # prompt tokens served from the replicas' prefix caches
         self.p, self.w, self.policy, self.slo = profile, workload, policy, slo or SLO()
         self.price = price_per_hour
         self.scaler = PoolAutoscaler("sim", policy) if policy is not None else None
@@ -117,6 +145,8 @@ class Simulator:
         self.decisions = 0
         for _ in range(replicas):
             self._add_replica(0.0, cold=not warm_start)
+        if scale_down_at is not None:
+            self._push(scale_down_at, "scale_down")
 
     # -- events --------------------------------------------------------------------------------------
     def _push(self, t: float, kind: str, payload=None) -> None:
@@ -145,6 +175,8 @@ class Simulator:
                 self._ready(payload)
             elif kind == "tick":
                 self._tick(more=i < n)
+            elif kind == "scale_down":
+                self._drain(self._victims(self._serving(), 1))
         end = self.now
         for r in self.replicas:
             if r.stopped is None:
@@ -167,7 +199,13 @@ class Simulator:
         if not ready:
             self.gateway.append(req)
             return
-        rep = min(ready, key=lambda r: (r.load(), r.id))
+        prefix = self._prefix(req)
+        if prefix is None:
+            rep = min(ready, key=lambda r: (r.load(), r.id))
+        else:
+            self.prefix_used[prefix[0]] = self.now
+            bonus = self.p.max_num_seqs / 2 if self.routing == "prefix" else 0.0
+            rep = min(ready, key=lambda r: (r.load() - (bonus if prefix[0] in r.cache else 0.0), r.id))
         rep.queue.append(req)
         if not rep.busy:
             self._start_block(rep)
@@ -233,9 +271,53 @@ class Simulator:
         while rep.queue and len(rep.running) < self.p.max_num_seqs and budget > 0:
             req = rep.queue.popleft()
             rep.running.append(req)
-            rep.pending[req] = int(self.w.prompt_tokens[req])
+            rep.pending[req] = self._to_prefill(rep, req)
             take(req)
         return chunks, finished
+
+    def _prefix(self, req: int) -> tuple[int, int] | None:
+        """(shared prefix, its tokens) of a request, where prefixes are modelled."""
+        w = self.w
+        if self.kv_tokens is None or w.prefix_ids is None or w.prefix_ids[req] < 0:
+            return None
+        return int(w.prefix_ids[req]), int(w.prefix_tokens[req])
+
+    def _to_prefill(self, rep: Replica, req: int) -> int:
+        """The prompt tokens a request joining `rep`'s batch computes: all but a prefix its cache holds. A prefix
+        not there is cached now (evicting the least recently used), for the requests after it."""
+        prompt, prefix = int(self.w.prompt_tokens[req]), self._prefix(req)
+        if prefix is None:
+            return prompt
+        pid, size = prefix
+        if pid in rep.cache:
+            rep.cache.move_to_end(pid)
+            rep.hits.add(size, self.now)
+            self.cached_tokens += size
+            return max(1, prompt - size)
+        while rep.cache and rep.cached + size > self.kv_tokens:
+            rep.cached -= rep.cache.popitem(last=False)[1]
+        if size <= self.kv_tokens:
+            rep.cache[pid] = size
+            rep.cached += size
+        return prompt
+
+    def _victims(self, ready: list[Replica], k: int) -> list[Replica]:
+        """The k replicas a scale-down drains, by `victim` (newest first among equals)."""
+        newest = sorted(ready, key=lambda r: r.started, reverse=True)
+        if self.victim == "random":
+            return self.rng.sample(ready, k)
+        if self.victim == "cache_hits":
+            return sorted(newest, key=lambda r: r.hits.rate(self.now))[:k]
+        if self.victim == "unique_recent":
+            worth = unique_recent_tokens({r.id: r.cache for r in ready}, self.prefix_used, self.now - self.horizon)
+            return sorted(newest, key=lambda r: worth[r.id])[:k]
+        return newest[:k]
+
+    def _drain(self, reps: list[Replica]) -> None:
+        for rep in reps:
+            rep.draining = True
+            if not rep.busy and not rep.queue:
+                rep.stopped = self.now
 
     def _cut_block(self, rep: Replica) -> None:
         """A request arrived mid-run: end the run at the next step boundary, where it can join."""
@@ -337,10 +419,7 @@ class Simulator:
         for _ in range(d.desired - d.current):
             self._add_replica(self.now)
         if d.desired < d.current:
-            for rep in sorted(ready, key=lambda r: r.started, reverse=True)[: d.current - d.desired]:
-                rep.draining = True
-                if not rep.busy and not rep.queue:
-                    rep.stopped = self.now
+            self._drain(self._victims(ready, d.current - d.desired))
 
     def _record_timeline(self) -> None:
         tl = self.timeline
@@ -397,6 +476,7 @@ class Simulator:
             "mean_replicas": replica_s / span,
             "cold_starts": int(sum(r.ready_at > r.started for r in self.replicas)),
             "prefill_time_share": self._prefill_share(),
+            "cached_prompt_tokens": self.cached_tokens,
         }
         rep["slo_attainment_ttft_p95"] = None if slo.ttft_p95_s is None else rep["ttft_p95_s"] <= slo.ttft_p95_s
         rep["slo_attainment_itl_p95"] = None if slo.itl_p95_s is None else (itl_p95 or 0) <= slo.itl_p95_s
@@ -429,6 +509,21 @@ class Simulator:
             "goodput_cost_per_million_tokens": per_m(cost, good_in + good_out),
             "goodput_cost_per_million_output_tokens": per_m(cost, good_out),
         }
+
+
+def unique_recent_tokens(held: Mapping, last_used: Mapping, since: float) -> dict:
+    """What losing each replica's cache costs the traffic: per replica, the tokens of the prefixes it holds
+    (`held`: replica -> {prefix: tokens}) that no other replica holds and that were asked for at or after
+    `since` (`last_used`: prefix -> time), so the traffic would compute them again. A prefix held twice costs
+    nothing to lose once; one not asked for lately may never be asked for again."""
+    count: dict = {}
+    for prefixes in held.values():
+        for key in prefixes:
+            count[key] = count.get(key, 0) + 1
+    return {
+        rid: sum(t for key, t in prefixes.items() if count[key] == 1 and last_used.get(key, -math.inf) >= since)
+        for rid, prefixes in held.items()
+    }
 
 
 def simulate(

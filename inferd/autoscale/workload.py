@@ -33,6 +33,8 @@ class Workload:
     arrivals: np.ndarray  # seconds from the start, sorted
     prompt_tokens: np.ndarray  # int per request
     output_tokens: np.ndarray
+    prefix_ids: np.ndarray | None = None  # per request: the shared prefix its prompt starts with (-1: none)
+    prefix_tokens: np.ndarray | None = None  # per request: that prefix's length, within prompt_tokens
 
     def __len__(self) -> int:
         return len(self.arrivals)
@@ -62,6 +64,16 @@ def parse_lengths(spec: str, n: int, rng: np.random.Generator) -> np.ndarray:
             f"length distribution {spec!r}: use fixed:N, uniform:A:B, exponential:MEAN or lognormal:MEAN:SIGMA"
         ) from None
     return np.maximum(1, np.rint(out)).astype(np.int64)
+
+
+def with_shared_prefixes(w: Workload, prefixes: int, tokens: int, zipf: float = 1.2, seed: int = 0) -> Workload:
+    """The same arrivals, each prompt now starting with one of `prefixes` shared prefixes of `tokens` tokens (a
+    system prompt, few-shot examples, a document asked about), drawn Zipf-popular (weight 1 / rank^zipf) and
+    added to the request's own prompt."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, prefixes + 1) ** zipf
+    ids = rng.choice(prefixes, size=len(w), p=weights / weights.sum())
+    return Workload(w.arrivals, w.prompt_tokens + tokens, w.output_tokens, ids, np.full(len(w), tokens))
 
 
 def _params(text: str) -> dict[str, float]:

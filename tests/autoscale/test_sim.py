@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from inferd.autoscale.profile import Profile, example_profiles, load_profile
-from inferd.autoscale.sim import SLO, simulate
-from inferd.autoscale.workload import Workload, make_workload
+from inferd.autoscale.sim import SLO, Simulator, simulate, unique_recent_tokens
+from inferd.autoscale.workload import Workload, make_workload, with_shared_prefixes
 from inferd.fleet.spec import AutoscalingPolicy
 
 
@@ -230,3 +230,47 @@ def test_generated_workloads_have_the_asked_rates_and_traces_read_their_own_leng
         make_workload("sine:rate=1", "fixed:1", "fixed:1")
     with pytest.raises(ConfigError):
         make_workload("poisson:rate=1,duration=5", "zipf:2", "fixed:1")
+
+
+# -- shared prefixes, and which replica a scale-down drains ----------------------------------------------
+def test_a_cached_prefix_is_prefilled_once_per_replica_and_evicted_least_recent_first():
+    """One replica, prompts of a 400-token prefix + 100 of their own at 1000 tokens/s, one at a time: the first
+    of each prefix computes 500 tokens (0.5 s + the step), the next of the same prefix only its own 100. A cache
+    of 800 tokens holds two prefixes: a third evicts the least recently used."""
+    arrivals = np.arange(6) * 10.0
+    ids = np.array([0, 0, 1, 0, 2, 1])  # 2 evicts 1 (0 was used after it), so 1 is computed again
+    w = Workload(arrivals, np.full(6, 500), np.full(6, 1), ids, np.full(6, 400))
+    sim = Simulator(Profile("p", 1000.0, [1], [0.1], 4), w, replicas=1, kv_cache_tokens=800)
+    r = sim.run()
+    assert r.ttft == pytest.approx([0.6, 0.2, 0.6, 0.2, 0.6, 0.6])
+    assert r.report["cached_prompt_tokens"] == 800
+    assert list(sim.replicas[0].cache) == [2, 1]  # least recent first
+    assert simulate(Profile("p", 1000.0, [1], [0.1], 4), w, replicas=1).ttft == pytest.approx([0.6] * 6)
+
+
+def test_unique_recent_tokens_count_what_only_one_replica_holds_and_was_asked_for_lately():
+    held = {"a": {1: 64, 2: 64, 3: 32}, "b": {2: 64, 4: 128}, "c": {}}
+    used = {1: 100.0, 2: 100.0, 3: 10.0, 4: 95.0}
+    assert unique_recent_tokens(held, used, since=50.0) == {"a": 64, "b": 128, "c": 0}  # 2 is held twice, 3 is old
+    assert unique_recent_tokens(held, used, since=0.0) == {"a": 96, "b": 128, "c": 0}
+
+
+def _scale_down(victim: str, seed: int) -> tuple[float, list[int]]:
+    w = make_workload("poisson:rate=1.5,duration=600", "uniform:16:64", "uniform:16:64", seed)
+    w = with_shared_prefixes(w, prefixes=12, tokens=1024, zipf=1.0, seed=seed)
+    sim = Simulator(load_profile("example-cpu-gemma3-270m"), w, replicas=3, kv_cache_tokens=8192,
+                    routing="prefix", victim=victim, scale_down_at=300.0, seed=seed)  # fmt: skip
+    r = sim.run()
+    after = (w.arrivals >= 300) & (w.arrivals < 420)
+    return float(np.mean(r.ttft[after])), [rep.id for rep in sim.replicas if rep.draining]
+
+
+def test_a_scale_down_drains_the_replica_whose_cache_the_traffic_misses_least():
+    """Three replicas behind prefix-affine routing, twelve Zipf-popular 1024-token prefixes and caches of 8
+    prefixes each; one replica is drained at 300 s. Over the same ten workloads, draining the replica holding
+    the fewest tokens of recently used prefixes no one else holds costs the next two minutes' TTFT less than
+    draining the newest (an arbitrary choice) or the one with the fewest recent cache hits."""
+    ttft = {v: [_scale_down(v, seed)[0] for seed in range(10)] for v in ("newest", "cache_hits", "unique_recent")}
+    assert all(len(_scale_down(v, 0)[1]) == 1 for v in ttft)
+    assert np.mean(ttft["unique_recent"]) < np.mean(ttft["cache_hits"]) < np.mean(ttft["newest"])
+    assert sum(u <= n for u, n in zip(ttft["unique_recent"], ttft["newest"], strict=True)) >= 8
