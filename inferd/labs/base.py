@@ -133,13 +133,18 @@ class Lab:
     timed: bool = True  # False: its numbers are sizes and counts, which a busy machine does not change
 
 
-def lines(fig: Figure, x: list, ys: dict[str, list], style: str = "o-", **axes) -> Axes:
-    """One panel: each series of `ys` against `x`, labelled by its key; `axes`: title, labels, scales."""
+def lines(
+    fig: Figure, x: list, ys: dict[str, list], style="o-", hline: tuple[str, float] | None = None, **axes
+) -> Axes:
+    """One panel: each series of `ys` against `x`, labelled by its key, and a dashed reference line `hline`
+    (label, y); `axes`: title, labels, scales."""
     ax = fig.subplots()
     for label, y in ys.items():
         ax.plot(x, y, style, label=label)
+    if hline:
+        ax.axhline(hline[1], color="gray", ls="--", label=hline[0])
     ax.set(**axes)
-    if len(ys) > 1:
+    if len(ys) > 1 or hline:
         ax.legend()
     return ax
 

@@ -1,105 +1,66 @@
-"""Goodput: throughput that meets latency SLOs, against offered load; where the knee is.
-
-The SLOs are set from this machine's unloaded latency (a request alone), so the lab means the same thing on
-a laptop and on a GPU: TTFT within 4x and TPOT within 2.5x of what one request alone gets.
-"""
+"""Goodput against offered load, and its knee, under SLOs set from this machine's unloaded latency."""
 
 from __future__ import annotations
 
 import random
 
 from inferd.bench.drive import Job, arriving, capacity_rps, random_prompts, serve
-from inferd.labs.base import Explanation, Lab, Measurement
+from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 
 DEFINITION = "throughput that also meets latency SLOs. The number that actually matters for capacity planning."
-TTFT_FACTOR, TPOT_FACTOR = 4.0, 2.5
+TTFT_FACTOR, TPOT_FACTOR = 4.0, 2.5  # the SLOs, over a request alone: the same meaning on a laptop and a GPU
 
 
 def measure(ctx: LabContext) -> Measurement:
-    batch = 8
-    llm = ctx.llm(max_num_seqs=batch)
+    llm, vocab, rng = ctx.llm(max_num_seqs=8), ctx.facts().vocab, random.Random(5)
     prompt_len, out_len, count = ctx.size(32, 128), ctx.size(10, 32), ctx.size(24, 48)
-    rng = random.Random(5)
-    vocab = ctx.facts().vocab
     alone = serve(llm, [Job(p, out_len) for p in random_prompts(rng, vocab, 4, prompt_len)], concurrency=1).metrics()
     slos = {"ttft": TTFT_FACTOR * alone["median_ttft_ms"], "tpot": TPOT_FACTOR * alone["median_tpot_ms"]}
-    capacity = capacity_rps(llm, random_prompts(random.Random(99), vocab, batch, prompt_len), out_len)
-    loads = [0.25, 0.5, 1.0, 1.5, 2.5]
-    series = {"load": loads, "rate": [], "tok_s": [], "goodput": [], "attainment": []}
-    for i, load in enumerate(loads):
+    capacity = capacity_rps(llm, random_prompts(random.Random(99), vocab, 8, prompt_len), out_len)
+    s = {"load": [0.25, 0.5, 1.0, 1.5, 2.5], "rate": [], "tok_s": [], "goodput": []}
+    for i, load in enumerate(s["load"]):
         r = serve(llm, arriving(random_prompts(rng, vocab, count, prompt_len), out_len, load * capacity, i)).metrics(
             slos
         )
-        series["rate"].append(load * capacity)
-        series["tok_s"].append(r["output_throughput"])
-        series["goodput"].append(r["output_goodput"])
-        series["attainment"].append(100 * r["slo_attainment"])
-    best = max(range(len(loads)), key=lambda i: series["goodput"][i])
-    m = Measurement(settings={"slo_ms": slos, "loads": loads, "capacity_rps": capacity, "max_num_seqs": batch})
-    m.series = series
-    m.numbers.update(
-        ttft_slo_ms=slos["ttft"],
-        tpot_slo_ms=slos["tpot"],
-        knee_load=loads[best],
-        knee_rps=series["rate"][best],
-        best_goodput=series["goodput"][best],
-        tok_s_at_best=series["tok_s"][best],
-        attainment_at_best=series["attainment"][best],
-        max_excess=max(g - t for g, t in zip(series["goodput"], series["tok_s"], strict=True)),
-        high_load=loads[-1],
-        goodput_high=series["goodput"][-1],
-        tok_s_high=series["tok_s"][-1],
-        attainment_high=series["attainment"][-1],
-    )
+        s["rate"].append(load * capacity)
+        s["tok_s"].append(r["output_throughput"])
+        s["goodput"].append(r["output_goodput"])
+    m = Measurement(series=s, settings={"slo_ms": slos, "capacity_rps": capacity})
+    best = s["goodput"].index(max(s["goodput"]))
+    m.ends("load", "goodput", "tok_s")
+    m.numbers |= {f"{k}_best": s[k][best] for k in ("load", "rate", "goodput", "tok_s")}
+    m.numbers["max_excess"] = max(g - t for g, t in zip(s["goodput"], s["tok_s"], strict=True))
     return m
 
 
 def explain(m: Measurement) -> Explanation:
-    n = m.numbers
     claims = [
         m.decide(
             "max_excess <= 0.0",
             must=True,
-            yes="At every load goodput stayed at or below throughput (it only counts tokens of requests that met "
-            "both SLOs; goodput minus throughput was at most {max_excess} tokens/s); at the best load, "
-            "{knee_rps} requests/s, it was {best_goodput} of {tok_s_at_best} output tokens/s, "
-            "with {attainment_at_best}% of requests on target.",
+            yes="Goodput never exceeded throughput (by at most {max_excess} tokens/s): at the best load, {rate_best} "
+            "requests/s, {goodput_best} of {tok_s_best} output tokens/s met both SLOs.",
             no="Goodput exceeded throughput by {max_excess} tokens/s: a measurement error.",
         ),
         m.decide(
-            "goodput_high < best_goodput",
-            yes="Past the knee ({knee_load} times the engine's capacity, {best_goodput} tokens/s of goodput) goodput "
-            "fell: at {high_load} times it was {goodput_high} tokens/s while raw throughput was {tok_s_high}, "
-            "with only {attainment_high}% of requests meeting the SLOs. Pushing more load buys throughput nobody "
-            "can use.",
-            no="Goodput did not fall at the highest load tried ({high_load} times capacity: {goodput_high} tokens/s "
-            "against a best of {best_goodput}, {attainment_high}% on target): the knee lies beyond it.",
+            "goodput_hi < goodput_best",
+            yes="Past the knee ({load_best} times capacity) goodput fell: at {load_hi} times it was {goodput_hi} of "
+            "{tok_s_hi} tokens/s served, against a best of {goodput_best}.",
+            no="Goodput did not fall at {load_hi} times capacity ({goodput_hi} tokens/s, best {goodput_best}).",
         ),
     ]
-    intro = [
-        f"The SLOs here come from this machine: TTFT at most {n['ttft_slo_ms']:.1f} ms ({TTFT_FACTOR:g}x a "
-        f"request alone) and TPOT at most {n['tpot_slo_ms']:.1f} ms ({TPOT_FACTOR:g}x). The lab offered Poisson "
-        f"arrivals at {', '.join(f'{x:g}' for x in m.settings['loads'])} times the engine's measured capacity and "
-        "counted, with vLLM's definitions, the tokens of the requests that met both.",
-    ]
-    why = [
-        "Why it matters: a replica's capacity is the load at the knee, not its peak throughput; cost per million "
-        "tokens should be computed from goodput (the cost lab does)."
-    ]
-    return Explanation(intro, claims, why)
+    slo = m.settings["slo_ms"]
+    intro = f"The SLOs: TTFT at most {slo['ttft']:.1f} ms ({TTFT_FACTOR:g}x a request alone here), TPOT at most "
+    intro += f"{slo['tpot']:.1f} ms ({TPOT_FACTOR:g}x), under Poisson arrivals at multiples of the engine's capacity."
+    why = "Why it matters: a replica's capacity is the load at the knee, and cost per token follows goodput."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:
-    a, b = fig.subplots(1, 2)
-    s = m.series
-    a.plot(s["rate"], s["tok_s"], "o-", label="throughput")
-    a.plot(s["rate"], s["goodput"], "s-", label="goodput (meets SLOs)")
-    a.axvline(m.numbers["knee_rps"], color="gray", ls="--", label="knee")
-    a.set(xlabel="offered load (requests/s)", ylabel="output tokens/s", title="Goodput vs load")
-    a.legend()
-    b.plot(s["rate"], s["attainment"], "o-")
-    b.set(xlabel="offered load (requests/s)", ylabel="% requests meeting SLOs", title="SLO attainment", ylim=(0, 105))
+    ax = lines(fig, m.series["rate"], {"throughput": m.series["tok_s"], "goodput (meets SLOs)": m.series["goodput"]})
+    ax.axvline(m.numbers["rate_best"], color="gray", ls="--")
+    ax.set(xlabel="offered load (requests/s)", ylabel="output tokens/s", title="Goodput vs load (dashed: the knee)")
 
 
 LAB = Lab("goodput", "Goodput", DEFINITION, measure, explain, plot)

@@ -1,5 +1,4 @@
-"""ITL / TPOT: the distribution of gaps between tokens against batch size, and what a long prompt joining
-does to the requests already decoding, with chunked prefill off and on."""
+"""ITL / TPOT: gaps between tokens against batch size, and a long prompt joining decodes, chunked or not."""
 
 from __future__ import annotations
 
@@ -13,101 +12,49 @@ from inferd.measure.stats import percentile
 DEFINITION = 'time between successive output tokens during decode. Drives perceived "typing speed."'
 
 
-def join_stall(ctx: LabContext, chunk: int, long_len: int, decoders: int, out_len: int) -> tuple[float, float]:
-    """Longest gap between two tokens of the decoding requests while a `long_len` prompt joins, and the
-    long request's TTFT (ms). chunk 0 prefills the whole prompt in one step."""
-    llm = ctx.llm(long_prefill_token_threshold=chunk)
-    rng = random.Random(7)
-    vocab = ctx.facts().vocab
-    short = [Job(p, out_len) for p in random_prompts(rng, vocab, decoders, 16)]
-    long = Job(random_prompts(rng, vocab, 1, long_len)[0], 2, at_step=4)
-    run = serve(llm, [*short, long])
-    stall = max(max(s.itls) for s in run.served[:decoders])
-    return stall * 1000, run.served[-1].ttft * 1000
-
-
 def measure(ctx: LabContext) -> Measurement:
-    batches = ctx.size([1, 4, 16], [1, 4, 16, 32])
-    out_len, prompt_len = ctx.size(12, 32), ctx.size(32, 128)
-    rng = random.Random(3)
-    m = Measurement(settings={"batches": batches})
-    series = {"batch": batches, "itl_ms": []}
-    llm = ctx.llm()
+    batches, rng, vocab = ctx.size([1, 4, 16], [1, 4, 16, 32]), random.Random(3), ctx.facts().vocab
+    out_len, prompt_len, long_len, chunk = ctx.size((12, 32, 768, 64), (32, 128, 1536, 256))
+    m = Measurement({"long_len": long_len, "chunk": chunk}, {"batch": batches, "itl_ms": [], "p50": []})
     for b in batches:
-        run = serve(llm, [Job(p, out_len) for p in random_prompts(rng, ctx.facts().vocab, b, prompt_len)])
-        series["itl_ms"].append([g * 1000 for s in run.served for g in s.itls])
-    for b, gaps in zip(batches, series["itl_ms"], strict=True):
-        m.numbers[f"itl_p50_ms_b{b}"] = percentile(gaps, 50)
-        m.numbers[f"itl_p99_ms_b{b}"] = percentile(gaps, 99)
-    long_len, chunk = ctx.size(768, 1536), ctx.size(64, 256)
-    decoders, join_out = 4, ctx.size(24, 48)
-    stall_off, ttft_off = join_stall(ctx, 0, long_len, decoders, join_out)
-    stall_on, ttft_on = join_stall(ctx, chunk, long_len, decoders, join_out)
-    lo, hi = batches[0], batches[-1]
-    m.numbers.update(
-        b_lo=lo,
-        b_hi=hi,
-        itl_p50_lo=m.numbers[f"itl_p50_ms_b{lo}"],
-        itl_p50_hi=m.numbers[f"itl_p50_ms_b{hi}"],
-        long_len=long_len,
-        chunk=chunk,
-        decoders=decoders,
-        stall_off_ms=stall_off,
-        stall_on_ms=stall_on,
-        long_ttft_off_ms=ttft_off,
-        long_ttft_on_ms=ttft_on,
-    )
-    m.series = series
+        run = serve(ctx.llm(), [Job(p, out_len) for p in random_prompts(rng, vocab, b, prompt_len)])
+        m.series["itl_ms"].append([g * 1000 for s in run.served for g in s.itls])
+        m.series["p50"].append(percentile(m.series["itl_ms"][-1], 50))
+    m.ends("batch", "p50")
+    jobs = [Job(p, 2 * out_len) for p in random_prompts(rng, vocab, 4, 16)]
+    jobs.append(Job(random_prompts(rng, vocab, 1, long_len)[0], 2, at_step=4))  # joins 4 decoding requests
+    for name, tokens in (("off", 0), ("on", chunk)):  # the prompt in one step, or `chunk` tokens a step
+        run = serve(ctx.llm(long_prefill_token_threshold=tokens), jobs)
+        m.numbers[f"stall_{name}_ms"] = max(max(s.itls) for s in run.served[:4]) * 1000  # their longest gap
     return m
 
 
 def explain(m: Measurement) -> Explanation:
     claims = [
         m.decide(
-            "itl_p50_hi > itl_p50_lo",
-            yes="Median ITL grew from {itl_p50_lo} ms at batch {b_lo} to {itl_p50_hi} ms at batch {b_hi}: each "
-            "request types slower when it shares the step with more others.",
-            no="Median ITL did not grow with the batch: {itl_p50_lo} ms at batch {b_lo}, {itl_p50_hi} ms at "
-            "batch {b_hi}; fixed per-step costs dominate a step at these sizes.",
+            "p50_hi > p50_lo",
+            yes="Median ITL grew from {p50_lo} ms at batch {batch_lo} to {p50_hi} ms at batch {batch_hi}: a request "
+            "types slower when it shares each step with more others.",
+            no="Median ITL did not grow with the batch ({p50_lo} ms at {batch_lo}, {p50_hi} ms at {batch_hi}).",
         ),
         m.decide(
             "stall_on_ms < stall_off_ms",
-            yes="When a {long_len}-token prompt joined {decoders} decoding requests, their longest gap between two "
-            "tokens was {stall_off_ms} ms with the whole prompt in one step, and {stall_on_ms} ms with chunked "
-            "prefill ({chunk} tokens per step): chunks let decodes keep flowing.",
-            no="When a {long_len}-token prompt joined {decoders} decoding requests, their longest gap was "
-            "{stall_off_ms} ms unchunked and {stall_on_ms} ms with {chunk}-token chunks: chunking did not shorten "
-            "the stall here.",
-        ),
-        m.decide(
-            "long_ttft_on_ms >= long_ttft_off_ms",
-            textbook=False,
-            yes="The price: the long request's own TTFT was {long_ttft_on_ms} ms chunked against {long_ttft_off_ms} "
-            "ms in one piece.",
-            no="The long request's own TTFT was {long_ttft_on_ms} ms chunked against {long_ttft_off_ms} ms in one "
-            "piece: chunking cost it nothing measurable here.",
+            yes="When a {long_len}-token prompt joined 4 decoding requests, their longest gap was {stall_off_ms} ms "
+            "with the prompt in one step and {stall_on_ms} ms in {chunk}-token chunks: chunks let decodes flow.",
+            no="When a {long_len}-token prompt joined 4 decoding requests, their longest gap was {stall_off_ms} ms "
+            "whole and {stall_on_ms} ms in {chunk}-token chunks.",
         ),
     ]
-    intro = [
-        "ITL is every gap between two tokens of a stream; TPOT is a request's (end-to-end latency - TTFT) / "
-        "(output tokens - 1), vLLM's definitions, used by `inferd bench` too. This lab collected every gap at "
-        f"batch sizes {', '.join(map(str, m.settings['batches']))}, then let one long prompt join requests that "
-        "were decoding, with chunked prefill off and on (`--long-prefill-token-threshold`).",
-    ]
-    why = [
-        "Why it matters: ITL is the typing speed a user sees, and its tail is what a long prompt arriving does "
-        "to everyone else. Chunked prefill (and, further, separate prefill and decode pools) keeps that tail short."
-    ]
-    return Explanation(intro, claims, why)
+    intro = "ITL is every gap between two tokens of a stream; TPOT is a request's (latency - TTFT) / (output tokens "
+    intro += "- 1), as vLLM and `inferd bench` define them."
+    why = "Why it matters: ITL is the typing speed users see; chunked prefill keeps a long prompt from stalling it."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:
-    a, b = fig.subplots(1, 2)
-    s = m.series
-    a.boxplot(s["itl_ms"], tick_labels=[str(x) for x in s["batch"]], showfliers=True)
-    a.set(xlabel="batch size", ylabel="ITL (ms)", title="ITL distribution vs batch")
-    b.bar(["one step", "chunked"], [m.numbers["stall_off_ms"], m.numbers["stall_on_ms"]])
-    b.set(ylabel="longest ITL of decoding requests (ms)", title="A long prompt joins")
+    ax = fig.subplots()
+    ax.boxplot(m.series["itl_ms"], tick_labels=[str(x) for x in m.series["batch"]])
+    ax.set(xlabel="batch size", ylabel="ITL (ms)", title="ITL distribution vs batch")
 
 
 LAB = Lab("itl", "ITL / TPOT", DEFINITION, measure, explain, plot)

@@ -1,7 +1,6 @@
-"""Run labs and write what they found: <out>/<lab>.json and <lab>.png, the capstone report (Markdown with the
-plots, ending in cost per million tokens) and, with --write-docs, docs/glossary/<lab>.md. `check_result`
-verifies any result file: every claim true of its numbers, and every number a claim rests on in its sentence.
-"""
+"""Run labs and write what they found: <out>/<lab>.json and <lab>.png, the report (Markdown with the plots; the
+cost lab, last, is its capstone) and, with --write-docs, docs/glossary/<lab>.md. `check_result` verifies a
+result: every claim true of its numbers, and every number a claim rests on in its sentence."""
 
 from __future__ import annotations
 
@@ -100,7 +99,7 @@ def _body(r: LabResult) -> list[str]:
 
 
 def write_report(results: list[LabResult], ctx: LabContext, report_dir: Path) -> Path:
-    """README-style Markdown: per term, the explanation and the plot; then cost per million tokens."""
+    """README-style Markdown: the claims this machine contradicted, then per term the explanation and the plot."""
     stored = [r.term for r in results if not r.measured_here]
     provenance = "Every number below was measured in this run"
     if stored:
@@ -121,22 +120,6 @@ def write_report(results: list[LabResult], ctx: LabContext, report_dir: Path) ->
     ]
     for r in results:
         lines += [f"## {r.term}", "", *_body(r), ""]
-    lines += ["## Capstone: cost per million tokens", ""]
-    cost = next((r.numbers for r in results if r.lab == "cost"), None)
-    rows = {"the best goodput under the SLOs": "goodput", "raw throughput at the same load": "throughput"}
-    rows["batch 1 (no batching)"] = "batch1"
-    if cost is None:
-        lines.append("The cost lab did not run.")
-    else:
-        lines += [
-            f"At **${fmt(cost['price_per_hour'])} per hour** for this machine, serving {ctx.model_label} here costs:",
-            "",
-            "| measured at | output tokens/s | $ per million output tokens |",
-            "|---|---|---|",
-            *[f"| {what} | {fmt(cost[f'{k}_tok_s'])} | {fmt(cost[f'cost_{k}'])} |" for what, k in rows.items()],
-            "",
-            "The goodput row is the one to plan with: it counts only tokens of requests that met the SLOs.",
-        ]
     path = report_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

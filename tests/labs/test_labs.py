@@ -66,9 +66,9 @@ def test_report_has_every_term_and_ends_with_cost(lab_run):
         assert f"## {lab.term}" in report and f"]({lab.name}.png)" in report
     contradicted = [c.text for name in LAB_NAMES for c in _result(lab_run, name).claims if c.agrees is False]
     assert all(text in report.split("## Prefill", 1)[0] for text in contradicted)  # gathered up front
-    tail = report.split("## Capstone: cost per million tokens", 1)[1]
+    tail = report.split("## Cost per million tokens", 1)[1]  # the capstone: the last section
     cost = _result(lab_run, "cost").numbers
-    assert f"${PRICE:.2f} per hour" in tail
+    assert f"${PRICE:.2f} an hour" in tail and "\n## " not in tail
     assert cost["price_per_hour"] == PRICE and cost["cost_goodput"] >= cost["cost_throughput"] > 0
 
 
