@@ -34,7 +34,6 @@ import itertools
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +43,7 @@ from inferd.autoscale.profile import Profile
 from inferd.autoscale.signals import Measured
 from inferd.autoscale.workload import Workload
 from inferd.fleet.spec import AutoscalingPolicy
+from inferd.gateway.cache_worth import CACHE_WORTH_WINDOW_S, unique_recent_tokens
 from inferd.gateway.replicas import CACHE_HALF_LIFE_S
 from inferd.measure.stats import DecayedRate, percentile
 
@@ -104,7 +104,7 @@ class Simulator:
         kv_cache_tokens: int | None = None,
         routing: str = "least_load",
         victim: str = "newest",
-        victim_horizon_s: float = 60.0,
+        victim_horizon_s: float = CACHE_WORTH_WINDOW_S,
         scale_down_at: float | None = None,
         seed: int = 0,
     ):
@@ -115,6 +115,7 @@ class Simulator:
         self.kv_tokens, self.routing, self.victim, self.horizon = kv_cache_tokens, routing, victim, victim_horizon_s
         self.rng = random.Random(seed)
         self.prefix_used: dict[int, float] = {}  # shared prefix -> when a request for it last arrived
+        self._prefix_tokens: dict[int, int] = {}  # shared prefix -> its tokens
         self.cached_tokens = 0  # prompt tokens served from the replicas' prefix caches
         self.p, self.w, self.policy, self.slo = profile, workload, policy, slo or SLO()
         self.price = price_per_hour
@@ -204,6 +205,7 @@ class Simulator:
             rep = min(ready, key=lambda r: (r.load(), r.id))
         else:
             self.prefix_used[prefix[0]] = self.now
+            self._prefix_tokens[prefix[0]] = prefix[1]
             bonus = self.p.max_num_seqs / 2 if self.routing == "prefix" else 0.0
             rep = min(ready, key=lambda r: (r.load() - (bonus if prefix[0] in r.cache else 0.0), r.id))
         rep.queue.append(req)
@@ -309,8 +311,10 @@ class Simulator:
         if self.victim == "cache_hits":
             return sorted(newest, key=lambda r: r.hits.rate(self.now))[:k]
         if self.victim == "unique_recent":
-            worth = unique_recent_tokens({r.id: r.cache for r in ready}, self.prefix_used, self.now - self.horizon)
-            return sorted(newest, key=lambda r: worth[r.id])[:k]
+            since = self.now - self.horizon
+            recent = {pid: tokens for pid, tokens in self._prefix_tokens.items() if self.prefix_used[pid] >= since}
+            worth = unique_recent_tokens(ready, lambda r, pid: pid in r.cache, recent)
+            return sorted(newest, key=lambda r: worth[r])[:k]
         return newest[:k]
 
     def _drain(self, reps: list[Replica]) -> None:
@@ -509,21 +513,6 @@ class Simulator:
             "goodput_cost_per_million_tokens": per_m(cost, good_in + good_out),
             "goodput_cost_per_million_output_tokens": per_m(cost, good_out),
         }
-
-
-def unique_recent_tokens(held: Mapping, last_used: Mapping, since: float) -> dict:
-    """What losing each replica's cache costs the traffic: per replica, the tokens of the prefixes it holds
-    (`held`: replica -> {prefix: tokens}) that no other replica holds and that were asked for at or after
-    `since` (`last_used`: prefix -> time), so the traffic would compute them again. A prefix held twice costs
-    nothing to lose once; one not asked for lately may never be asked for again."""
-    count: dict = {}
-    for prefixes in held.values():
-        for key in prefixes:
-            count[key] = count.get(key, 0) + 1
-    return {
-        rid: sum(t for key, t in prefixes.items() if count[key] == 1 and last_used.get(key, -math.inf) >= since)
-        for rid, prefixes in held.items()
-    }
 
 
 def simulate(

@@ -3,11 +3,12 @@
 When a Deployment scales down, its ReplicaSet deletes the pods with the lowest deletion cost first (then the
 usual rules). Left alone every pod costs 0 and the victim is arbitrary, so an autoscaler (HPA, KEDA) may
 remove the replica whose cache serves most of the traffic's prefixes. The gateway knows what each replica's
-cache is worth: the prefix blocks it served lately (`Replica.cache_hits`, from the prefix index: the KV
-events where replicas publish them). Every `interval_s` it lists the pods of its namespace, matches them to
-its replicas by pod IP, and patches the annotation to that rate (blocks per second x 1000, an integer) where
-it moved by more than a tenth: Kubernetes asks that the annotation not be updated often, and the ordering
-only needs the ranks. `inferd up` orders its own scale-downs the same way (`inferd.runtime.up.drain_order`).
+cache is worth: the tokens of the prefixes asked for lately that only it holds (`Replica.cache_worth`,
+inferd/gateway/cache_worth.py, from the KV events where replicas publish them). Every `interval_s` it lists
+the pods of its namespace, matches them to its replicas by pod IP, and patches the annotation to that worth
+(in tokens, an integer) where it moved by more than a tenth: Kubernetes asks that the annotation not be
+updated often, and the ordering only needs the ranks. `inferd up` orders its own scale-downs the same way
+(`inferd.runtime.up.drain_order`).
 
 It runs in the cluster with the pod's service account (a Role allowing pods get/list/patch, which
 `inferd deploy k8s` renders with the gateway), talking to the API server over HTTPS with the account's token
@@ -32,9 +33,9 @@ ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-def cost_of(rate: float) -> int:
-    """The annotation's value for a cache hit rate (blocks/s): an int32, as Kubernetes requires."""
-    return max(0, min(2**31 - 1, round(rate * 1000)))
+def cost_of(worth: float) -> int:
+    """The annotation's value for a cache's worth (tokens): an int32, as Kubernetes requires."""
+    return max(0, min(2**31 - 1, round(worth)))
 
 
 def changed_enough(old: int | None, new: int) -> bool:
@@ -87,7 +88,7 @@ class DeletionCosts:
             if meta is None:
                 continue
             old = (meta.get("annotations") or {}).get(ANNOTATION)
-            new = cost_of(replica.cache_hits.rate(now))
+            new = cost_of(replica.cache_worth)
             if not changed_enough(int(old) if old is not None and old.lstrip("-").isdigit() else None, new):
                 continue
             patch = {"metadata": {"annotations": {ANNOTATION: str(new)}}}

@@ -110,6 +110,11 @@ class KVEventIndex:
             out[url] = n
         return out
 
+    def holds(self, url: str, key: BlockHash) -> bool:
+        """Whether the synced replica's cache (any medium) holds the block."""
+        sub = self._subs.get(url)
+        return sub is not None and key in sub.blocks
+
     def stats(self) -> list[tuple[str, int, int, int, bool]]:
         """(replica, blocks held, batches applied, resyncs, synced) per subscription."""
         return [(s.url, len(s.blocks), s.batches, s.resyncs, s.synced) for s in list(self._subs.values())]

@@ -57,7 +57,13 @@ class _StateCollector(Collector):
         cache = GaugeMetricFamily(
             "inferd_gateway_replica_cache_hit_rate",
             "Prefix blocks per second the replica's cache served to requests routed there, as predicted, recently "
-            "(half-life 5 min): what a scale-down loses with it.",
+            "(half-life 5 min).",
+            labels=labels,
+        )
+        worth = GaugeMetricFamily(
+            "inferd_gateway_replica_cache_worth_tokens",
+            "Tokens of the prefix blocks asked for in the last 5 min that only this replica of its pool holds: what "
+            "the traffic would compute again without it (a scale-down stops the least worth first).",
             labels=labels,
         )
         now = time.monotonic()
@@ -65,9 +71,11 @@ class _StateCollector(Collector):
             in_flight.add_metric([r.pool, r.url], r.in_flight)
             healthy.add_metric([r.pool, r.url], 1.0 if available else 0.0)
             cache.add_metric([r.pool, r.url], r.cache_hits.rate(now))
+            worth.add_metric([r.pool, r.url], r.cache_worth)
         yield in_flight
         yield healthy
         yield cache
+        yield worth
         q = GaugeMetricFamily("inferd_gateway_queue_size", "Requests waiting at the gateway for a replica.")
         q.add_metric([], queued)
         yield q

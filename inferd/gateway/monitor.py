@@ -63,6 +63,7 @@ class Monitor:
             jobs += [self._probe(r) for r in replicas]
         await asyncio.gather(*jobs)
         self.gateway.queue.wake_all()
+        self.gateway.update_cache_worth(time.monotonic())
         if self.gateway.deletion_costs is not None:
             await self.gateway.deletion_costs.tick(replicas)
 

@@ -47,6 +47,11 @@ class MemoryPrefixIndex:
         """A replica that restarted or left lost its cache."""
         self._by_replica.pop(replica, None)
 
+    def holds(self, replica: str, key: BlockHash) -> bool:
+        """Whether the key was sent to the replica lately (what its cache is worth: inferd/gateway/cache_worth.py)."""
+        lru = self._by_replica.get(replica)
+        return lru is not None and key in lru
+
 
 class RedisPrefixIndex:
     """The same index in Redis: ZSET `{prefix}:pfx:{replica}` of block keys scored by last use.
@@ -101,3 +106,8 @@ class RedisPrefixIndex:
 
     async def forget(self, replica: str) -> None:
         await self._run(lambda: self.redis.delete(self._key(replica)), None)
+
+    def holds(self, replica: str, key: BlockHash) -> bool:
+        """Not known without a round trip per key: a replica without KV events counts as holding nothing unique
+        (its cache's worth is 0 to a scale-down)."""
+        return False

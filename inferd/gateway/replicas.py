@@ -99,6 +99,9 @@ class Replica:
     # prefix blocks its cache served to requests routed here, recently (as the prefix index predicted them):
     # what this replica's cache is worth, and so which replica a scale-down should stop first
     cache_hits: DecayedRate = field(default_factory=lambda: DecayedRate(CACHE_HALF_LIFE_S))
+    # tokens of the prefixes asked for lately that only this replica holds (inferd/gateway/cache_worth.py): what
+    # the traffic would compute again without it, and so the rank a scale-down stops replicas in
+    cache_worth: int = 0
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until

@@ -33,6 +33,7 @@ from inferd.gateway.budget import (
     limit_vector,
     rate_limit_headers,
 )
+from inferd.gateway.cache_worth import CACHE_WORTH_WINDOW_S, RecentBlocks, unique_recent_tokens
 from inferd.gateway.config import GatewayConfig, PoolConfig, ResumeConfig, TenantConfig
 from inferd.gateway.deletion_cost import DeletionCosts
 from inferd.gateway.errors import GatewayError, bad_request, model_not_found, no_replica, parse_json_body
@@ -72,6 +73,7 @@ from inferd.prompts import check_prompt
 from inferd.tracing import TRACE_HEADERS, extract, inject, make_tracer, wall_ns
 
 logger = logging.getLogger(__name__)
+WORTH_INTERVAL_S = 5.0  # how often the replicas' cache worth is computed again (a pass over recent keys)
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ANONYMOUS = "anonymous"
@@ -343,6 +345,8 @@ class Gateway:
         )
         # what the replicas' caches hold, from their KV events (where they publish them)
         self.kv_index = KVEventIndex(cap) if config.prefix_index.kv_events else None
+        self.recent_blocks = RecentBlocks(cap)  # when each prefix block was last asked for: caches' worth
+        self._worth_at = float("-inf")
         # on Kubernetes: each replica pod's deletion cost, from what its cache serves (cache-aware scale-down)
         cost = config.pod_deletion_cost
         self.deletion_costs = DeletionCosts(cost) if cost.enabled else None
@@ -551,6 +555,7 @@ class Gateway:
                 self.metrics.prefix_blocks.labels(pool.name, "hit").inc(hit)
                 self.metrics.prefix_blocks.labels(pool.name, "miss").inc(len(hashes) - hit)
                 await self.prefix_index.insert(pick.replica.url, hashes)
+                self.recent_blocks.touch(hashes, time.monotonic())
             url = pick.replica.url + PATHS[flight.info.kind]
             try:
                 trace = flight.attempt(pick.replica.url, pool.name)
@@ -584,6 +589,25 @@ class Gateway:
         if rest:
             self.metrics.prefix_source.labels(pool.name, "sent").inc(len(rest))
         return exact | (await self.prefix_index.match(rest, hashes) if rest else {})
+
+    def update_cache_worth(self, now: float) -> None:
+        """Every replica's `cache_worth` (inferd/gateway/cache_worth.py), at most every WORTH_INTERVAL_S: the
+        tokens of the blocks asked for in the last CACHE_WORTH_WINDOW_S that it alone in its pool holds, by its
+        KV events where it publishes them, else by the keys sent there."""
+        if now - self._worth_at < WORTH_INTERVAL_S:
+            return
+        self._worth_at = now
+        keys = self.recent_blocks.since(now - CACHE_WORTH_WINDOW_S)
+        for pool in self.state.pools.values():
+            recent = dict.fromkeys(keys, pool.config.block_size)
+            worth = unique_recent_tokens(list(pool.replicas), self._holds, recent)
+            for url, replica in pool.replicas.items():
+                replica.cache_worth = worth[url]
+
+    def _holds(self, url: str, key) -> bool:
+        if self.kv_index is not None and self.kv_index.synced(url):
+            return self.kv_index.holds(url, key)
+        return self.prefix_index.holds(url, key)
 
     def _upstream_failed(self, st: GatewayState, flight: Flight, r: Retry) -> None:
         replica = flight.pick.replica

@@ -154,17 +154,17 @@ def gateway_queue(url: str, client: httpx.Client) -> float:
     return scraped_value(client, url, "inferd_gateway_queue_size")
 
 
-def cache_hit_rates(url: str, client: httpx.Client) -> dict[str, float]:
-    """Each replica's recent prefix-cache hits at the gateway (`inferd_gateway_replica_cache_hit_rate`, blocks/s)
-    by replica URL; empty if the gateway does not answer."""
-    samples = scraped_samples(client, url, "inferd_gateway_replica_cache_hit_rate", timeout=2.0)
+def cache_worths(url: str, client: httpx.Client) -> dict[str, float]:
+    """What each replica's cache is worth to the traffic at the gateway (`inferd_gateway_replica_cache_worth_tokens`:
+    tokens of prefixes asked for lately that only it holds) by replica URL; empty if the gateway does not answer."""
+    samples = scraped_samples(client, url, "inferd_gateway_replica_cache_worth_tokens", timeout=2.0)
     return {s.labels["replica"]: s.value for s in samples}
 
 
-def drain_order(replicas: list[ReplicaProc], rates: dict[str, float]) -> list[ReplicaProc]:
-    """Which replicas a scale-down stops first: the least recent prefix-cache hits (`rates`, blocks/s by URL;
-    one the gateway has no figure for counts 0), the newest first among equals."""
-    return sorted(replicas, key=lambda r: (rates.get(r.url, 0.0), -r.started))
+def drain_order(replicas: list[ReplicaProc], worths: dict[str, float]) -> list[ReplicaProc]:
+    """Which replicas a scale-down stops first: the least cache worth (`worths`, tokens by URL; one the gateway
+    has no figure for counts 0), the newest first among equals."""
+    return sorted(replicas, key=lambda r: (worths.get(r.url, 0.0), -r.started))
 
 
 class LocalFleet:
@@ -415,15 +415,16 @@ class LocalFleet:
 
     def _drain(self, run: PoolRun, n: int) -> None:
         """Stop `n` ready replicas: unlisted now, SIGTERM once the gateway has seen the list. Cache-aware: the
-        ones whose caches served the fewest prefix blocks lately (the gateway's `cache_hit_rate`, from the
-        prefix index) go first, so the prefixes that traffic still uses stay cached; the newest among equals."""
+        ones whose caches are worth least to the traffic go first (the gateway's `cache_worth`: tokens of the
+        prefixes asked for lately that only that replica holds), so what traffic still uses stays cached and
+        nothing is computed again that need not be; the newest among equals."""
         now = time.monotonic()
-        rates = cache_hit_rates(self.gateway_url, self.client)
-        order = drain_order(run.serving(), rates)
+        worths = cache_worths(self.gateway_url, self.client)
+        order = drain_order(run.serving(), worths)
         for r in order[:n]:
             r.state, r.term_at = "draining", now + self.unlist_grace_s
-            hits = f", its cache serving {rates[r.url]:.2f} prefix blocks/s" if r.url in rates else ""
-            self._event(run, "drain", f"stopping {r.url}{hits} (the least of the pool's {len(order)})")
+            worth = f", its cache holding {worths[r.url]:.0f} tokens no other replica does" if r.url in worths else ""
+            self._event(run, "drain", f"stopping {r.url}{worth} (the least of the pool's {len(order)})")
         self._publish(run)
 
     def _event(self, run: PoolRun, kind: str, text: str, value: float | None = None) -> None:

@@ -137,6 +137,6 @@ def test_a_scale_down_stops_the_replica_whose_cache_serves_least():
     from inferd.runtime.up import ReplicaProc, drain_order
 
     a, b, c = (ReplicaProc("p", port, None, started, None) for port, started in ((1, 10.0), (2, 20.0), (3, 30.0)))
-    rates = {a.url: 0.5, b.url: 4.0}  # c: no figure at the gateway yet
-    assert [r.port for r in drain_order([a, b, c], rates)] == [3, 1, 2]
+    worths = {a.url: 512.0, b.url: 4096.0}  # c: no figure at the gateway yet
+    assert [r.port for r in drain_order([a, b, c], worths)] == [3, 1, 2]
     assert [r.port for r in drain_order([a, b, c], {})] == [3, 2, 1]  # no gateway figures: the newest first

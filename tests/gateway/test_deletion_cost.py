@@ -61,9 +61,9 @@ def api_server():
     thread.join(10)
 
 
-def _replica(ip: str, rate: float, now: float) -> Replica:
+def _replica(ip: str, worth: int) -> Replica:
     r = Replica(f"http://{ip}:8000", "p")
-    r.cache_hits.add(rate * r.cache_hits.tau, now)  # a decayed sum whose rate reads `rate` at `now`
+    r.cache_worth = worth
     return r
 
 
@@ -80,12 +80,12 @@ def test_pods_get_their_cache_value_as_deletion_cost(api_server):
     )
     costs = DeletionCosts(config)
     now = time.monotonic()
-    replicas = [_replica("10.0.0.1", 2.5, now), _replica("10.0.0.2", 0.0, now), _replica("10.9.9.9", 7.0, now)]
+    replicas = [_replica("10.0.0.1", 2500), _replica("10.0.0.2", 0), _replica("10.9.9.9", 7000)]
 
     async def run():
         await costs.tick(replicas, now)
         await costs.tick(replicas, now + 0.5)  # within interval_s: nothing
-        replicas[0].cache_hits.add(0.01, now + 2)  # a hair more: not worth a patch
+        replicas[0].cache_worth += 16  # a hair more: not worth a patch
         await costs.tick(replicas, now + 2)
         await costs.close()
 
@@ -100,10 +100,10 @@ def test_an_unreachable_api_server_is_logged_not_raised(caplog):
     config = DeletionCostConfig(enabled=True, api_server=f"http://127.0.0.1:{free_port()}", namespace="ns",
                                 token_file=None, ca_file=None)  # fmt: skip
     costs = DeletionCosts(config)
-    asyncio.run(costs.tick([_replica("10.0.0.1", 1.0, 0.0)], 0.0))
+    asyncio.run(costs.tick([_replica("10.0.0.1", 1000)], 0.0))
     assert "pod deletion costs not updated" in caplog.text
 
 
 def test_cost_rounding_and_hysteresis():
-    assert cost_of(0.0) == 0 and cost_of(1.2345) == 1234 and cost_of(1e12) == 2**31 - 1
+    assert cost_of(0.0) == 0 and cost_of(1234.4) == 1234 and cost_of(1e12) == 2**31 - 1
     assert changed_enough(None, 0) and not changed_enough(1000, 1090) and changed_enough(1000, 1200)

@@ -86,9 +86,13 @@ def test_finds_prefixes_that_traffic_around_the_gateway_cached(publishing, gatew
         assert r.headers["x-inferd-replica"] == publishing[i % 2].url, i
     assert _sample(gw.url, "inferd_gateway_prefix_affinity_source_total", source="events") >= 2 * len(prefixes)
     assert _sample(gw.url, "inferd_gateway_kv_index_blocks", replica=publishing[0].url) > 0
-    # what each replica's cache is worth to a scale-down: the prefix blocks it served lately (3 a request here)
+    # the prefix blocks each replica's cache served lately (3 a request here)
     rates = [_sample(gw.url, "inferd_gateway_replica_cache_hit_rate", replica=r.url) for r in publishing]
     assert all(rate > 0 for rate in rates), rates
+    # what each cache is worth to a scale-down: the tokens of the 3 prefixes (3 blocks each) only it holds,
+    # recomputed every few seconds
+    worth = lambda: [_sample(gw.url, "inferd_gateway_replica_cache_worth_tokens", replica=r.url) for r in publishing]
+    wait_until(lambda: worth() == [3 * 3 * BLOCK] * 2, timeout=20, what="the replicas' cache worth")
 
 
 def test_evicted_blocks_are_no_longer_predicted(publishing, gateway):
