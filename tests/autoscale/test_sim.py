@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from inferd.autoscale.profile import Profile, example_profiles, load_profile
-from inferd.autoscale.sim import SLO, Simulator, simulate, unique_recent_tokens
+from inferd.autoscale.sim import SLO, Simulator, simulate
 from inferd.autoscale.workload import Workload, make_workload, with_shared_prefixes
 from inferd.fleet.spec import AutoscalingPolicy
 
@@ -246,13 +246,6 @@ def test_a_cached_prefix_is_prefilled_once_per_replica_and_evicted_least_recent_
     assert r.report["cached_prompt_tokens"] == 800
     assert list(sim.replicas[0].cache) == [2, 1]  # least recent first
     assert simulate(Profile("p", 1000.0, [1], [0.1], 4), w, replicas=1).ttft == pytest.approx([0.6] * 6)
-
-
-def test_unique_recent_tokens_count_what_only_one_replica_holds_and_was_asked_for_lately():
-    held = {"a": {1: 64, 2: 64, 3: 32}, "b": {2: 64, 4: 128}, "c": {}}
-    used = {1: 100.0, 2: 100.0, 3: 10.0, 4: 95.0}
-    assert unique_recent_tokens(held, used, since=50.0) == {"a": 64, "b": 128, "c": 0}  # 2 is held twice, 3 is old
-    assert unique_recent_tokens(held, used, since=0.0) == {"a": 96, "b": 128, "c": 0}
 
 
 def _scale_down(victim: str, seed: int) -> tuple[float, list[int]]:
