@@ -1,10 +1,6 @@
-"""What every lab of one run shares: the model (loaded once per set of engine settings), this machine's matmul
-peak and memory bandwidth and the model's bytes and FLOPs (`inferd.measure`), earlier labs' measurements, and
-the servers labs start on loopback through `inferd.procs`, every one stopped when the run ends.
-
-`--quick` swaps the default model for a tiny random-weight Llama (`inferd.models.tiny`): every lab finishes in
-seconds, its numbers show the mechanics, not a real model's speed, and each lab's text names the model.
-"""
+"""What the labs of one run share: the model (loaded once per set of engine settings; with `--quick` a tiny
+random-weight Llama), this machine's peaks and the model's bytes and FLOPs (`inferd.measure`), earlier labs'
+measurements, and the servers they start on loopback through `inferd.procs`, all stopped when the run ends."""
 
 from __future__ import annotations
 
