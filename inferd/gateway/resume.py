@@ -20,8 +20,9 @@ How it goes on (`continuation`):
   read the sent tokens as prompt, so it is greedy-equivalent, not exact.
 
 The continuation's chunks are rewritten (`StreamState.splice`): the first stream's `id`, `created` and
-`model`; no second role chunk; usage counting each token once (completion tokens: those sent before plus the
-continuation's; prompt tokens: the client's prompt).
+`model`; no second role chunk; a completion's logprobs `text_offset` going on from the text sent before; usage
+counting each token once (completion tokens: those sent before plus the continuation's; prompt tokens: the
+client's prompt).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class StreamState:
     head: dict | None = None  # the first stream's id, created, model
     # the continuation being spliced in: the tokens sent before it, and how it counts the prompt
     base: int = 0
+    next_offset: int = 0  # where a completion's next token starts, by its logprobs' text_offset and tokens
+    text_base: int = 0  # next_offset when the continuation began: its own offsets count from 0
     prompt_extra: int = 0  # tokens a greedy continuation added to the prompt
     splicing: bool = False
 
@@ -107,6 +110,9 @@ class StreamState:
             text = delta.get("content" if self.kind == "chat" else "text") if isinstance(delta, dict) else None
             if isinstance(text, str):
                 self.text += text
+            lp = choice.get("logprobs") if self.kind != "chat" else None
+            if isinstance(lp, dict) and lp.get("text_offset") and lp.get("tokens"):
+                self.next_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if choice.get("finish_reason") is not None:
                 self.finished = True
         if self.splicing:
@@ -119,6 +125,7 @@ class StreamState:
     def begin(self, prompt_extra: int) -> None:
         """A continuation's events follow: their tokens come after the `token_ids` sent so far."""
         self.splicing, self.base, self.prompt_extra = True, len(self.token_ids), prompt_extra
+        self.text_base = self.next_offset
 
     def _splice(self, obj: dict) -> dict | None:
         """A continuation's event made part of the first stream; None to drop it (a second role chunk)."""
@@ -136,6 +143,9 @@ class StreamState:
                         delta.pop("content")
                     if not (delta or c.get("finish_reason") or c.get("token_ids") or c.get("logprobs")):
                         continue
+                lp = c.get("logprobs") if isinstance(c, dict) and self.kind != "chat" else None
+                if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):  # counted from the continuation
+                    lp["text_offset"] = [o + self.text_base if isinstance(o, int) else o for o in lp["text_offset"]]
                 kept.append(c)
             if choices and not kept:
                 return None

@@ -49,6 +49,17 @@ def test_stream_state_reads_strips_and_splices():
     assert s.event(b"data: [DONE]") == b"data: [DONE]"
 
 
+def test_a_spliced_completions_logprobs_offsets_go_on_from_the_text_sent():
+    s = StreamState("completions", client_wants_ids=False)
+    lp = {"tokens": [" a", " bc"], "token_logprobs": [-0.1, -0.2], "top_logprobs": [{}, {}], "text_offset": [0, 2]}
+    s.event(_ev({"id": "c", "choices": [{"index": 0, "text": " a bc", "logprobs": lp, "token_ids": [8, 9]}]}))
+    s.begin(prompt_extra=0)
+    lp2 = {"tokens": [" d"], "token_logprobs": [-0.3], "top_logprobs": [{}], "text_offset": [0]}
+    out = json.loads(s.event(_ev({"id": "x", "choices": [{"index": 0, "text": " d", "logprobs": lp2}]}))[6:])
+    assert out["choices"][0]["logprobs"]["text_offset"] == [5] and out["id"] == "c"
+    assert s.next_offset == 7  # and on from there
+
+
 def test_continuations_exact_and_greedy():
     s = StreamState("completions", client_wants_ids=True)
     s.event(_ev({"id": "c", "choices": [{"index": 0, "text": " a b", "token_ids": [8, 9]}]}))
@@ -152,13 +163,17 @@ def test_a_killed_replica_mid_stream_and_the_stream_goes_on_exactly(replicas, vi
     survivor = replicas[0]
     gw = gateway(_resume_config([victim.url, survivor.url]))
     # completions, the client asks for token ids too; 300 tokens: a few chunks at most before the freeze
-    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, **sampling}
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "logprobs": 1, **sampling}
     body |= {"stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     want_ids, want_text, want = _tokens(_direct(survivor, "/v1/completions", body))
     events = _events(_stream_until_cut(gw.url, "/v1/completions", body, victim))
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
     ids, text, chunks = _tokens(events)
     assert ids == want_ids and text == want_text and len(ids) == 300
+    offsets = lambda cs: [
+        o for c in cs for ch in c["choices"] for o in (ch.get("logprobs") or {}).get("text_offset", [])
+    ]
+    assert offsets(chunks) == offsets(want) and len(offsets(chunks)) == 300  # one text, counted through the splice
     assert len({(c["id"], c["created"], c["model"]) for c in chunks}) == 1  # one stream, as the client sees it
     usage = [_counts(c["usage"]) for c in chunks if c.get("usage")]
     assert usage == [_counts(want[-1]["usage"])] and usage[0][1] == 300  # each token counted once
