@@ -12,7 +12,9 @@ times that rate for `--duration` seconds, two classes:
 fcfs serves them in arrival order; priority admits interactive first and preempts batch for it; deadline
 orders by deadline. Reported per policy: the interactive class's TTFT p50/p99 and the share within the SLO,
 the batch class's TTFT p50, total output tok/s (throughput lost to the SLO), the replica's preemptions and
-requests that failed. Percentiles from `inferd.measure.stats`.
+requests that failed, and where the slowest interactive requests' time went (the engine's `usage.timing`: queue,
+prefill, preemptions; the rest of the TTFT is the server's HTTP and tokenizer work). Percentiles from
+`inferd.measure.stats`.
 
     python benchmarks/slo.py            # ~10 min on 2 cores; writes benchmarks/results/slo-<CPU kind>.json
 """
@@ -64,12 +66,14 @@ def make_request(rng: random.Random, interactive: bool) -> BenchRequest:
 
 
 def scheduled(req: BenchRequest, interactive: bool, policy: str, slo_ms: float) -> BenchRequest:
-    """The request as sent to a replica running `policy`: its class's priority or deadline."""
+    """The request as sent to a replica running `policy`: its class's priority or deadline, and the engine's
+    timing breakdown in its usage."""
+    extra = {"return_timing": True}
     if policy == "priority":
-        return replace(req, extra_body={"priority": 0 if interactive else 10})
+        extra["priority"] = 0 if interactive else 10
     if policy == "deadline":
-        return replace(req, extra_body={"ttft_deadline_ms": slo_ms if interactive else 60000})
-    return req
+        extra["ttft_deadline_ms"] = slo_ms if interactive else 60000
+    return replace(req, extra_body=extra)
 
 
 def capacity(url: str, requests: list[BenchRequest]) -> float:
@@ -85,6 +89,7 @@ def summarize(classes: list[bool], outs: list[RequestOutput], slo_ms: float) -> 
     ok = [(c, o) for c, o in zip(classes, outs, strict=True) if o.success and o.chunk_times]
     inter = [ttft(o) for c, o in ok if c]
     batch = [ttft(o) for c, o in ok if not c]
+    slowest = sorted((o for c, o in ok if c), key=ttft, reverse=True)[:3]
     span = max(o.end_time for _, o in ok) - min(o.send_time for o in outs)
     return {
         "requests": len(outs),
@@ -94,7 +99,14 @@ def summarize(classes: list[bool], outs: list[RequestOutput], slo_ms: float) -> 
         "interactive_within_slo": sum(t <= slo_ms for t in inter) / len(inter) if inter else None,
         "batch_ttft_p50_ms": percentile(batch, 50),
         "output_tokens_per_s": sum(o.usage_completion_tokens or 0 for _, o in ok) / span,
+        # the engine's account of the slowest interactive requests: what of their TTFT was queue, prefill, preemption
+        "slowest_interactive": [{"ttft_ms": round(ttft(o), 1), **_timing(o.usage_timing)} for o in slowest],
     }
+
+
+def _timing(t: dict | None) -> dict:
+    keys = ("queue_ms", "prefill_ms", "ttft_ms", "prefill_chunks", "preemptions")
+    return {k: t[k] for k in keys if k in t} if t else {}
 
 
 def main() -> int:

@@ -64,6 +64,7 @@ class RequestOutput:
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
     usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
+    usage_timing: dict | None = None  # usage.timing: where the request's time went (inferd's `return_timing`)
     token_ids: list[int] = field(default_factory=list)  # the chunks' `token_ids` (vLLM's `return_token_ids`)
     finish_reason: str | None = None
 
@@ -216,6 +217,7 @@ class StreamingClient:
             out.usage_completion_tokens = usage.get("completion_tokens", out.usage_completion_tokens)
             details = usage.get("prompt_tokens_details") or {}
             out.usage_cached_tokens = details.get("cached_tokens", out.usage_cached_tokens)
+            out.usage_timing = usage.get("timing", out.usage_timing)
 
 
 def send_all(
