@@ -172,19 +172,16 @@ class Scheduler:
         return min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        head, reserve = self._head_reserve(budget)
+        head = self._admissible_head(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             draft = self.drafts.get(request.request_id, []) if remaining == 1 else []
-            room = budget
             if head is not None and remaining > 1 and request.rank > head.rank:
-                room = budget - reserve  # a later-ranked prefill leaves the waiting head its first chunk
-                if room <= 0:
-                    i += 1  # not this step
-                    continue
-            n = self._chunk(remaining + len(draft), room)
+                i += 1  # a later-ranked prefill sits out the step that admits the waiting head: a short step
+                continue
+            n = self._chunk(remaining + len(draft), budget)
             draft = draft[: n - remaining]
             num_blocks = self.kv.num_blocks_of(request.request_id)
             ahead = self._lookahead(request, n, len(draft))
@@ -216,18 +213,18 @@ class Scheduler:
         )
         return max(0, min(self.lookahead, room))
 
-    def _head_reserve(self, budget: int) -> tuple[Request | None, int]:
-        """Under a ranked policy: the first waiting request and the tokens of its first chunk, if it can be
-        admitted this step (a sequence slot and KV blocks for that chunk are free), so running requests ranked
-        after it do not take the whole budget with their prefill chunks (an interactive request would otherwise
-        wait out a batch job's long prompt). (None, 0) otherwise."""
+    def _admissible_head(self, budget: int) -> Request | None:
+        """Under a ranked policy: the first waiting request, if it can be admitted this step (a sequence slot and
+        KV blocks for its first chunk are free). Running prefills ranked after it sit that step out, so it is not
+        left to wait out a batch job's long prompt chunk by chunk, and the step that computes its prompt beside
+        the decodes is short: its first token comes one short step after the step it arrived in (an interactive
+        request's TTFT under overload). None otherwise."""
         if not self.priority or not self.waiting:
-            return None, 0
+            return None
         head = self.waiting[0]
-        first_chunk = self._first_chunk_fits(head, budget)
-        if first_chunk is None or not self.adapter_fits(head):
-            return None, 0
-        return head, first_chunk
+        if self._first_chunk_fits(head, budget) is None or not self.adapter_fits(head):
+            return None
+        return head
 
     def _first_chunk_fits(self, request: Request, budget: int) -> int | None:
         """The tokens of a waiting request's first chunk within `budget`, if a sequence slot and KV blocks for

@@ -149,13 +149,13 @@ def test_deadline_policy_serves_the_earliest_ttft_deadline_first(tiny_models):
     assert_idle(fcfs)
 
 
-def test_a_later_ranked_prefill_leaves_an_earlier_arrival_its_first_chunk(tiny_models):
+def test_a_later_ranked_prefill_sits_out_the_step_that_admits_an_earlier_ranked_arrival(tiny_models):
     """A batch job's long prompt is being prefilled 64 tokens a step when an interactive request arrives: the
-    next step computes the interactive request's whole prompt beside a smaller chunk of the batch prompt,
+    next step computes the interactive request's whole prompt and none of the batch prompt (a short step),
     instead of waiting out the batch prompt (fcfs: three more steps); every output is as without it."""
     folder = tiny_models["llama"]
     prompts = prompt_set(VOCAB, lengths=(240, 20))
-    first_step = {}
+    first_step, batch_chunk = {}, {}
     tokens = {}
     for policy in ("fcfs", "priority"):
         llm = _llm(folder, scheduling_policy=policy, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=512)
@@ -167,14 +167,15 @@ def test_a_later_ranked_prefill_leaves_an_earlier_arrival_its_first_chunk(tiny_m
         while engine.has_unfinished_requests():
             step += 1
             outs = engine.step()
-            urgent = engine.scheduler.requests.get("urgent")
+            urgent, batch = engine.scheduler.requests.get("urgent"), engine.scheduler.requests.get("batch")
             if policy not in first_step and urgent is not None and urgent.num_computed_tokens > 0:
                 first_step[policy] = step
+                batch_chunk[policy] = batch.num_computed_tokens - 64 if batch is not None else None
             for out in outs:
                 if out.finished:
                     tokens[(policy, out.request_id)] = out.outputs[0].token_ids
         assert_idle(llm)
-    assert first_step["priority"] == 1
+    assert first_step["priority"] == 1 and batch_chunk["priority"] == 0  # the batch's second chunk waited a step
     assert first_step["fcfs"] > 1
     assert tokens[("priority", "urgent")] == tokens[("fcfs", "urgent")]
     assert tokens[("priority", "batch")] == tokens[("fcfs", "batch")]
