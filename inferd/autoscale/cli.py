@@ -64,6 +64,21 @@ def register_sim(subparsers) -> None:
     p.add_argument("--pool", default=None, help="which pool of --policy (default: the first autoscaled)")
     p.add_argument("--replicas", type=int, default=None, help="a fixed fleet of this many (no --policy)")
     _workload_args(p)
+    p.add_argument(
+        "--shared-prefixes",
+        default=None,
+        metavar="N:TOKENS",
+        help="each prompt starts with one of N shared prefixes of TOKENS tokens (Zipf-popular), added to --prompt-len",
+    )
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="each replica's prefix cache (LRU), in tokens")
+    p.add_argument("--routing", choices=("least_load", "prefix"), default="least_load", help="the gateway's choice")
+    p.add_argument(
+        "--victim",
+        default="newest",
+        help="which replica a scale-down drains: newest, random, cache_hits (fewest recent hits) or unique_recent "
+        "(the least cache worth: tokens of recently asked prefixes only it holds, as the gateway ranks them)",
+    )
+    p.add_argument("--scale-down-at", type=float, default=None, help="drain one replica at this second")
     p.add_argument("--output-json", default=None, help="write the report and timeline here")
     p.add_argument("--plot", default=None, help="write a PNG of load, replicas and TTFT over time here")
     p.set_defaults(func=run_simulate)
@@ -96,14 +111,33 @@ def run_simulate(args: argparse.Namespace) -> int:
     import json
 
     from inferd.autoscale.profile import load_profile
-    from inferd.autoscale.sim import simulate
-    from inferd.autoscale.workload import make_workload
+    from inferd.autoscale.sim import Simulator
+    from inferd.autoscale.workload import make_workload, with_shared_prefixes
+    from inferd.errors import ConfigError
 
     profile = load_profile(args.profile)
     slo = parse_slos(args.slo)
     workload = make_workload(args.trace, args.prompt_len, args.output_len, args.seed)
+    if args.shared_prefixes:
+        try:
+            count, tokens = (int(x) for x in args.shared_prefixes.split(":"))
+        except ValueError:
+            raise ConfigError(f"--shared-prefixes {args.shared_prefixes!r}: use N:TOKENS, e.g. 12:1024") from None
+        workload = with_shared_prefixes(workload, count, tokens, seed=args.seed)
     policy, replicas = _policy(args)
-    result = simulate(profile, workload, policy, replicas, slo, args.price_per_hour)
+    result = Simulator(
+        profile,
+        workload,
+        policy,
+        replicas,
+        slo,
+        args.price_per_hour,
+        kv_cache_tokens=args.kv_cache_tokens,
+        routing=args.routing,
+        victim=args.victim,
+        scale_down_at=args.scale_down_at,
+        seed=args.seed,
+    ).run()
     print(json.dumps(result.report, indent=2))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"report": result.report, "timeline": result.timeline}))

@@ -42,6 +42,7 @@ from inferd.autoscale.policy import PoolAutoscaler
 from inferd.autoscale.profile import Profile
 from inferd.autoscale.signals import Measured
 from inferd.autoscale.workload import Workload
+from inferd.errors import ConfigError
 from inferd.fleet.spec import AutoscalingPolicy
 from inferd.gateway.cache_worth import CACHE_WORTH_WINDOW_S, unique_recent_tokens
 from inferd.gateway.replicas import CACHE_HALF_LIFE_S
@@ -111,7 +112,7 @@ class Simulator:
         if policy is None and replicas < 1:
             raise ValueError("a fixed fleet needs at least one replica")
         if victim not in VICTIMS or routing not in ("least_load", "prefix"):
-            raise ValueError(f"victim is one of {VICTIMS}, routing least_load or prefix")
+            raise ConfigError(f"victim must be one of {', '.join(VICTIMS)} and routing least_load or prefix")
         self.kv_tokens, self.routing, self.victim, self.horizon = kv_cache_tokens, routing, victim, victim_horizon_s
         self.rng = random.Random(seed)
         self.prefix_used: dict[int, float] = {}  # shared prefix -> when a request for it last arrived

@@ -267,3 +267,20 @@ def test_a_scale_down_drains_the_replica_whose_cache_the_traffic_misses_least():
     assert all(len(_scale_down(v, 0)[1]) == 1 for v in ttft)
     assert np.mean(ttft["unique_recent"]) < np.mean(ttft["cache_hits"]) < np.mean(ttft["newest"])
     assert sum(u <= n for u, n in zip(ttft["unique_recent"], ttft["newest"], strict=True)) >= 8
+
+
+def test_shared_prefixes_and_the_scale_down_victim_from_the_command_line(tmp_path, capsys):
+    import json
+
+    from inferd.cli import main
+
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--profile", "example-cpu-gemma3-270m", "--trace", "poisson:rate=1.5,duration=120"]
+    argv += ["--replicas", "3", "--shared-prefixes", "6:512", "--kv-cache-tokens", "4096", "--routing", "prefix"]
+    argv += ["--victim", "unique_recent", "--scale-down-at", "60", "--output-json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())["report"]
+    assert report["finished"] == report["requests"] and report["cached_prompt_tokens"] > 0
+    assert main([*argv[:-2], "--shared-prefixes", "six"]) == 2
+    assert main([*argv[:-6], "--victim", "oldest"]) == 2
+    assert "victim must be one of" in capsys.readouterr().err
