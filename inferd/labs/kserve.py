@@ -1,18 +1,16 @@
-"""KServe: the fleet spec rendered as `inferd deploy k8s` writes `kserve.yaml`, validated offline against KServe's
-CRD schemas, and the memory its pods ask for set against what a replica with the pool's flags takes here. No
-cluster is touched: the lab writes `<out>/kserve.yaml`."""
+"""KServe: the fleet spec rendered as `inferd deploy k8s` writes `kserve.yaml` (into `<out>`, no cluster touched),
+validated offline against KServe's CRD schemas, and its pods' memory against what such a replica takes here."""
 
 from __future__ import annotations
 
 import copy
 import math
-import shutil
 from pathlib import Path
 
 import httpx
 
 from inferd.errors import InferdError
-from inferd.labs.base import Explanation, Lab, Measurement, fmt
+from inferd.labs.base import Explanation, Lab, Measurement, bars, fmt
 from inferd.labs.context import LabContext, shown_path, ttfts
 from inferd.procs import rss_samples, start_serve
 from inferd.runtime.disagg import scraped_samples
@@ -28,12 +26,10 @@ BREAKS = 3  # fields `validation` breaks in a copy of the LLMInferenceService
 
 
 def read_fleet(ctx: LabContext):
-    """(where it came from, the fleet spec): --fleet, else the checkout's examples/fleet.yaml, else one pool of
-    the run's model."""
+    """(source, spec): --fleet, else the checkout's examples/fleet.yaml, else one pool of the run's model."""
     from inferd.fleet.spec import FleetSpec, load_fleet
 
-    path = ctx.fleet or (EXAMPLE_FLEET if EXAMPLE_FLEET.exists() else None)
-    if path is not None:
+    if path := ctx.fleet or (EXAMPLE_FLEET if EXAMPLE_FLEET.exists() else None):
         return shown_path(path), load_fleet(path)
     pool = {"name": "main", "replicas": 1, "resources": {"cpu": 1, "memory": "2Gi"}}
     model = {"name": "m", "model": ctx.model, "engine": {"max_num_seqs": 16}, "pools": [pool]}
@@ -65,28 +61,22 @@ def validation(objs: list[dict]) -> tuple[list[dict], list[str]]:
     return [o | {"errors": [str(e) for e in o["errors"]]} for o in checked], [str(e) for e in errors(bad)]
 
 
-def field_rows(llm: dict) -> list[tuple[str, str, str]]:
-    """(field, value rendered, what it does) for the LLMInferenceService's fields that decide cost and latency:
-    its replicas, the engine's flags (explained by their --help) and the pod's resources."""
+def field_table(llm: dict) -> str:
+    """The LLMInferenceService's fields that decide cost and latency, as a Markdown table: its replicas, the
+    engine's flags (explained by their --help) and the pod's resources (`c` is its engine container)."""
     from inferd.cli import flag_help
 
     spec, c = llm["spec"], llm["spec"]["template"]["containers"][0]
     rows = [("spec.model.uri", spec["model"]["uri"], "where the weights come from")]
-    rows.append(("spec.replicas", str(spec["replicas"]), "engine pods, each with its own weights and KV pool"))
+    rows.append(("spec.replicas", spec["replicas"], "engine pods, each with its own weights and KV pool"))
     helps, args = flag_help(c["args"][0]), [*c["args"][1:], "--"]  # args[0] is the subcommand
     for flag, value in zip(args, args[1:], strict=False):
         if flag.startswith("--"):
-            shown = "(on)" if value.startswith("--") else value
-            rows.append((f"c.args {flag}", shown, helps.get(flag) or "-"))
+            rows.append((f"c.args {flag}", "(on)" if value.startswith("--") else value, helps.get(flag) or "-"))
     does = {"requests": "reserved for the pod", "limits": "the most the pod may use (memory: else OOM-killed)"}
-    for kind, resources in c["resources"].items():
-        rows += [(f"c.resources.{kind}.{k}", str(v), does[kind]) for k, v in resources.items()]
-    return rows
-
-
-def table(rows: list[tuple[str, str, str]]) -> str:
-    lines = ["| field | value rendered | what it does |", "|---|---|---|"]
-    return "\n".join(lines + [f"| `{f}` | `{v}` | {d} |" for f, v, d in rows])
+    rows += [(f"c.resources.{kind}.{k}", v, does[kind]) for kind, r in c["resources"].items() for k, v in r.items()]
+    head = ["| field | value rendered | what it does |", "|---|---|---|"]
+    return "\n".join(head + [f"| `{f}` | `{v}` | {d} |" for f, v, d in rows])
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -101,8 +91,8 @@ def measure(ctx: LabContext) -> Measurement:
     checked, caught = validation(objs)
     llm = next(o for o in objs if o["kind"] == "LLMInferenceService")
     model, pool = next((m, p) for m in spec.models for p in m.pools if f"inferd-{p.name}" == llm["metadata"]["name"])
-    torch = ["--attention-backend", "torch"] if ctx.quick else []  # no native-kernel build in a quick run
-    flags = [*model.engine_flags(pool), "--device", ctx.device, *torch]
+    flags = [*model.engine_flags(pool), "--device", ctx.device]
+    flags += ["--attention-backend", "torch"] if ctx.quick else []  # no native-kernel build in a quick run
     seqs = model.engine_config(pool).scheduler.max_num_seqs
     with ctx.scoped():  # a replica as the pod runs it (the run's model): idle, then at its peak under a burst
         proc = ctx.started(start_serve(ctx.model, ctx.workdir, "m", *flags))
@@ -115,22 +105,19 @@ def measure(ctx: LabContext) -> Measurement:
             ttfts(proc.url, [[16 + (i * 31 + k * 7) % 480 for k in range(prompt_len)] for i in range(seqs)], seqs)
     facts, host = ctx.facts(), float(str(ctx.torch_device).startswith("cpu"))  # on a GPU: in device memory
     pool_tokens, per_token = int(info["num_gpu_blocks"]) * int(info["block_size"]), facts.kv_bytes_per_token
-    weights, memory = facts.resident_params * facts.elem_bytes / MIB, llm["spec"]["template"]["containers"][0]
+    limit = llm["spec"]["template"]["containers"][0]["resources"]["limits"]["memory"]
     n = dict(objects=len(objs), fields_validated=sum(o["fields"] for o in checked), broken_edits=BREAKS)
     n |= dict(validation_errors=sum(len(o["errors"]) for o in checked), broken_errors=len(caught))
-    n |= dict(max_num_seqs=seqs, max_model_len=max_len, kv_bytes_per_token=per_token, weights_mib=weights)
-    n |= dict(kv_pool_tokens=pool_tokens, kv_pool_mib=pool_tokens * per_token / MIB, full_tokens=seqs * max_len)
-    n |= dict(kv_full_mib=seqs * max_len * per_token / MIB, full_seqs_fit=pool_tokens // max_len)
-    n |= dict(rss_idle_mib=seen[0] / MIB, rss_peak_mib=max(seen) / MIB)
-    n |= dict(host_kv_mib=n["kv_pool_mib"] * host, host_weights_mib=weights * host)
-    n |= dict(limit_mib=parse_memory(memory["resources"]["limits"]["memory"]) / MIB)
+    n |= dict(max_num_seqs=seqs, max_model_len=max_len, kv_bytes_per_token=per_token, kv_pool_tokens=pool_tokens)
+    n |= dict(full_tokens=seqs * max_len, full_seqs_fit=pool_tokens // max_len)
+    n |= dict(rss_idle_mib=seen[0] / MIB, rss_peak_mib=max(seen) / MIB, limit_mib=parse_memory(limit) / MIB)
+    weights = facts.resident_params * facts.elem_bytes  # the embedding included
+    n |= dict(host_kv_mib=host * pool_tokens * per_token / MIB, host_weights_mib=host * weights / MIB)
     n["runtime_mib"] = max(0.0, n["rss_peak_mib"] - n["host_kv_mib"] - n["host_weights_mib"])
-    n["spare_mib"] = n["limit_mib"] - n["rss_peak_mib"]
     n["suggested_mib"] = 256 * math.ceil(1.25 * n["rss_peak_mib"] / 256)  # a quarter over the peak
-    kubectl = "kubectl is here, but the lab applies nothing" if shutil.which("kubectl") else "no kubectl is installed"
     settings = dict(fleet=source, fleet_model=model.model, measured_model=ctx.model_label, pool=pool.name)
-    settings |= dict(out_yaml=shown_path(ctx.out / "kserve.yaml"), cluster=kubectl, prompt_len=prompt_len)
-    return Measurement(n, {"objects": checked, "caught": caught, "fields": field_rows(llm)}, settings)
+    settings |= dict(out_yaml=shown_path(ctx.out / "kserve.yaml"), prompt_len=prompt_len)
+    return Measurement(n, {"objects": checked, "caught": caught, "fields": field_table(llm)}, settings)
 
 
 def explain(m: Measurement) -> Explanation:
@@ -142,8 +129,7 @@ def explain(m: Measurement) -> Explanation:
             must=True,
             yes="The {objects} objects validate against KServe's CRD schemas, unknown fields rejected: "
             "{fields_validated} fields checked, {validation_errors} errors.",
-            no="The rendered objects broke KServe's CRD schemas: {validation_errors} errors in {fields_validated} "
-            "fields.",
+            no="KServe's CRD schemas found {validation_errors} errors in the {fields_validated} fields rendered.",
         ),
         m.decide(
             "broken_errors >= broken_edits",
@@ -156,53 +142,36 @@ def explain(m: Measurement) -> Explanation:
             "limit_mib >= rss_peak_mib",
             textbook=False,
             yes="The pod's memory limit ({limit_mib} MiB) covers a replica's peak under {max_num_seqs} requests at "
-            "once, {rss_peak_mib} MiB ({rss_idle_mib} MiB idle: the KV pool is reserved at start), with {spare_mib} "
-            "MiB to spare.",
+            "once, {rss_peak_mib} MiB ({rss_idle_mib} MiB idle: the KV pool is reserved at start).",
             no="The pod's memory limit ({limit_mib} MiB) is below a replica's measured peak of {rss_peak_mib} MiB: "
             "Kubernetes would OOM-kill it under load. Raise resources.memory to about {suggested_mib} MiB.",
-        ),
-        m.decide(
-            "kv_pool_mib >= weights_mib",
-            yes="The KV pool ({kv_pool_mib} MiB) outweighs the weights ({weights_mib} MiB): the KV cache, not the "
-            "model, sets how much a replica serves at once.",
-            no="Here the weights ({weights_mib} MiB) outweigh the KV pool ({kv_pool_mib} MiB): this spec gives the "
-            "cache less memory than the model.",
         ),
         m.decide(
             "kv_pool_tokens >= full_tokens",
             textbook=False,
             yes="At {kv_bytes_per_token} bytes of KV per token the pool holds {kv_pool_tokens} tokens: all "
-            "{max_num_seqs} sequences at the full {max_model_len} tokens ({full_tokens} tokens, {kv_full_mib} MiB).",
+            "{max_num_seqs} sequences at the full {max_model_len} tokens ({full_tokens} tokens).",
             no="At {kv_bytes_per_token} bytes of KV per token the pool holds {kv_pool_tokens} tokens: {full_seqs_fit} "
-            "sequences at the full {max_model_len} tokens, not all {max_num_seqs} ({full_tokens} tokens, "
-            "{kv_full_mib} MiB); past the pool the scheduler queues or preempts.",
+            "sequences at the full {max_model_len} tokens, not all {max_num_seqs} ({full_tokens}): the rest wait.",
         ),
     ]
-    intro = f"This lab rendered the fleet spec ({s['fleet']}) as `inferd deploy k8s` writes kserve.yaml: {kinds}, "
-    intro += f"validated them against KServe's CRD schemas (inferd/deploy/crds) and wrote them to {s['out_yaml']}. "
-    intro += f"The memory numbers come from `inferd serve` with pool {s['pool']}'s flags, serving {s['measured_model']}"
-    intro += f" (the spec names {s['fleet_model']})."
-    fields = "The LLMInferenceService's fields that decide cost and latency (`c` is its engine container):\n\n"
-    cluster = f"No cluster was used ({s['cluster']}). `kubectl apply -f {Path(s['out_yaml']).name}` on a cluster with "
-    cluster += "KServe would store the objects (checked against the same schemas) and its controller would create the "
-    cluster += "engine Deployment, an HTTPRoute on the inference Gateway and llm-d's scheduler."
-    why = "Why it matters: on Kubernetes a model is a resource to declare, and its memory request must hold the "
-    why += f"weights, the whole KV pool and the runtime, {fmt(m.numbers['runtime_mib'])} MiB at the peak here."
-    return Explanation([intro, fields + table([tuple(r) for r in m.series["fields"]])], claims, [cluster, why])
+    intro = f"The fleet spec ({s['fleet']}) rendered as `inferd deploy k8s` writes kserve.yaml: {kinds}, checked "
+    intro += f"against KServe's CRD schemas (inferd/deploy/crds) and written to {s['out_yaml']}. Memory was measured "
+    intro += f"on `inferd serve` with pool {s['pool']}'s flags, serving {s['measured_model']} (the spec names "
+    intro += f"{s['fleet_model']}). The fields that decide cost and latency:\n\n" + m.series["fields"]
+    why = "Why it matters: on Kubernetes a model is a resource to declare (on a cluster, KServe's controller would "
+    why += "build the engine Deployment, an HTTPRoute and llm-d's scheduler from these objects; none was touched), "
+    why += f"and its memory request must hold weights, KV pool and runtime ({fmt(m.numbers['runtime_mib'])} MiB here)."
+    return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:
-    ax, n = fig.subplots(), m.numbers
-    bottom = 0.0
-    parts = {"weights": "host_weights_mib", "KV pool": "host_kv_mib", "runtime + activations": "runtime_mib"}
-    for i, (label, key) in enumerate(parts.items()):
-        ax.bar(["replica, measured peak"], [n[key]], bottom=bottom, label=label, color=f"C{i}")
-        bottom += n[key]
-    ax.bar(["replica, idle"], [n["rss_idle_mib"]], color="C7", label="idle RSS")
-    ax.bar(["pod limit (manifest)"], [n["limit_mib"]], color="C4", label="resources.limits.memory")
+    n = m.numbers
+    parts = {"weights": n["host_weights_mib"], "KV pool": n["host_kv_mib"], "runtime": n["runtime_mib"]}
+    parts |= {"idle RSS": n["rss_idle_mib"], "peak RSS": n["rss_peak_mib"], "pod limit": n["limit_mib"]}
+    ax = bars(fig, parts, ylabel="MiB", title="Memory: what the manifest asks, what a replica takes")
     ax.axhline(n["suggested_mib"], color="k", ls=":", label=f"1.25 x peak ({fmt(n['suggested_mib'])} MiB)")
-    ax.set(ylabel="MiB", title="Memory: what the manifest asks, what a replica takes")
-    ax.legend(fontsize=8)
+    ax.legend()
 
 
 LAB = Lab("kserve", "KServe", DEFINITION, measure, explain, plot, timed=False)  # sizes and counts, not times

@@ -13,7 +13,7 @@ from inferd.bench import peers, runs
 from inferd.bench.results import machine_info
 from inferd.config import DEFAULT_MODEL
 from inferd.errors import InferdError
-from inferd.labs.base import Explanation, Lab, Measurement
+from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext, shown_path
 
 DEFINITION = (
@@ -34,12 +34,6 @@ STOP_GRACE_S = 150.0  # the script stops each server it started (up to 60 s each
 
 class LiveRunFailed(Exception):
     pass
-
-
-def live_vllm() -> str:
-    """vLLM in bf16 where the CPU computes bf16 natively (1.5-1.8x its fp32 there), else in fp32 (bf16 without
-    native support crawls), as inferd's auto dtype picks between the same two."""
-    return "vllm" if {"avx512_bf16", "amx_bf16"} & cpu.cpu_flags() else "vllm-fp32"
 
 
 def why_not_live(ctx: LabContext, python: Path) -> str | None:
@@ -67,7 +61,9 @@ def run_live(ctx: LabContext) -> tuple[Path, dict]:
     """benchmarks/vs_peers.py with inferd and vLLM up at once, its run file in ctx.out; that run."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     out, log = (ctx.out / "vllm-vs_peers.json").resolve(), ctx.workdir / "vllm-vs_peers.log"
-    cmd = [sys.executable, str(VS_PEERS), "--servers", f"inferd,{live_vllm()}", *LIVE_ARGS, "--out", str(out)]
+    # bf16 where the CPU computes it natively (1.5-1.8x fp32 there; elsewhere it crawls), as inferd's auto dtype
+    peer = "vllm" if {"avx512_bf16", "amx_bf16"} & cpu.cpu_flags() else "vllm-fp32"
+    cmd = [sys.executable, str(VS_PEERS), "--servers", f"inferd,{peer}", *LIVE_ARGS, "--out", str(out)]
     if rc := run_bounded(cmd, log, LIVE_TIMEOUT_S):
         written = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
         raise LiveRunFailed(f"benchmarks/vs_peers.py exited with {rc}: {(written or ['no output'])[-1]} (log: {log})")
@@ -80,11 +76,11 @@ def run_live(ctx: LabContext) -> tuple[Path, dict]:
 
 def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str], source: str) -> Measurement:
     """The lab's numbers from one run's inferd and vLLM figures at the levels both ran, and what that run was."""
-    machine, vllm = run.get("machine", {}), run["servers"][vllm_server]
+    machine, vllm, w = run.get("machine", {}), run["servers"][vllm_server], run.get("workload")
     cpu_rec = run.get("cpu") or {"model": machine.get("cpu_model") or machine.get("processor"), "flags": None}
     if workload is not None:
         what = f"the same prompts (the {workload} workload: {run['workloads'][workload]})"
-    elif isinstance(w := run.get("workload"), dict):
+    elif isinstance(w, dict):
         what = f"{w['input_len']}-token prompts and {w['output_len']} tokens out"
     else:
         what = f"a workload the record does not describe ({w or 'no description'})"
@@ -93,11 +89,10 @@ def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str
     settings |= dict(cpu_model=cpu_rec.get("model") or "an unknown CPU", vector_flags=peers.vector_flags(cpu_rec))
     settings |= dict(cores=machine.get("cpu_count"), run_kind=runs.run_kind(run), workload=what)
     settings |= dict(vllm_dtype=vllm.get("dtype") or ("float32" if "fp32" in vllm_server else "bf16"))
-    m = Measurement(settings=settings, series={"concurrency": [peers.concurrency(k) for k in levels]})
+    m = Measurement(settings=settings, series={"c": [peers.concurrency(k) for k in levels]})
     for name, entry in (("inferd", run["servers"]["inferd"]), ("vllm", vllm)):
-        m.series[name] = [peers.figures(entry, workload)[k]["output_throughput"] for k in levels]
-        m.numbers |= {f"{name}_tok_s_lo": m.series[name][0], f"{name}_tok_s_hi": m.series[name][-1]}
-    m.numbers |= dict(c_lo=m.series["concurrency"][0], c_hi=m.series["concurrency"][-1])
+        m.series[f"{name}_tok_s"] = [peers.figures(entry, workload)[k]["output_throughput"] for k in levels]
+    m.ends("c", "inferd_tok_s", "vllm_tok_s")
     m.numbers["ratio_hi"] = m.numbers["inferd_tok_s_hi"] / m.numbers["vllm_tok_s_hi"]
     return m
 
@@ -115,107 +110,73 @@ def measure(ctx: LabContext, stored: Path | None = None) -> Measurement:
                 m.measured_here, m.settings["live"] = True, True
                 return m
             reason = f"the side-by-side run left no level with figures from both servers ({out})"
-    m = stored_measurement(stored or peers.newest_pair_file(RESULTS, cpu.cpu_kind(), "inferd", VLLM_SERVERS))
-    m.settings["why_not_live"] = reason
-    return m
-
-
-def stored_measurement(stored: Path) -> Measurement:
-    """The newest stored run in which inferd and vLLM both ran a level: that run's figures only."""
+    # else the newest stored run in which inferd and vLLM both ran a level: that run's figures only
+    stored = stored or peers.newest_pair_file(RESULTS, cpu.cpu_kind(), "inferd", VLLM_SERVERS)
     if not stored.exists():
         raise InferdError(f"no stored vLLM result at {stored}; measure one with: {HOW_TO_RUN}")
-    data = peers.load(stored)
-    if (found := peers.latest_pair(data, "inferd", VLLM_SERVERS)) is None:
+    if (found := peers.latest_pair(data := peers.load(stored), "inferd", VLLM_SERVERS)) is None:
         raise InferdError(
             f"no concurrency level measured for both inferd and vLLM in one run of {stored}; run: {HOW_TO_RUN}"
         )
     m = from_run(data["runs"][found[0]], *found[1:], shown_path(stored))
-    this_cpu = machine_info().get("cpu_model") or "an unknown CPU"
-    m.measured_here, m.settings["live"] = False, False
-    m.settings |= dict(run_index=found[0], runs_in_file=len(data["runs"]), this_cpu=this_cpu, this_kind=cpu.cpu_kind())
+    m.measured_here, this_cpu = False, machine_info().get("cpu_model") or "an unknown CPU"
+    m.settings |= dict(live=False, why_not_live=reason, run_index=found[0], runs_in_file=len(data["runs"]))
+    m.settings |= dict(this_cpu=this_cpu, this_kind=cpu.cpu_kind())
     return m
-
-
-def _stored_intro(s: dict) -> str:
-    where = s["cpu_model"] + (f" with {s['cores']} cores" if s["cores"] else "")
-    where += f" ({s['vector_flags']})" if s["vector_flags"] is not None else ""
-    if s["converted"]:
-        text = (
-            f"These figures are stored, not measured now: {s['source']} holds one record, last written on {s['date']} "
-            f"on {where}, from before each invocation of benchmarks/vs_peers.py was kept as its own run, so its "
-            "inferd and vLLM figures may come from different invocations"
-            + (" (its note, in the file, says which)." if s["note"] else ".")
-        )
-        compared = "newer records keep each invocation as its own run, and the lab compares figures within one"
-    else:
-        commit = (s["commit"] or "unknown")[:12] + (" with uncommitted changes" if s["uncommitted_changes"] else "")
-        made = f": {s['run_source']}." if s["run_source"] else f" at commit {commit} by `{s['command']}`."
-        text = (
-            f"These figures are stored, not measured now: run {s['run_index'] + 1} of {s['runs_in_file']} in "
-            f"{s['source']}, the newest with both servers, made on {s['date']} on {where}{made}"
-        )
-        compared = "only figures from that one run are compared"
-    if s["run_kind"] is None:
-        this = s["this_cpu"] + (" too" if s["this_cpu"] == s["cpu_model"] else ", another one")
-    else:
-        same = "the same kind" if s["run_kind"] == s["this_kind"] else "another kind"
-        this = f"{s['this_cpu']}, of {same} ({s['this_kind']}; the run's: {s['run_kind']})"
-    return (
-        f"{text} This machine's CPU is {this}. Both servers (inferd and vLLM CPU in {s['vllm_dtype']}) served "
-        f"Gemma 3 270M with {s['workload']}; {compared}: the CPU, the code and a shared machine's speed change "
-        "from one run to the next."
-    )
 
 
 def explain(m: Measurement) -> Explanation:
     s = m.settings
-    claims = []
-    if m.numbers["c_hi"] > m.numbers["c_lo"]:
-        claims.append(
-            m.decide(
-                "vllm_tok_s_hi > vllm_tok_s_lo",
-                yes="vLLM's output throughput rose from {vllm_tok_s_lo} tokens/s at concurrency {c_lo} to "
-                "{vllm_tok_s_hi} at {c_hi}: continuous batching over PagedAttention, as in inferd.",
-                no="vLLM's output throughput did not rise with concurrency: {vllm_tok_s_lo} at {c_lo}, "
-                "{vllm_tok_s_hi} at {c_hi}.",
-            )
-        )
-    claims.append(
+    claims = [
+        m.decide(
+            "vllm_tok_s_hi > vllm_tok_s_lo",
+            yes="vLLM's output throughput rose from {vllm_tok_s_lo} tokens/s at concurrency {c_lo} to "
+            "{vllm_tok_s_hi} at {c_hi}: continuous batching over PagedAttention, as in inferd.",
+            no="vLLM's output throughput did not rise with concurrency: {vllm_tok_s_lo} at {c_lo}, "
+            "{vllm_tok_s_hi} at {c_hi}.",
+        ),
         m.decide(
             "inferd_tok_s_hi >= vllm_tok_s_hi",
             textbook=False,
             yes="At concurrency {c_hi} inferd reached {inferd_tok_s_hi} tokens/s against vLLM's {vllm_tok_s_hi}.",
             no="At concurrency {c_hi} inferd reached {inferd_tok_s_hi} tokens/s against vLLM's {vllm_tok_s_hi} "
             "({ratio_hi} of it): vLLM is ahead there.",
-        )
-    )
+        ),
+    ][m.numbers["c_hi"] == m.numbers["c_lo"] :]  # one level only: no rise to tell
+    why = "Why it matters: vLLM is the reference point a platform is measured against: the OpenAI API, "
+    why += "PagedAttention, continuous batching and prefix caching are what users expect of any engine behind it."
     if s["live"]:
-        heading = "What this machine showed:"
-        intro = [
-            f"Measured now on this machine ({s['cpu_model']}, {s['cores']} cores): `{s['command']}` started inferd "
-            f"and vLLM CPU in {s['vllm_dtype']} side by side and sent each level's requests to both in turn, serving "
-            f"Gemma 3 270M with {s['workload']}. The whole run, with every figure, is in {s['source']}."
-        ]
+        intro = f"Measured now on this machine ({s['cpu_model']}, {s['cores']} cores): `{s['command']}` started "
+        intro += f"inferd and vLLM CPU in {s['vllm_dtype']} side by side and sent each level's requests to both in "
+        intro += f"turn, serving Gemma 3 270M with {s['workload']}. The whole run is in {s['source']}."
+        return Explanation([intro], claims, [why])
+    where = s["cpu_model"] + (f" with {s['cores']} cores" if s["cores"] else "")
+    where += f" ({s['vector_flags']})" if s["vector_flags"] is not None else ""
+    text = "These figures are stored, not measured now: "
+    if s["converted"]:
+        text += f"{s['source']} holds one record, last written on {s['date']} on {where}, from before each invocation "
+        text += "of benchmarks/vs_peers.py was kept as its own run: its inferd and vLLM figures may come from "
+        text += "different invocations" + (" (its note, in the file, says which)." if s["note"] else ".")
     else:
-        heading = f"What {'that record (last written' if s['converted'] else 'that run (of'} {s['date']}, "
-        heading += f"{s['cpu_model']}) showed:"
-        intro = [_stored_intro(s), f"Not measured here: {s['why_not_live']}. To measure it: {HOW_TO_RUN}."]
-    why = [
-        "Why it matters: vLLM is the reference point a platform is measured against: the OpenAI API, "
-        "PagedAttention, continuous batching and prefix caching are what users expect of any engine behind it."
-    ]
-    return Explanation(intro, claims, why, claims_heading=heading)
+        commit = (s["commit"] or "unknown")[:12] + (" with uncommitted changes" if s["uncommitted_changes"] else "")
+        made = f": {s['run_source']}." if s["run_source"] else f" at commit {commit} by `{s['command']}`."
+        text += f"run {s['run_index'] + 1} of {s['runs_in_file']} in {s['source']}, the newest with both servers, made "
+        text += f"on {s['date']} on {where}{made} Only its figures are compared: the CPU, the code and a shared "
+        text += "machine's speed change from one run to the next."
+    text += f" This machine's CPU is {s['this_cpu']} ({s['this_kind']}; the run's: {s['run_kind'] or 'not recorded'})."
+    text += f" Both servers (inferd and vLLM CPU in {s['vllm_dtype']}) served Gemma 3 270M with {s['workload']}."
+    what = "that record (last written" if s["converted"] else "that run (of"
+    heading = f"What {what} {s['date']}, {s['cpu_model']}) showed:"
+    not_here = f"Not measured here: {s['why_not_live']}. To measure it: {HOW_TO_RUN}."
+    return Explanation([text, not_here], claims, [why], claims_heading=heading)
 
 
 def plot(m: Measurement, fig) -> None:
-    ax, s, st = fig.subplots(), m.series, m.settings
-    xs = range(len(s["concurrency"]))
-    ax.bar([x - 0.2 for x in xs], s["inferd"], width=0.4, label="inferd")
-    ax.bar([x + 0.2 for x in xs], s["vllm"], width=0.4, label=f"vLLM CPU ({st['vllm_dtype']})")
-    ax.set_xticks(list(xs), [str(c) for c in s["concurrency"]])
+    s, st = m.series, m.settings
     when = "Measured now" if st["live"] else ("Stored record, last written" if st["converted"] else "Stored run of")
-    ax.set(xlabel="concurrency", ylabel="output tokens/s", title=f"{when} {st['date']}, {st['cpu_model']}")
-    ax.legend()
+    ys = {"inferd": s["inferd_tok_s"], f"vLLM CPU ({st['vllm_dtype']})": s["vllm_tok_s"]}
+    title = f"{when} {st['date']}, {st['cpu_model']}"
+    lines(fig, s["c"], ys, xscale="log", xlabel="concurrency", ylabel="output tokens/s", title=title)
 
 
 LAB = Lab("vllm", "vLLM", DEFINITION, measure, explain, plot, measured_here=False)

@@ -69,7 +69,7 @@ def test_stored_figures_come_from_one_run_with_its_own_date_and_cpu(no_peer, tmp
     ctx = LabContext(quick=True, model="unused", workdir=tmp_path / "w")
     m = vllm.measure(ctx, _runs_file(tmp_path / "runs.json"))
     assert m.measured_here is False and m.settings["run_index"] == 1
-    assert m.series == {"concurrency": [1, 32], "inferd": [30.0, 300.0], "vllm": [25.0, 250.0]}
+    assert m.series == {"c": [1, 32], "inferd_tok_s": [30.0, 300.0], "vllm_tok_s": [25.0, 250.0]}
     text = vllm.explain(m).text("vLLM")
     assert "2026-12-02 10:00 UTC" in text and "Paired CPU" in text and "0123456789ab" in text
     assert "avx2 avx512f avx512_bf16" in text and "run 2 of 4" in text and "--servers inferd,vllm" in text
@@ -234,26 +234,23 @@ def _cmdline(proc: Path) -> str:
         return ""
 
 
-def test_the_live_run_file_goes_beside_the_labs_results(tmp_path, monkeypatch):
-    """The live run's file goes beside the lab's own results, not into the committed benchmarks/results/."""
+@pytest.mark.parametrize(("flags", "peer"), [({"avx2", "avx512f", "avx512_bf16"}, "vllm"), ({"avx2"}, "vllm-fp32")])
+def test_the_live_run_starts_vllm_in_its_faster_dtype_beside_the_labs_results(tmp_path, monkeypatch, flags, peer):
+    """vLLM in bf16 where this CPU computes it natively, else fp32; the run's file goes beside the lab's own
+    results, not into the committed benchmarks/results/."""
     seen = {}
 
     def capture(cmd, log, timeout_s, grace_s=0.0):
-        seen["out"] = Path(cmd[cmd.index("--out") + 1])
+        seen["out"], seen["servers"] = Path(cmd[cmd.index("--out") + 1]), cmd[cmd.index("--servers") + 1]
         return 1
 
     monkeypatch.setattr(vllm, "run_bounded", capture)
+    monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset(flags))
     ctx = LabContext(quick=False, workdir=tmp_path / "w", out=tmp_path / "out")
     with pytest.raises(vllm.LiveRunFailed):
         vllm.run_live(ctx)
+    assert seen["servers"] == f"inferd,{peer}"
     assert seen["out"].is_relative_to(tmp_path) and os.fspath(seen["out"]).endswith(".json")
-
-
-def test_the_live_run_starts_vllm_in_its_faster_dtype_for_this_cpu(monkeypatch):
-    monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
-    assert vllm.live_vllm() == "vllm"  # bf16
-    monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert vllm.live_vllm() == "vllm-fp32"
 
 
 def test_the_stored_run_comes_from_this_cpu_kinds_file_else_the_newest_pair(no_peer, tmp_path):
