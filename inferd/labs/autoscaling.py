@@ -29,8 +29,7 @@ MAX_REQUESTS = 150_000  # per simulated run: a faster replica gets its day compr
 
 
 class UtilisationSim(Simulator):
-    """HPA's CPU rule, ceil(total utilisation / target): the utilisation total goes in as the one total signal
-    the policy reads (`running`), against the per-replica target."""
+    """HPA's CPU rule, ceil(total utilisation / target): utilisation summed over replicas as the `running` signal."""
 
     def measure(self) -> Measured:
         return Measured(running=self.utilization())
@@ -62,9 +61,7 @@ def measure(ctx: LabContext) -> Measurement:
     n = m.numbers
     n |= dict(hours=period / 3600, requests=len(workload), mean_rate=mean_rate, peak_rate=peak, max_allowed=most)
     n |= dict(ttft_slo_s=slo.ttft_s, tpot_slo_ms=1000 * slo.tpot_s, util_target_pct=100 * UTIL_TARGET)
-    n |= dict(per_replica=per_replica, prefill_tok_s=profile.prefill_tokens_per_s, price_per_hour=price)
-    n |= dict(step_ms_b1=1000 * profile.step_s(1), step_ms_bmax=1000 * profile.step_s(profile.max_num_seqs))
-    n |= dict(max_num_seqs=profile.max_num_seqs, cold_start_s=profile.cold_start_s, unfinished=0)
+    n |= dict(per_replica=per_replica, cold_start_s=profile.cold_start_s, price_per_hour=price, unfinished=0)
     common = dict(min_replicas=1, max_replicas=most, interval_s=15, window_s=60, scale_down_stabilization_s=300)
     common |= dict(scale_up_stabilization_s=0, max_scale_up_step=4, max_scale_down_step=1, cooldown_s=120)
     targets = {"util": {"running": UTIL_TARGET}, "queue": {"waiting": 2.0, "ttft_p95_s": 0.8 * slo.ttft_s}}
@@ -93,16 +90,16 @@ def explain(m: Measurement) -> Explanation:
             "queue_replica_hours < util_replica_hours",
             yes="Over one simulated {hours}-hour day ({requests} requests, {mean_rate}/s on average, {peak_rate} at "
             "peak) the utilisation policy (target {util_target_pct}% busy) paid for {util_replica_hours} "
-            "replica-hours, the queue/TTFT policy {queue_replica_hours}: {hours_saved_pct}% fewer.",
-            no="Over the same simulated {hours}-hour day ({requests} requests), the queue/TTFT policy used "
-            "{queue_replica_hours} replica-hours, not fewer than the utilisation policy's {util_replica_hours}.",
+            "replica-hours, the queue/TTFT policy {queue_replica_hours}: {hours_saved_pct}% fewer, "
+            "${queue_usd_per_m} per million tokens against ${util_usd_per_m} at ${price_per_hour} an hour.",
+            no="Over the same {hours}-hour day the queue/TTFT policy used {queue_replica_hours} replica-hours "
+            "(${queue_usd_per_m} per million tokens), the utilisation policy {util_replica_hours} (${util_usd_per_m}).",
         ),
         m.decide(
             "util_in_flight < queue_in_flight",
             yes="The utilisation fleet averaged {util_mean_replicas} replicas (up to {util_max_replicas} of "
-            "{max_allowed}) with {util_in_flight} requests in flight each, the queue/TTFT fleet "
-            "{queue_mean_replicas} with {queue_in_flight}: a replica stepping one request reads as busy as one "
-            "stepping a full batch, so utilisation added replicas whose batches ran nearly empty.",
+            "{max_allowed}), {util_in_flight} requests in flight each, the queue/TTFT fleet {queue_mean_replicas}, "
+            "{queue_in_flight} each: one request reads as busy as a full batch, so utilisation added idle slots.",
             no="The utilisation fleet averaged {util_in_flight} requests in flight per replica and the queue/TTFT "
             "fleet {queue_in_flight}: here utilisation did not leave batches emptier.",
         ),
@@ -119,22 +116,11 @@ def explain(m: Measurement) -> Explanation:
             no="The queue/TTFT policy met the SLOs for only {queue_slo_pct}% of requests (TTFT {ttft_slo_s} s, TPOT "
             "{tpot_slo_ms} ms; utilisation: {util_slo_pct}%): bursts outran its scale-ups.",
         ),
-        m.decide(
-            "queue_usd_per_m <= util_usd_per_m",
-            yes="At ${price_per_hour} per replica-hour that is ${queue_usd_per_m} per million tokens, against "
-            "${util_usd_per_m} for utilisation.",
-            no="At ${price_per_hour} per replica-hour the queue/TTFT policy cost ${queue_usd_per_m} per million "
-            "tokens against ${util_usd_per_m}.",
-        ),
     ]
-    intro = f"The replica: {m.settings['profile_from']} (prefill {fmt(n['prefill_tok_s'])} tokens/s, a decode step "
-    intro += f"{fmt(n['step_ms_b1'])} ms at batch 1, {fmt(n['step_ms_bmax'])} ms at {fmt(n['max_num_seqs'])}, a cold "
-    intro += f"start of {fmt(n['cold_start_s'])} s) carries {fmt(n['per_replica'])} requests/s within the TTFT SLO. "
-    intro += "The load is a sine from a trough to four times it, with four bursts of 2.5x. Both fleets grow from one "
-    intro += f"replica up to {fmt(n['max_allowed'])}, decide every 15 s on a 60 s window and scale down after 5 "
-    intro += "stable minutes; only the signal differs: the utilisation policy sums each replica's busy share of the "
-    intro += "window (100% as soon as one request steps), the queue/TTFT policy counts requests waiting per replica "
-    intro += "and the TTFT p95 against 80% of the SLO."
+    intro = f"The replica ({m.settings['profile_from']}, a cold start of {fmt(n['cold_start_s'])} s) carries "
+    intro += f"{fmt(n['per_replica'])} requests/s within the TTFT SLO. "
+    intro += "The load swings from a trough to four times it, with four bursts of 2.5x. Both fleets grow from one "
+    intro += f"replica up to {fmt(n['max_allowed'])} on the same rules, on CPU utilisation or on queue and TTFT p95."
     if n["hours"] < 24:
         intro += f" The day is compressed into {fmt(n['hours'])} simulated hours: steeper ramps than a real day's."
     why = "Why it matters: replicas are the cost, and utilisation cannot tell one request from a full batch, so it "

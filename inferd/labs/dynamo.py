@@ -1,18 +1,14 @@
-"""NVIDIA Dynamo: one prefill instance, two decode workers each behind its own `inferd disagg proxy` (llm-d's
-sidecar pattern), and `inferd gateway` choosing the worker round-robin or by prefix (as Dynamo's KV router). A
-shared-prefix workload runs through both gateways, each worker's cache holding about half the prefixes; the
-handoff's own cost is measured at idle against the same prompts prefilled on a decode worker directly.
-"""
+"""NVIDIA Dynamo: a prefill instance, two decode workers each behind an `inferd disagg proxy` (llm-d's sidecar
+pattern), and `inferd gateway` choosing the worker round-robin or by prefix (as Dynamo's KV router), on a
+shared-prefix workload of which each worker's cache holds about half."""
 
 from __future__ import annotations
 
-import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext, delta, leases_released, summed_delta, ttfts
 from inferd.labs.sglang import shared_prefix_prompts
-from inferd.measure.stats import percentile
 from inferd.procs import Proc, metrics
 
 DEFINITION = (
@@ -25,26 +21,14 @@ PICKERS = {"rr": "round_robin", "pa": "scored"}  # the numbers' prefix -> the ga
 def routed(name: str, gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> dict[str, float]:
     """One gateway's run of the shared-prefix workload, read from the decode workers' own counters."""
     before = [metrics(d.url) for d in decodes]
-    mean_ttft = statistics.mean(ttfts(gateway.url, prompts, 2))
+    ttfts(gateway.url, prompts, 2)  # (how prefix-aware routing cuts TTFT is the SGLang lab's)
     after = [metrics(d.url) for d in decodes]
     rise = lambda key: summed_delta(after, before, f"inferd:{key}_total")
     served = [delta(a, b, "inferd:request_success_total") for a, b in zip(after, before, strict=True)]
-    n = dict(busiest_pct=100 * max(served) / max(sum(served), 1), ttft_ms=1000 * mean_ttft, requests=len(prompts))
+    n = dict(busiest_pct=100 * max(served) / max(sum(served), 1), requests=len(prompts))
     n |= dict(hit_pct=100 * rise("prefix_cache_hits") / max(rise("prefix_cache_queries"), 1.0))
     n |= dict(kb_per_req=rise("kv_transfer_bytes") / 1e3 / len(prompts), remote=rise("remote_prefills"))
     return {f"{name}_{k}": v for k, v in n.items()} | {f"{name}_local": rise("local_prefills")}
-
-
-def handoff_cost(prompts: list[list[int]], decode: Proc, proxy: Proc) -> dict[str, float]:
-    """Unshared prompts one at a time: half prefilled on the decode worker itself, half handed over."""
-    local = ttfts(decode.url, prompts[: len(prompts) // 2], 1)
-    before = metrics(decode.url)
-    remote = ttfts(proxy.url, prompts[len(prompts) // 2 :], 1)
-    after = metrics(decode.url)
-    pulls = max(delta(after, before, "inferd:kv_transfer_seconds_count"), 1.0)
-    n = dict(local_ttft_ms=1000 * percentile(local, 50), remote_ttft_ms=1000 * percentile(remote, 50))
-    n["pull_ms"] = 1000 * delta(after, before, "inferd:kv_transfer_seconds_sum") / pulls
-    return n | {"pull_kb": delta(after, before, "inferd:kv_transfer_bytes_total") / 1e3 / pulls}
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -59,18 +43,15 @@ def measure(ctx: LabContext) -> Measurement:
         ctx.wait(prefill, *decodes, *proxies)
         with ThreadPoolExecutor(2) as pool:  # both gateways start at once
             gateways = list(pool.map(lambda p: ctx.gateway(proxies, routing={"picker": p}), PICKERS.values()))
-        probe = shared_prefix_prompts(9, 8, 1, plen, qlen, vocab)  # unshared prompts: no cache helps
-        for proxy, prompt in zip(proxies, probe[6:], strict=True):  # the first request of a path pays extra
-            ttfts(proxy.url, [prompt], 1)
-        n = handoff_cost(probe[:6], decodes[0], proxies[0])
+        for proxy, prompt in zip(proxies, shared_prefix_prompts(9, 2, 1, plen, qlen, vocab), strict=True):
+            ttfts(proxy.url, [prompt], 1)  # the first request of a path pays extra
+        n = {"prefixes": k, "users": users, "prefix_len": plen}
         for seed, (name, gateway) in enumerate(zip(PICKERS, gateways, strict=True), 1):
             n |= routed(name, gateway, decodes, shared_prefix_prompts(seed, k, users, plen, qlen, vocab))
         n["leases_left"] = leases_released(prefill)
-    n |= dict(prefixes=k, users=users, prefix_len=plen, prompt_len=plen + qlen)
-    n |= dict(handoff_ms=n["remote_ttft_ms"] - n["local_ttft_ms"], requests=n["rr_requests"] + n["pa_requests"])
+    n["requests"] = n["rr_requests"] + n["pa_requests"]
     n["accounted"] = n["rr_remote"] + n["rr_local"] + n["pa_remote"] + n["pa_local"]
-    settings = {"prefixes": k, "users": users, "prefix_len": plen, "question_len": qlen, "decode_blocks": blocks}
-    return Measurement(numbers=n, settings=settings)
+    return Measurement(numbers=n, settings={"question_len": qlen, "decode_blocks": blocks})
 
 
 def explain(m: Measurement) -> Explanation:
@@ -84,12 +65,6 @@ def explain(m: Measurement) -> Explanation:
             "({pa_hit_pct}% cached), round-robin {rr_kb_per_req} kB ({rr_hit_pct}%): no saving here.",
         ),
         m.decide(
-            "pa_ttft_ms < rr_ttft_ms",
-            yes="Mean TTFT: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware.",
-            no="Mean TTFT: {rr_ttft_ms} ms round-robin, {pa_ttft_ms} ms prefix-aware: every prompt still goes "
-            "through the one prefill instance, so the smaller pulls did not show.",
-        ),
-        m.decide(
             "pa_busiest_pct > rr_busiest_pct",
             textbook=False,
             yes="Affinity costs balance: the busier worker had {pa_busiest_pct}% of the requests prefix-aware, "
@@ -98,18 +73,9 @@ def explain(m: Measurement) -> Explanation:
             "against {rr_busiest_pct}%).",
         ),
         m.decide(
-            "remote_ttft_ms > local_ttft_ms",
-            yes="The handoff costs: at idle a {prompt_len}-token prompt's first token took {local_ttft_ms} ms on a "
-            "decode worker and {remote_ttft_ms} ms handed over (a second request, a lease, {pull_kb} kB pulled in "
-            "{pull_ms} ms), {handoff_ms} ms more; it pays only under load (the disaggregated prefill/decode lab).",
-            no="At idle a {prompt_len}-token prompt's first token took {remote_ttft_ms} ms handed over ({pull_kb} "
-            "kB pulled in {pull_ms} ms) and {local_ttft_ms} ms on the decode worker: no measurable cost here.",
-        ),
-        m.decide(
             "leases_left <= 0.0",
             must=True,
-            yes="After {requests} requests the prefill instance held no lease ({leases_left} active): every "
-            "handed-over block was acknowledged and freed.",
+            yes="After {requests} requests the prefill instance held no lease ({leases_left} active): all were freed.",
             no="{leases_left} leases still held prefill blocks after the run.",
         ),
         m.decide(
@@ -119,12 +85,10 @@ def explain(m: Measurement) -> Explanation:
             no="The decode workers counted {accounted} prefills for {requests} requests.",
         ),
     ]
-    intro = "Dynamo's two ideas are disaggregation (prefill workers hand the KV cache to decode workers) and a "
-    intro += "KV-aware router that sends each request to the worker whose cache holds most of its prompt. Here both "
-    intro += "are built from inferd's parts: a `--role prefill` instance, two `--role decode` workers, each behind its "
-    intro += "own `inferd disagg proxy`, and `inferd gateway` picking the worker round-robin or by prefix."
+    intro = "Dynamo pairs disaggregation (prefill workers hand the KV cache to decode workers) with a KV-aware "
+    intro += "router; here both are inferd's parts: `--role` instances, `inferd disagg proxy` and `inferd gateway`."
     why = "Why it matters: at scale the KV transfer is interconnect traffic and time in every request; routing "
-    why += "that knows where the KV already is cuts both, and disaggregation pays only for long prompts under load."
+    why += "that knows where the KV already is cuts both."
     return Explanation([intro], claims, [why])
 
 

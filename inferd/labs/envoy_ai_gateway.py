@@ -1,13 +1,12 @@
-"""Envoy AI Gateway: per-tenant token budgets in front of the engines, through `inferd gateway` and a real
-replica: a 429 exactly at the budget, reserve at admission vs settle to the real usage, and fairness when one
-tenant floods while another keeps within its budget."""
+"""Envoy AI Gateway: per-tenant token budgets in `inferd gateway` before a real replica: a 429 exactly at the
+budget, reserve at admission then settle to the real usage, and fairness when one tenant floods."""
 
 from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
-from inferd.labs.base import Explanation, Lab, Measurement
+from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 from inferd.procs import complete
 
@@ -15,66 +14,44 @@ DEFINITION = "token-aware rate limiting, model routing, and multi-tenant traffic
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]  # token ids: the gateway counts them exactly, no tokenizer needed
 M = 4
 COST = len(PROMPT) + M  # tokens one request reserves and, with ignore_eos, uses
-LIMIT = 3 * COST + COST - 1  # tenant 'exact': three requests fit, and one token short of a fourth
-BUDGET = 10 * COST  # tenants 'heavy' and 'light' each
+LIMIT, BUDGET = 4 * COST - 1, 10 * COST  # 'exact': 3 requests and a 4th but for one token; 'heavy', 'light' each
 OUT_LIMIT, RESERVE = 1000, 64  # tenant 'settle': output tokens per window, and what one request asks for
-
-
-def _tenant(name: str, **tokens: int) -> dict:
-    key_hash = hashlib.sha256(f"sk-lab-{name}".encode()).hexdigest()
-    return {"id": name, "api_key_sha256": [key_hash], "limits": {"tokens": tokens}}
 
 
 def _post(url: str, tenant: str, max_tokens: int = M, **body):
     return complete(url, PROMPT, max_tokens, headers={"Authorization": f"Bearer sk-lab-{tenant}"}, **body)
 
 
-def exact_budget(url: str) -> dict[str, float]:
-    """Tenant 'exact': four requests (the fourth is one token short), then one asking for exactly what remains."""
-    rs = [_post(url, "exact") for _ in range(4)]
-    used = sum(r.json()["usage"]["total_tokens"] for r in rs if r.status_code == 200)
-    fit = _post(url, "exact", max_tokens=M - 1)
-    n = dict(limit=LIMIT, cost=COST, admitted=sum(r.status_code == 200 for r in rs), used_at_refusal=used)
-    n |= dict(used_plus_cost=used + COST, refused_status=rs[-1].status_code, exact_fit_ok=float(fit.status_code == 200))
-    return n | {"remaining_at_refusal": int(rs[-1].headers["x-ratelimit-remaining-tokens"])}
-
-
-def reserve_settle(url: str, replica_url: str) -> dict[str, float]:
-    """A request reserving RESERVE output tokens that stops early on a stop string, then a 1-token one: the
-    remaining-output header after the second shows what the first was charged."""
-    greedy = complete(replica_url, PROMPT, 8).json()["choices"][0]["text"]
-    r = _post(url, "settle", max_tokens=RESERVE, stop=[greedy] if greedy else None)
-    after = int(_post(url, "settle", max_tokens=1).headers["x-ratelimit-remaining-output-tokens"])
-    actual, charged = r.json()["usage"]["completion_tokens"], OUT_LIMIT - 1 - after
-    seen = OUT_LIMIT - int(r.headers["x-ratelimit-remaining-output-tokens"])
-    n = dict(reserved=RESERVE, reserved_seen=seen, actual=actual, charged=charged)
-    return n | {"settle_error": abs(charged - actual)}
-
-
-def fairness(url: str) -> dict[str, float]:
-    """Tenant 'heavy' sends 30 requests at once; 'light', with the same budget, 8 in the middle of the flood."""
-    with ThreadPoolExecutor(8) as pool:
-        heavy, light = [], []
-        for i in range(30):
-            heavy.append(pool.submit(_post, url, "heavy"))
-            if i % 4 == 1:
-                light.append(pool.submit(_post, url, "light"))
-        heavy_codes = [f.result().status_code for f in heavy]
-        light_ok = sum(f.result().status_code == 200 for f in light)
-    ok = heavy_codes.count(200)
-    n = dict(
-        budget=BUDGET, heavy_sent=len(heavy), heavy_ok=ok, heavy_429=heavy_codes.count(429), heavy_tokens=ok * COST
-    )
-    return n | dict(light_sent=len(light), light_ok=light_ok, light_ok_pct=100 * light_ok / len(light))
-
-
 def measure(ctx: LabContext) -> Measurement:
     replica = ctx.any_replicas()[0]
-    tenants = [_tenant("exact", total=LIMIT), _tenant("settle", output=OUT_LIMIT)]
-    tenants += [_tenant("heavy", total=BUDGET), _tenant("light", total=BUDGET)]
+    limits = {t: {"total": b} for t, b in (("exact", LIMIT), ("heavy", BUDGET), ("light", BUDGET))}
+    limits["settle"] = {"output": OUT_LIMIT}
+    key = lambda tenant: hashlib.sha256(f"sk-lab-{tenant}".encode()).hexdigest()  # what the gateway's config holds
+    tenants = [{"id": t, "api_key_sha256": [key(t)], "limits": {"tokens": tokens}} for t, tokens in limits.items()]
     with ctx.scoped():
         url = ctx.gateway([replica], tenants=tenants).url
-        n = exact_budget(url) | reserve_settle(url, replica.url) | fairness(url)
+        # tenant 'exact': four requests (the fourth one token short), then one asking for exactly what remains
+        rs = [_post(url, "exact") for _ in range(4)]
+        fit = _post(url, "exact", max_tokens=M - 1)
+        # tenant 'settle': a request reserving RESERVE output tokens that stops early on a stop string, then a
+        # 1-token one, whose remaining-output header shows what the first was charged
+        greedy = complete(replica.url, PROMPT, 8).json()["choices"][0]["text"]
+        settled = _post(url, "settle", max_tokens=RESERVE, stop=[greedy] if greedy else None)
+        after = int(_post(url, "settle", max_tokens=1).headers["x-ratelimit-remaining-output-tokens"])
+        # tenant 'heavy' sends 30 requests at once; 'light', with the same budget, 8 among them (every 4th)
+        with ThreadPoolExecutor(8) as pool:
+            sent = [(t, pool.submit(_post, url, t)) for i in range(30) for t in ["heavy"] + ["light"] * (i % 4 == 1)]
+    heavy, light = ([f.result().status_code for t, f in sent if t == who] for who in ("heavy", "light"))
+    used = sum(r.json()["usage"]["total_tokens"] for r in rs if r.status_code == 200)
+    n = dict(limit=LIMIT, cost=COST, admitted=sum(r.status_code == 200 for r in rs), used_at_refusal=used)
+    n |= dict(used_plus_cost=used + COST, refused_status=rs[-1].status_code, exact_fit_ok=float(fit.status_code == 200))
+    n["remaining_at_refusal"] = int(rs[-1].headers["x-ratelimit-remaining-tokens"])
+    actual, charged = settled.json()["usage"]["completion_tokens"], OUT_LIMIT - 1 - after
+    seen = OUT_LIMIT - int(settled.headers["x-ratelimit-remaining-output-tokens"])
+    n |= dict(reserved=RESERVE, reserved_seen=seen, actual=actual, charged=charged, settle_error=abs(charged - actual))
+    ok, light_ok = heavy.count(200), light.count(200)
+    n |= dict(budget=BUDGET, heavy_sent=len(heavy), heavy_ok=ok, heavy_429=heavy.count(429), heavy_tokens=ok * COST)
+    n |= dict(light_sent=len(light), light_ok=light_ok, light_ok_pct=100 * light_ok / len(light))
     return Measurement(numbers=n, settings={"prompt_tokens": len(PROMPT), "max_tokens": M})
 
 
@@ -83,9 +60,8 @@ def explain(m: Measurement) -> Explanation:
         m.decide(
             "used_plus_cost > limit",
             must=True,
-            yes="Tenant 'exact' had {limit} tokens per window at {cost} a request (prompt + max_tokens): {admitted} "
-            "were served ({used_at_refusal} tokens) and the next refused with HTTP {refused_status}, since "
-            "{used_plus_cost} would pass the limit.",
+            yes="Tenant 'exact' had {limit} tokens a window at {cost} a request (prompt + max_tokens): {admitted} were "
+            "served ({used_at_refusal} tokens), the next refused with HTTP {refused_status}: {used_plus_cost} > limit.",
             no="The gateway refused a request although {used_plus_cost} tokens were within the {limit} limit.",
         ),
         m.decide(
@@ -115,21 +91,17 @@ def explain(m: Measurement) -> Explanation:
             no="Tenant 'light' had only {light_ok_pct}% of its {light_sent} requests served while 'heavy' flooded.",
         ),
     ]
-    intro = "inferd's gateway does the same job in one Python process, here in front of a real inferd replica: it "
-    intro += "counts each request's prompt tokens exactly, reserves prompt + max_tokens against the tenant's budget at "
-    intro += "admission (refusing with 429 and OpenAI's x-ratelimit-* headers) and settles to the real usage."
+    intro = "inferd's gateway does the same job in one Python process, here in front of a real inferd replica, "
+    intro += "counting each prompt's tokens exactly and answering with OpenAI's x-ratelimit-* headers."
     why = "Why it matters: tokens, not requests, are what cost money on an LLM platform; per-tenant token budgets "
     why += "keep one team's batch job from starving another's chat, and settling keeps them honest."
     return Explanation([intro], claims, [why])
 
 
 def plot(m: Measurement, fig) -> None:
-    a, b = fig.subplots(1, 2)
     n = m.numbers
-    a.bar(["reserved", "charged", "produced"], [n["reserved_seen"], n["charged"], n["actual"]])
-    a.set(ylabel="output tokens", title="Reserve at admission, settle at the end")
-    b.bar(["heavy served", "heavy 429", "light served"], [n["heavy_ok"], n["heavy_429"], n["light_ok"]], color="C1")
-    b.set(ylabel="requests", title="Two tenants, equal budgets, one floods")
+    served = {"heavy served": n["heavy_ok"], "heavy 429": n["heavy_429"], "light served": n["light_ok"]}
+    bars(fig, served, ylabel="requests", title="Two tenants, equal budgets, one floods")
 
 
 LAB = Lab("envoy-ai-gateway", "Envoy AI Gateway", DEFINITION, measure, explain, plot)

@@ -81,7 +81,7 @@ def test_dynamo_lab_routes_over_two_disaggregated_workers(lab_run):
     n = _result(lab_run, "nvidia-dynamo").numbers
     assert n["rr_requests"] == n["pa_requests"] == n["prefixes"] * n["users"]
     assert n["rr_remote"] + n["rr_local"] == n["rr_requests"] and n["pa_remote"] + n["pa_local"] == n["pa_requests"]
-    assert n["pull_kb"] > 0 and n["local_ttft_ms"] > 0 and n["leases_left"] == 0
+    assert n["rr_remote"] + n["pa_remote"] > 0 and n["rr_kb_per_req"] > 0 and n["leases_left"] == 0
     assert 50 <= n["rr_busiest_pct"] <= 100 and 50 <= n["pa_busiest_pct"] <= 100
 
 
