@@ -61,7 +61,7 @@ def explain(m: Measurement) -> Explanation:
             "used_plus_cost > limit",
             must=True,
             yes="Tenant 'exact' had {limit} tokens a window at {cost} a request (prompt + max_tokens): {admitted} were "
-            "served ({used_at_refusal} tokens), the next refused with HTTP {refused_status}: {used_plus_cost} > limit.",
+            "served ({used_at_refusal} tokens); the next, to {used_plus_cost}, got HTTP {refused_status}.",
             no="The gateway refused a request although {used_plus_cost} tokens were within the {limit} limit.",
         ),
         m.decide(
