@@ -18,10 +18,6 @@ from inferd.labs.base import Explanation, Lab, Measurement, fmt
 from inferd.labs.context import LabContext
 from inferd.labs.cost import DEFAULT_PRICE
 
-DEFINITION = (
-    "scaling replicas on queue depth, KV cache usage or latency signals instead of CPU/GPU utilisation, "
-    "because utilisation saturates long before an LLM replica runs out of capacity."
-)
 EXAMPLE = "example-cpu-gemma3-270m"
 PROMPT, OUTPUT = "lognormal:256:0.6", "lognormal:128:0.6"
 UTIL_TARGET = 0.7  # HPA's usual CPU target
@@ -140,4 +136,4 @@ def plot(m: Measurement, fig) -> None:
     ax.legend(loc="upper left")
 
 
-LAB = Lab("inference-aware-autoscaling", "Inference-aware autoscaling", DEFINITION, measure, explain, plot)
+LAB = Lab("inference-aware-autoscaling", "Inference-aware autoscaling", measure, explain, plot)

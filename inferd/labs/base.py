@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -119,18 +121,34 @@ class Explanation:
         return "\n\n".join([title, *self.intro, *claims, *self.why])
 
 
+def glossary(term: str) -> str | None:
+    """The glossary's own sentence for `term` (glossary.txt beside this module: the glossary the labs make
+    happen), its heading matched without parenthesised parts ("TTFT (Time To First Token)" is "TTFT")."""
+    for line in (Path(__file__).parent / "glossary.txt").read_text().splitlines():
+        heading, colon, text = line.partition(": ")
+        if colon and re.sub(r"\s*\([^)]*\)", "", heading).strip().lower() == term.lower():
+            return text.strip()
+    return None
+
+
 @dataclass(frozen=True)
 class Lab:
     """One glossary term made to happen. `measure` runs the experiment; `explain` and `plot` only read it."""
 
     name: str  # the CLI's name for it: `inferd lab kv-cache`
     term: str  # the glossary's heading
-    definition: str  # the glossary's own sentence, quoted in the output
     measure: Callable[[LabContext], Measurement]
     explain: Callable[[Measurement], Explanation]
     plot: Callable[[Measurement, Figure], None]
     measured_here: bool = True  # False: the lab reports a stored result (and says so)
     timed: bool = True  # False: its numbers are sizes and counts, which a busy machine does not change
+    definition: str = ""  # the term in a sentence: the glossary's own, or the lab's for a term it lacks
+
+    def __post_init__(self) -> None:
+        if not self.definition:
+            if (quoted := glossary(self.term)) is None:
+                raise ValueError(f"{self.term!r} is not in the glossary: give its lab a definition")
+            object.__setattr__(self, "definition", quoted)
 
 
 def lines(

@@ -8,11 +8,6 @@ from inferd.bench.drive import arriving, capacity_rps, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 
-DEFINITION = (
-    "instead of waiting to assemble a fixed batch, the scheduler adds and evicts requests from the running batch "
-    "every decode step. New requests join immediately, and finished ones free their slots immediately."
-)
-
 
 def measure(ctx: LabContext) -> Measurement:
     llm, rng, vocab, batch = ctx.llm(max_num_seqs=8), random.Random(0), ctx.facts().vocab, 8
@@ -62,4 +57,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, tok_s, ylabel="output tokens/s", title="Throughput, same arrivals")
 
 
-LAB = Lab("continuous-batching", "Continuous batching", DEFINITION, measure, explain, plot)
+LAB = Lab("continuous-batching", "Continuous batching", measure, explain, plot)

@@ -63,4 +63,4 @@ def plot(m: Measurement, fig) -> None:
     )
 
 
-LAB = Lab("cost", "Cost per million tokens", DEFINITION, measure, explain, plot)
+LAB = Lab("cost", "Cost per million tokens", measure, explain, plot, definition=DEFINITION)

@@ -9,12 +9,6 @@ from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 from inferd.measure.stats import percentile
 
-DEFINITION = (
-    "the autoregressive loop that generates one token at a time after prefill. Memory-bandwidth-bound: each "
-    "step reads the whole model plus KV cache from GPU memory to produce one token, so it's limited by memory "
-    "bandwidth, not compute."
-)
-
 
 def measure(ctx: LabContext) -> Measurement:
     facts, hw = ctx.facts(), ctx.hardware()
@@ -73,4 +67,4 @@ def plot(m: Measurement, fig) -> None:
     lines(fig, s["batch"], ys, title="Decode step time vs batch", **axes)
 
 
-LAB = Lab("decode", "Decode", DEFINITION, measure, explain, plot)
+LAB = Lab("decode", "Decode", measure, explain, plot)

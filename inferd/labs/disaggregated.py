@@ -16,11 +16,6 @@ from inferd.labs.context import LabContext, delta, leases_released, ttfts, usabl
 from inferd.measure.arrivals import arrivals_within
 from inferd.procs import metrics
 
-DEFINITION = (
-    "running prefill and decode on separate workers (or GPUs) and moving the KV cache between them, so long "
-    "prompts stop stalling the token stream of requests already decoding."
-)
-
 
 def _workload(url: str, load: dict, vocab: int) -> tuple[dict[str, float], list[float]]:
     """Poisson short requests plus a long prompt every `long_every` s, each streamed to its end: what the short
@@ -132,4 +127,4 @@ def plot(m: Measurement, fig) -> None:
     ax.legend(loc="lower right")
 
 
-LAB = Lab("disaggregated-prefill-decode", "Disaggregated prefill/decode", DEFINITION, measure, explain, plot)
+LAB = Lab("disaggregated-prefill-decode", "Disaggregated prefill/decode", measure, explain, plot)

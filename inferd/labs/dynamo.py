@@ -11,10 +11,6 @@ from inferd.labs.context import LabContext, delta, leases_released, summed_delta
 from inferd.labs.sglang import shared_prefix_prompts
 from inferd.procs import Proc, metrics
 
-DEFINITION = (
-    "NVIDIA's open-source serving framework for disaggregated prefill/decode with KV-cache-aware routing "
-    "across workers, built for large multi-node deployments."
-)
 PICKERS = {"rr": "round_robin", "pa": "scored"}  # the numbers' prefix -> the gateway's picker
 
 
@@ -97,4 +93,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, kb, ylabel="KV pulled per request (kB)", title="Routing over two decode workers")
 
 
-LAB = Lab("nvidia-dynamo", "NVIDIA Dynamo", DEFINITION, measure, explain, plot)
+LAB = Lab("nvidia-dynamo", "NVIDIA Dynamo", measure, explain, plot)

@@ -10,7 +10,6 @@ from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 from inferd.procs import complete
 
-DEFINITION = "token-aware rate limiting, model routing, and multi-tenant traffic shaping in front of the engines."
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]  # token ids: the gateway counts them exactly, no tokenizer needed
 M = 4
 COST = len(PROMPT) + M  # tokens one request reserves and, with ignore_eos, uses
@@ -104,4 +103,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, served, ylabel="requests", title="Two tenants, equal budgets, one floods")
 
 
-LAB = Lab("envoy-ai-gateway", "Envoy AI Gateway", DEFINITION, measure, explain, plot)
+LAB = Lab("envoy-ai-gateway", "Envoy AI Gateway", measure, explain, plot)

@@ -8,7 +8,6 @@ from inferd.bench.drive import Job, arriving, capacity_rps, random_prompts, serv
 from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 
-DEFINITION = "throughput that also meets latency SLOs. The number that actually matters for capacity planning."
 TTFT_FACTOR, TPOT_FACTOR = 4.0, 2.5  # the SLOs, over a request alone: the same meaning on a laptop and a GPU
 
 
@@ -63,4 +62,4 @@ def plot(m: Measurement, fig) -> None:
     ax.set(xlabel="offered load (requests/s)", ylabel="output tokens/s", title="Goodput vs load (dashed: the knee)")
 
 
-LAB = Lab("goodput", "Goodput", DEFINITION, measure, explain, plot)
+LAB = Lab("goodput", "Goodput", measure, explain, plot)

@@ -8,11 +8,6 @@ from inferd.config import EngineConfig
 from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 
-DEFINITION = (
-    "accelerators are the dominant cost. Utilization (keeping the GPU busy with useful batched work), quantization "
-    "(lower-precision weights, so more fits per GPU and faster decode), and batching all change "
-    "cost-per-million-tokens."
-)
 # datasheet figures (dense, no sparsity): bf16 FLOP/s and memory bytes/s; the first is the one the text names
 GPU_PROFILES = {"H100 SXM": (989e12, 3.35e12), "L4": (121e12, 0.30e12)}
 
@@ -64,4 +59,4 @@ def plot(m: Measurement, fig) -> None:
     lines(fig, m.series["batch"], ys, title="Decode throughput, measured and projected", **axes)
 
 
-LAB = Lab("gpu-economics", "GPU economics", DEFINITION, measure, explain, plot)
+LAB = Lab("gpu-economics", "GPU economics", measure, explain, plot)

@@ -9,8 +9,6 @@ from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 from inferd.measure.stats import percentile
 
-DEFINITION = 'time between successive output tokens during decode. Drives perceived "typing speed."'
-
 
 def measure(ctx: LabContext) -> Measurement:
     batches, rng, vocab = ctx.size([1, 4, 16], [1, 4, 16, 32]), random.Random(3), ctx.facts().vocab
@@ -57,4 +55,4 @@ def plot(m: Measurement, fig) -> None:
     ax.set(xlabel="batch size", ylabel="ITL (ms)", title="ITL distribution vs batch")
 
 
-LAB = Lab("itl", "ITL / TPOT", DEFINITION, measure, explain, plot)
+LAB = Lab("itl", "ITL / TPOT", measure, explain, plot)

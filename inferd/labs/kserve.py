@@ -15,11 +15,6 @@ from inferd.labs.context import LabContext, shown_path, ttfts
 from inferd.procs import rss_samples, start_serve
 from inferd.runtime.disagg import scraped_samples
 
-DEFINITION = (
-    "Kubernetes-native model serving: a custom resource (InferenceService, and LLMInferenceService for LLMs) "
-    "declares the model, its runtime, replicas and routing, and KServe's controller builds the pods, the route "
-    "and the scaling from it."
-)
 MIB = 2**20
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"  # in a checkout
 BREAKS = 3  # fields `validation` breaks in a copy of the LLMInferenceService
@@ -174,4 +169,4 @@ def plot(m: Measurement, fig) -> None:
     ax.legend()
 
 
-LAB = Lab("kserve", "KServe", DEFINITION, measure, explain, plot, timed=False)  # sizes and counts, not times
+LAB = Lab("kserve", "KServe", measure, explain, plot, timed=False)  # sizes and counts, not times

@@ -9,12 +9,6 @@ from inferd.labs.context import LabContext
 from inferd.request import Request
 from inferd.sampling import SamplingParams
 
-DEFINITION = (
-    "cached key/value tensors for every token already processed, so decode doesn't recompute attention over the "
-    "whole sequence each step. It grows linearly with sequence length x batch size. It is the dominant consumer "
-    "of GPU memory during serving, and therefore the real ceiling on concurrency."
-)
-
 
 def allocate(engine, lengths: list[int]) -> tuple[int, int]:
     """Requests of these lengths allocated in order, in an empty cache the size of the engine's, until one does
@@ -90,4 +84,4 @@ def plot(m: Measurement, fig) -> None:
     lines(fig, m.series["batch"], ys, xlabel="batch size (requests)", ylabel="KV cache (MiB)", title="KV cache growth")
 
 
-LAB = Lab("kv-cache", "KV cache", DEFINITION, measure, explain, plot, timed=False)
+LAB = Lab("kv-cache", "KV cache", measure, explain, plot, timed=False)

@@ -8,12 +8,6 @@ from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 from inferd.labs.kv_cache import allocate
 
-DEFINITION = (
-    'vLLM\'s technique that manages KV cache in fixed-size "pages" (like OS virtual memory) instead of one '
-    "contiguous block per request. It slashes memory fragmentation, so you fit far more concurrent requests on "
-    "the same GPU."
-)
-
 
 def measure(ctx: LabContext) -> Measurement:
     engine, rng = ctx.llm().engine, random.Random(0)
@@ -63,4 +57,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, fits, ylabel="requests that fit at once", title="Concurrency in the same memory")
 
 
-LAB = Lab("paged-attention", "PagedAttention", DEFINITION, measure, explain, plot, timed=False)
+LAB = Lab("paged-attention", "PagedAttention", measure, explain, plot, timed=False)

@@ -10,11 +10,6 @@ from inferd.labs.context import LabContext
 from inferd.measure.hardware import best_time
 from inferd.sampling import SamplingParams
 
-DEFINITION = (
-    "the first forward pass that processes the entire input prompt and produces the first output token. "
-    "Compute-bound: work scales with prompt length, saturating GPU compute (FLOPs)."
-)
-
 
 def measure(ctx: LabContext) -> Measurement:
     lengths, rng = ctx.size([8, 32, 128, 256], [32, 128, 512, 1024, 1536]), random.Random(0)
@@ -57,4 +52,4 @@ def plot(m: Measurement, fig) -> None:
     lines(fig, m.series["length"], {"prefill": m.series["tflops"]}, hline=peak, **axes)
 
 
-LAB = Lab("prefill", "Prefill", DEFINITION, measure, explain, plot)
+LAB = Lab("prefill", "Prefill", measure, explain, plot)

@@ -16,10 +16,6 @@ from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 from inferd.procs import child_env, complete, free_port
 
-DEFINITION = (
-    "Python-native serving on a Ray cluster: deployments of replicas composed in code, with request routing and "
-    "autoscaling built in; where LLM serving meets general Python pipelines."
-)
 APP, ENGINE = "inferd", "engine-lab"  # the app and the pool's deployment as `inferd deploy ray` names them
 MAX_SEQS, TARGET_WAITING = 4, 1  # per replica: more requests than MAX_SEQS wait, and the policy scales on waiting
 CLIENTS = 10  # MAX_SEQS run on one replica, MAX_SEQS more wait there (max_ongoing_requests = 2 x), 2 at the ingress
@@ -152,4 +148,4 @@ def plot(m: Measurement, fig) -> None:
     ax.legend()
 
 
-LAB = Lab("ray-serve", "Ray Serve", DEFINITION, measure, explain, plot)
+LAB = Lab("ray-serve", "Ray Serve", measure, explain, plot)

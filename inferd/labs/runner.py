@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from inferd.labs.base import Lab, LabResult, fmt
+from inferd.labs.base import Lab, LabResult, fmt, glossary
 from inferd.labs.context import LabContext, describe_machine, machine_line
 
 
@@ -15,7 +15,8 @@ def run_lab(lab: Lab, ctx: LabContext) -> LabResult:
     """Measure (or reuse this run's measurement), explain, plot, write JSON and PNG into ctx.out."""
     m = ctx.measured(lab)
     explanation = lab.explain(m)
-    explanation.intro.insert(0, f"{lab.term}, in the glossary's words: {lab.definition}")
+    quoted = "in the glossary's words" if glossary(lab.term) else "in a sentence"
+    explanation.intro.insert(0, f"{lab.term}, {quoted}: {lab.definition}")
     machine = describe_machine(str(ctx.torch_device))
     here = lab.measured_here if m.measured_here is None else m.measured_here
     if here and lab.timed and (caveat := busy_caveat(machine)):

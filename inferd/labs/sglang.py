@@ -10,10 +10,6 @@ from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext, summed_delta, ttfts
 from inferd.procs import metrics
 
-DEFINITION = (
-    "engine with RadixAttention (prefix-cache reuse), strong for structured generation and high-concurrency workloads."
-)
-
 
 def shared_prefix_prompts(seed: int, prefixes: int, users: int, prefix_len: int, question_len: int, vocab: int):
     """`prefixes` system prompts, each followed by `users` different questions, in random order."""
@@ -89,4 +85,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, hits, ylabel="% prompt tokens from cache", title="Prefix reuse: one engine, two replicas", ylim=(0, 100))
 
 
-LAB = Lab("sglang", "SGLang", DEFINITION, measure, explain, plot)
+LAB = Lab("sglang", "SGLang", measure, explain, plot)

@@ -116,4 +116,4 @@ def plot(m: Measurement, fig) -> None:
     ax.set(title="n-gram speculation: speed-up by batch")
 
 
-LAB = Lab("speculative-decoding", "Speculative decoding", DEFINITION, measure, explain, plot)
+LAB = Lab("speculative-decoding", "Speculative decoding", measure, explain, plot, definition=DEFINITION)

@@ -126,4 +126,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, valid, ylabel="% outputs valid for their schema", title="Valid JSON, same prompts", ylim=(0, 100))
 
 
-LAB = Lab("structured-generation", "Structured generation", DEFINITION, measure, explain, plot)
+LAB = Lab("structured-generation", "Structured generation", measure, explain, plot, definition=DEFINITION)

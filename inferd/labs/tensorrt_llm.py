@@ -9,11 +9,6 @@ from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 
-DEFINITION = (
-    "NVIDIA's compiled-kernel engine for peak throughput and latency on NVIDIA hardware. More setup, highest "
-    "performance."
-)
-
 
 def measure(ctx: LabContext) -> Measurement:
     batch, prompt_len, out_len = ctx.size(8, 16), ctx.size(256, 1024), ctx.size(16, 48)
@@ -58,4 +53,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, tok_s, ylabel="output tokens/s", title="Same workload, two attention paths")
 
 
-LAB = Lab("tensorrt-llm", "TensorRT-LLM", DEFINITION, measure, explain, plot)
+LAB = Lab("tensorrt-llm", "TensorRT-LLM", measure, explain, plot)

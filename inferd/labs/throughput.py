@@ -8,10 +8,6 @@ from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 
-DEFINITION = (
-    "tokens per second (and requests per second) the system sustains across all concurrent requests. Trades off "
-    "against latency, since bigger batches raise throughput but worsen TTFT and ITL."
-)
 METRICS = {"tok_s": "output_throughput", "tpot_ms": "mean_tpot_ms", "ttft_ms": "mean_ttft_ms"}
 
 
@@ -57,4 +53,4 @@ def plot(m: Measurement, fig) -> None:
     ax.set(title="Throughput-latency curve")
 
 
-LAB = Lab("throughput", "Throughput", DEFINITION, measure, explain, plot)
+LAB = Lab("throughput", "Throughput", measure, explain, plot)

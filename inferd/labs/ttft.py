@@ -9,11 +9,6 @@ from inferd.bench.drive import arriving, capacity_rps, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement
 from inferd.labs.context import LabContext
 
-DEFINITION = (
-    "latency from request arrival to the first token. Dominated by queueing and prefill. It is the metric users "
-    "feel first, and the primary latency SLI."
-)
-
 
 def measure(ctx: LabContext) -> Measurement:
     llm, vocab, rng = ctx.llm(max_num_seqs=4), ctx.facts().vocab, random.Random(1)
@@ -59,4 +54,4 @@ def plot(m: Measurement, fig) -> None:
     ax.legend()
 
 
-LAB = Lab("ttft", "TTFT", DEFINITION, measure, explain, plot)
+LAB = Lab("ttft", "TTFT", measure, explain, plot)

@@ -16,10 +16,6 @@ from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext, shown_path
 
-DEFINITION = (
-    "open-source, PagedAttention plus continuous batching, OpenAI-compatible server. The fast path to a running "
-    "endpoint and the default starting point."
-)
 REPO = Path(__file__).resolve().parents[2]
 RESULTS, VS_PEERS = REPO / "benchmarks" / "results", REPO / "benchmarks" / "vs_peers.py"
 HOW_TO_RUN = (
@@ -179,4 +175,4 @@ def plot(m: Measurement, fig) -> None:
     lines(fig, s["c"], ys, xscale="log", xlabel="concurrency", ylabel="output tokens/s", title=title)
 
 
-LAB = Lab("vllm", "vLLM", DEFINITION, measure, explain, plot, measured_here=False)
+LAB = Lab("vllm", "vLLM", measure, explain, plot, measured_here=False)

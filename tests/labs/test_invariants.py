@@ -34,7 +34,7 @@ def _plot(m: Measurement, fig) -> None:
 
 def _lab(name: str, leases_left: float) -> Lab:
     measure = lambda ctx: Measurement({"leases_left": leases_left})  # noqa: E731
-    return Lab(name, f"Term {name}", "a definition", measure, _explain, _plot)
+    return Lab(name, f"Term {name}", measure, _explain, _plot, definition="a definition")
 
 
 def test_a_broken_invariant_keeps_its_relation_and_is_false():
@@ -87,3 +87,14 @@ def test_inferd_lab_all_exits_non_zero_when_one_lab_breaks_an_invariant(fake_lab
     assert rc == 1
     assert "Every lease was freed (0 held)." in out  # the other lab still ran and printed
     assert "broken-lab: invariant broken (a false claim): '2 leases still held prefill blocks after the run.'" in err
+
+
+def test_a_lab_quotes_the_glossary_and_one_the_glossary_lacks_brings_its_own_sentence():
+    from inferd.labs import all_labs
+
+    assert base.glossary("TTFT").startswith("latency from request arrival to the first token")
+    assert base.glossary("continuous batching").startswith("instead of waiting")  # "Continuous (in-flight) batching"
+    for lab in all_labs():
+        assert lab.definition == (base.glossary(lab.term) or lab.definition) and len(lab.definition) > 40, lab.term
+    with pytest.raises(ValueError, match="not in the glossary"):
+        Lab("x", "Not a term", _explain, _explain, _explain)
