@@ -155,7 +155,7 @@ def main() -> int:
         values = [r[key] for r in runs[policy] if r[key] is not None]
         return statistics.median(values) if values else None
 
-    keys = list(next(iter(runs.values()))[0])
+    keys = [k for k, v in next(iter(runs.values()))[0].items() if not isinstance(v, list)]  # the figures
     result = {
         "benchmark": "slo",
         "model": args.model,

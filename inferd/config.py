@@ -138,9 +138,9 @@ class SchedulerConfig:
         _check_fields(self)
 
 
-# self_draft's drafts are passes over the model's body: past a few running requests a step is no longer bound by
-# the weights' bytes, and they cost what they save
-SELF_DRAFT_MAX_RUNNING = 4
+# self_draft's drafts are passes over the model's body, each costing most of a step's fixed work: on a 2-core Zen 3
+# they paid at one running request (1.2x output tok/s) and lost at four (0.9x; benchmarks/speculative.py)
+SELF_DRAFT_MAX_RUNNING = 1
 
 
 @dataclass(frozen=True)
@@ -218,11 +218,11 @@ class SpeculativeConfig:
 
     @property
     def draft_max_running(self) -> int | None:
-        """Drafts only in steps with at most this many running requests: speculative_disable_by_batch_size, and
-        for self_draft (whose every draft costs a pass over the body) at most SELF_DRAFT_MAX_RUNNING."""
+        """Drafts only in steps with at most this many running requests: speculative_disable_by_batch_size, which
+        for self_draft (whose every draft costs a pass over the body) defaults to SELF_DRAFT_MAX_RUNNING."""
         limit = self.speculative_disable_by_batch_size
-        if self.speculative_method == "self_draft":
-            return min(limit or SELF_DRAFT_MAX_RUNNING, SELF_DRAFT_MAX_RUNNING)
+        if limit is None and self.speculative_method == "self_draft":
+            return SELF_DRAFT_MAX_RUNNING
         return limit
 
     def validate(self) -> None:

@@ -154,9 +154,10 @@ class Scheduler:
         if self.priority:
             self._preempt_for_priority(out)
         for_priority = len(out.preempted_ids)
-        budget = self._schedule_running(out, budget)
+        head = self._admissible_head(budget)
+        budget = self._schedule_running(out, budget, head)
         if len(out.preempted_ids) == for_priority:  # under KV pressure, admit nothing new this step
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, head)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         self.drafts = {}
@@ -171,14 +172,13 @@ class Scheduler:
         limit = self.config.long_prefill_token_threshold
         return min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        head = self._admissible_head(budget)
+    def _schedule_running(self, out: SchedulerOutput, budget: int, head: Request | None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             draft = self.drafts.get(request.request_id, []) if remaining == 1 else []
-            if head is not None and remaining > 1 and request.rank > head.rank:
+            if head is not None and remaining > 1 and request.rank > head.rank and not self._same_class(request, head):
                 i += 1  # a later-ranked prefill sits out the step that admits the waiting head: a short step
                 continue
             n = self._chunk(remaining + len(draft), budget)
@@ -215,10 +215,11 @@ class Scheduler:
 
     def _admissible_head(self, budget: int) -> Request | None:
         """Under a ranked policy: the first waiting request, if it can be admitted this step (a sequence slot and
-        KV blocks for its first chunk are free). Running prefills ranked after it sit that step out, so it is not
-        left to wait out a batch job's long prompt chunk by chunk, and the step that computes its prompt beside
-        the decodes is short: its first token comes one short step after the step it arrived in (an interactive
-        request's TTFT under overload). None otherwise."""
+        KV blocks for its first chunk are free). Running prefills ranked after it, of another class, sit that
+        step out, and no waiting request of another class is admitted beside it, so it is not left to wait out
+        a batch job's long prompt chunk by chunk and the step that computes its prompt beside the decodes is
+        short: its first token comes one short step after the step it arrived in (an interactive request's
+        TTFT under overload). None otherwise."""
         if not self.priority or not self.waiting:
             return None
         head = self.waiting[0]
@@ -234,6 +235,12 @@ class Scheduler:
         if full or self.kv.blocks_needed(first_chunk) > self.kv.pool.num_free_blocks:
             return None
         return first_chunk
+
+    def _same_class(self, a: Request, b: Request) -> bool:
+        """Of one class under the ranked policies: the same priority, or under deadline the same TTFT deadline."""
+        if self.config.scheduling_policy == "deadline":
+            return a.ttft_deadline == b.ttft_deadline
+        return a.priority == b.priority
 
     def _victim(self, i: int) -> Request:
         """The running request to preempt for KV room, among those not scheduled yet this step (from the i-th
@@ -280,16 +287,18 @@ class Scheduler:
         active.discard(None)
         return request.lora_name in active or len(active) < self.max_loras
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, head: Request | None = None) -> None:
         skipped: list[Request] = []  # their adapter has no slot this step: they keep their place in line
         try:
-            self._admit(out, budget, skipped)
+            self._admit(out, budget, skipped, head)
         finally:
             self.waiting.extendleft(reversed(skipped))
 
-    def _admit(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, skipped: list[Request], head: Request | None) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if head is not None and request is not head and not self._same_class(request, head):
+                break  # the head's step stays short: later classes start at the next one
             if not self.adapter_fits(request):
                 skipped.append(self.waiting.popleft())
                 continue

@@ -179,3 +179,35 @@ def test_a_later_ranked_prefill_sits_out_the_step_that_admits_an_earlier_ranked_
     assert first_step["fcfs"] > 1
     assert tokens[("priority", "urgent")] == tokens[("fcfs", "urgent")]
     assert tokens[("priority", "batch")] == tokens[("fcfs", "batch")]
+
+
+@pytest.mark.parametrize("policy", ["priority", "deadline"])
+def test_the_step_that_admits_an_earlier_class_admits_no_later_class_beside_it(tiny_models, policy):
+    """A batch prompt is being prefilled when an interactive request and another batch request arrive: the next
+    step computes the interactive prompt beside the decodes only (the running batch prompt sits it out, the
+    waiting one is not admitted though the budget has room), and the step after goes on with the batch prompt
+    (the waiting batch request behind it, as fcfs would). Requests of one class are admitted together as before."""
+    llm = _llm(tiny_models["llama"], scheduling_policy=policy, max_num_batched_tokens=64, max_model_len=512)
+    engine, (long, short, other) = llm.engine, prompt_set(VOCAB, lengths=(240, 20, 16))
+    batch = {"priority": 5} if policy == "priority" else {"ttft_deadline": 60.0}
+    urgent = {"priority": 0} if policy == "priority" else {"ttft_deadline": 0.5}
+    engine.add_request("batch", long, PARAMS, **batch)
+    engine.step()
+    engine.add_request("urgent", short, PARAMS, **urgent)
+    engine.add_request("later", other, PARAMS, **batch)
+    engine.step()
+    requests = engine.scheduler.requests
+    computed = {rid: requests[rid].num_computed_tokens for rid in ("batch", "urgent", "later")}
+    assert computed == {"batch": 64, "urgent": 20, "later": 0}
+    engine.step()
+    assert requests["batch"].num_computed_tokens > 64
+    while engine.has_unfinished_requests():
+        engine.step()
+    # one class: admitted together in one step, within the budget
+    for rid, prompt in zip("abc", prompt_set(VOCAB, lengths=(16, 16, 16)), strict=True):
+        engine.add_request(rid, prompt, PARAMS, **batch)
+    engine.step()
+    assert all(engine.scheduler.requests[rid].num_computed_tokens == 16 for rid in "abc")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle(llm)
