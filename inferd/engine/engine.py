@@ -31,7 +31,7 @@ from inferd.engine.kv_tier import KVTiers, TierStats
 from inferd.engine.lora import LoRAManager
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import SampledToken, Scheduler
-from inferd.engine.spec_decode import PROPOSERS, DraftPlanner, Proposer, SelfDraftProposer, SpecStats
+from inferd.engine.spec_decode import PROPOSERS, DraftPlanner, Proposer, SpecStats
 from inferd.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from inferd.models import loader
 from inferd.models.dtypes import resolve_dtype, resolve_kv_cache_dtype
@@ -435,11 +435,11 @@ class Engine:
         self.runner.draft_head = DraftHead(self.model, spec.draft_vocab_size) if self_draft else None
         self.scheduler.lookahead = spec.draft_tokens if self_draft else 0
         self.scheduler.lookahead_max_running = spec.draft_max_running
-        if self_draft:  # every draft it made: its passes already ran, so the planner has nothing left to save
-            return SelfDraftProposer(spec, self.max_model_len)
         if spec.speculative_method not in PROPOSERS:
             return None
-        planner = DraftPlanner(self.spec_stats) if spec.speculative_draft_policy == "cost" else None
+        # self-drafting carries every draft it made: their passes already ran, so the planner has nothing to save
+        cost = spec.speculative_draft_policy == "cost" and not self_draft
+        planner = DraftPlanner(self.spec_stats) if cost else None
         return PROPOSERS[spec.speculative_method](spec, self.max_model_len, planner)
 
     def set_speculative(self, spec: SpeculativeConfig) -> None:
@@ -502,8 +502,7 @@ class Engine:
             self._count_drafts(sched, runner_output, time.perf_counter() - started)
             # requests this step ended (their outputs final: a stop string's tail is cut by now)
             self.proposer.finish(dict.fromkeys(s.request for s in sampled_tokens if s.request.is_finished))
-            if isinstance(self.proposer, SelfDraftProposer):
-                self.proposer.made = runner_output.draft_token_ids
+            self.proposer.take_runner_drafts(runner_output.draft_token_ids)
             self.scheduler.set_drafts(self.proposer.propose(self.scheduler.running))
         return [self._make_output(p) for p in touched.values()]
 

@@ -12,7 +12,6 @@ The scheduler is also the one place where a request moves forward: `update_from_
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -193,8 +192,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                record = self._chunk_record(request, request.num_computed_tokens, n, num_blocks, draft)
-                out.chunks.append(dataclasses.replace(record, num_lookahead=ahead) if ahead else record)
+                out.chunks.append(self._chunk_record(request, request.num_computed_tokens, n, num_blocks, draft, ahead))
                 budget -= n
                 i += 1
         return budget
@@ -370,10 +368,16 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     def _chunk_record(
-        self, request: Request, start: int, n: int, num_known_blocks: int, draft: list[int] | None = None
+        self,
+        request: Request,
+        start: int,
+        n: int,
+        num_known_blocks: int,
+        draft: list[int] | None = None,
+        num_lookahead: int = 0,
     ) -> ScheduledChunk:
-        """The step record of `request`: its next n tokens from `start` (the last of them drafts, if any), and
-        the blocks the runner lacks."""
+        """The step record of `request`: its next n tokens from `start` (the last of them drafts, if any), the
+        blocks the runner lacks, and the slots past them for the runner's own drafts."""
         draft = draft or []
         end = start + n - len(draft)
         is_decode = n - len(draft) == 1 and end == request.num_tokens and start >= request.num_prompt_tokens
@@ -385,6 +389,7 @@ class Scheduler:
             samples=end == request.num_tokens,
             new_block_ids=self.kv.block_ids(request.request_id, num_known_blocks),
             num_drafts=len(draft),
+            num_lookahead=num_lookahead,
         )
 
     # -- progress ----------------------------------------------------------------------------------

@@ -257,6 +257,10 @@ class Proposer:
     def finish(self, requests: Iterable[Request]) -> None:
         """Requests that ended (finished or aborted): a proposer that keeps something per request lets go of it."""
 
+    def take_runner_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """The drafts the runner made after the step, by request (`RunnerOutput.draft_token_ids`): only
+        self-drafting has any."""
+
 
 class NgramProposer(Proposer):
     """n-gram prompt lookup over the request's own prompt and output (`ngram_propose`)."""
@@ -534,11 +538,14 @@ class SuffixProposer(Proposer):
 
 class SelfDraftProposer(Proposer):
     """The drafts the runner made after the last step with the model's own body and a cut LM head
-    (inferd/engine/draft_head.py; `ModelRunner._self_draft`), handed over by the engine (`made`)."""
+    (inferd/engine/draft_head.py; `ModelRunner._self_draft`), handed over by the engine each step."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, planner: DraftPlanner | None = None):
         super().__init__(config, max_model_len, planner)
         self.made: dict[str, list[int]] = {}
+
+    def take_runner_drafts(self, drafts: dict[str, list[int]]) -> None:
+        self.made = drafts
 
     def draft(self, request: Request, k: int) -> list[int]:
         return self.made.get(request.request_id, [])[:k]
