@@ -44,7 +44,7 @@ from inferd.autoscale.signals import Measured
 from inferd.autoscale.workload import Workload
 from inferd.errors import ConfigError
 from inferd.fleet.spec import AutoscalingPolicy
-from inferd.gateway.cache_worth import CACHE_WORTH_WINDOW_S, unique_recent_tokens
+from inferd.gateway.cache_worth import CACHE_WORTH_WINDOW_S, RecentBlocks, unique_recent_tokens
 from inferd.gateway.replicas import CACHE_HALF_LIFE_S
 from inferd.measure.stats import DecayedRate, percentile
 
@@ -115,7 +115,7 @@ class Simulator:
             raise ConfigError(f"victim must be one of {', '.join(VICTIMS)} and routing least_load or prefix")
         self.kv_tokens, self.routing, self.victim, self.horizon = kv_cache_tokens, routing, victim, victim_horizon_s
         self.rng = random.Random(seed)
-        self.prefix_used: dict[int, float] = {}  # shared prefix -> when a request for it last arrived
+        self.prefix_used = RecentBlocks(max(1, len(workload)))  # when each shared prefix was last asked for
         self._prefix_tokens: dict[int, int] = {}  # shared prefix -> its tokens
         self.cached_tokens = 0  # prompt tokens served from the replicas' prefix caches
         self.p, self.w, self.policy, self.slo = profile, workload, policy, slo or SLO()
@@ -205,7 +205,7 @@ class Simulator:
         if prefix is None:
             rep = min(ready, key=lambda r: (r.load(), r.id))
         else:
-            self.prefix_used[prefix[0]] = self.now
+            self.prefix_used.touch([prefix[0]], self.now)
             self._prefix_tokens[prefix[0]] = prefix[1]
             bonus = self.p.max_num_seqs / 2 if self.routing == "prefix" else 0.0
             rep = min(ready, key=lambda r: (r.load() - (bonus if prefix[0] in r.cache else 0.0), r.id))
@@ -312,8 +312,7 @@ class Simulator:
         if self.victim == "cache_hits":
             return sorted(newest, key=lambda r: r.hits.rate(self.now))[:k]
         if self.victim == "unique_recent":
-            since = self.now - self.horizon
-            recent = {pid: tokens for pid, tokens in self._prefix_tokens.items() if self.prefix_used[pid] >= since}
+            recent = {pid: self._prefix_tokens[pid] for pid in self.prefix_used.since(self.now - self.horizon)}
             worth = unique_recent_tokens(ready, lambda r, pid: pid in r.cache, recent)
             return sorted(newest, key=lambda r: worth[r])[:k]
         return newest[:k]

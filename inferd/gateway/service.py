@@ -532,6 +532,7 @@ class Gateway:
         pool = target.pool
         salt = adapter_salt(salt, target.adapter)  # an adapter's blocks are its own on the replica
         hashes = block_hashes(prompt.ids, pool.config.block_size, salt) if prompt and prompt.ids else []
+        self.recent_blocks.touch(hashes, time.monotonic())  # asked for now, whichever replica serves it
         matched = await self._prefix_match(pool, hashes, target.adapter)
         fractions = {url: n / len(hashes) for url, n in matched.items()} if hashes else {}
         sent = {**body, **_scheduling(flight.tenant, pool.config, body), "model": target.model}
@@ -555,7 +556,6 @@ class Gateway:
                 self.metrics.prefix_blocks.labels(pool.name, "hit").inc(hit)
                 self.metrics.prefix_blocks.labels(pool.name, "miss").inc(len(hashes) - hit)
                 await self.prefix_index.insert(pick.replica.url, hashes)
-                self.recent_blocks.touch(hashes, time.monotonic())
             url = pick.replica.url + PATHS[flight.info.kind]
             try:
                 trace = flight.attempt(pick.replica.url, pool.name)
