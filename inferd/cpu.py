@@ -12,6 +12,7 @@ imports: the model code, the benchmarks and the load generator all read it.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 # the vector features that decide a CPU's speed here, as /proc/cpuinfo names them
@@ -83,3 +84,8 @@ def vector_flags(flags) -> str | None:
         return None
     have = set(flags)
     return " ".join(f for f in VECTOR_FLAGS if f in have) or "none of " + " ".join(VECTOR_FLAGS)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one), not all the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

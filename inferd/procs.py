@@ -5,24 +5,27 @@ log file that an error quotes.
 The tests, the benchmarks and the labs all start real servers; this is the one launcher they share. A child
 imports the same inferd as its parent: the checkout this module lives in goes first on its PYTHONPATH.
 `start_proxy` puts `inferd disagg proxy` in front of prefill and decode servers, `gateway_config` one pool
-behind a gateway, and `complete` sends one completion. `die_with_parent` is for a supervisor whose children
-must not outlive it (`inferd up`); `run_bounded` runs a command that starts servers of its own (a benchmark
-script) with a deadline; `rss` and `rss_samples` read what a process tree holds in memory.
+behind a gateway, and `complete` sends one completion. `ProcGroup` starts servers of one model (replicas,
+prefill and decode instances, proxies, gateways) and stops them together, or those of a `scoped` block at its
+end; `Scrape` reads servers' /metrics before and after a block. `die_with_parent` is for a supervisor whose
+children must not outlive it (`inferd up`); `run_bounded` runs a command that starts servers of its own (a
+benchmark script) with a deadline; `rss` and `rss_samples` read what a process tree holds in memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -203,6 +206,117 @@ def metrics(url: str) -> dict[str, float]:
             name = name.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+class Scrape:
+    """Servers' /metrics read as the block starts and again as it ends (unless it raised): `rises(key)`, how much
+    `key` rose on each server (a sample a server lacks counts as 0), and `rise(key)`, their sum."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.urls, self.before, self.after = list(urls), [], []
+
+    def __enter__(self) -> Scrape:
+        self.before = [metrics(u) for u in self.urls]
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.after = [metrics(u) for u in self.urls]
+
+    def rises(self, key: str) -> list[float]:
+        return [a.get(key, 0.0) - b.get(key, 0.0) for a, b in zip(self.after, self.before, strict=True)]
+
+    def rise(self, key: str) -> float:
+        return sum(self.rises(key))
+
+
+def leases_released(prefill_url: str, timeout: float = 10.0) -> float:
+    """Blocks a `--role prefill` server still lends after the decode side acknowledged (0 once every lease is
+    released); waits up to `timeout` for the acknowledgements in flight."""
+    deadline = time.monotonic() + timeout
+    while (left := metrics(prefill_url).get("inferd:kv_leases_active", 0.0)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@dataclass
+class ProcGroup:
+    """Real servers of one model on loopback, each stopped by `close` (or by the end of the `scoped` block it
+    was started in): `inferd serve` replicas served as `name` with `flags` first (later flags win), prefill and
+    decode instances sharing a KV secret of the group's own, the disaggregation proxy and gateways. `replicas`
+    keeps what it started for the next caller that asks for the same count and flags."""
+
+    model: str | Path
+    log_dir: Path
+    flags: Sequence[str] = ()
+    name: str = "m"
+    start_timeout: float = 600.0  # a real model on a busy machine can take minutes to load
+    kv_secret: str = field(default_factory=lambda: secrets.token_hex(16))  # loopback only, this group's
+    _stops: list[Callable[[], None]] = field(default_factory=list)
+    _replicas: dict[tuple, list[Proc]] = field(default_factory=dict)
+
+    def started(self, proc: Proc) -> Proc:
+        self._stops.append(proc.stop)
+        return proc
+
+    def serve(self, *extra: str) -> Proc:
+        """An `inferd serve` (wait for it with `wait`)."""
+        return self.started(start_serve(self.model, self.log_dir, self.name, *self.flags, *extra))
+
+    def prefill(self, *extra: str) -> tuple[Proc, str]:
+        """A `--role prefill` instance and its KV channel's host:port (a `decode` instance's peer)."""
+        port = free_port()
+        flags = ("--role", "prefill", "--kv-secret", self.kv_secret, "--kv-port", str(port))
+        return self.serve(*flags, *extra), f"127.0.0.1:{port}"
+
+    def decode(self, peers: list[str], *extra: str) -> Proc:
+        return self.serve("--role", "decode", "--kv-secret", self.kv_secret, *extra, "--kv-peers", *peers)
+
+    def proxy(self, prefill: list[Proc], decode: list[Proc]) -> Proc:
+        """`inferd disagg proxy` in front of these instances."""
+        return self.started(start_proxy(self.log_dir, [p.url for p in prefill], [d.url for d in decode]))
+
+    def gateway(self, servers: list[Proc], **config) -> Proc:
+        """`inferd gateway` with one pool of these servers behind `name` (`config`: more sections), ready."""
+        config = gateway_config([s.url for s in servers], self.name, **config)
+        return self.started(start_gateway(config, self.log_dir))
+
+    def wait(self, *procs: Proc) -> None:
+        for p in procs:
+            wait_http(p, "/health", timeout=self.start_timeout)
+
+    def replicas(self, count: int, *extra: str) -> list[Proc]:
+        """`count` replicas with these flags, healthy: started once, and kept while they run."""
+        procs = self._replicas.get((count, extra))
+        if not procs or not all(p.alive() for p in procs):  # none yet, or stopped (a `scoped` block's end)
+            procs = self._replicas[(count, extra)] = [self.serve(*extra) for _ in range(count)]
+            self.wait(*procs)
+        return procs
+
+    def any_replicas(self) -> list[Proc]:
+        """Replicas this group already started (any flags), or one new one."""
+        return next(iter(self._replicas.values()), None) or self.replicas(1)
+
+    @contextmanager
+    def scoped(self) -> Iterator[None]:
+        """Servers started inside the block are stopped when it ends, on failure too."""
+        mark = len(self._stops)
+        try:
+            yield
+        finally:
+            while len(self._stops) > mark:
+                self._stops.pop()()
+
+    def close(self) -> None:
+        while self._stops:
+            self._stops.pop()()
+        self._replicas.clear()
+
+    def __enter__(self) -> ProcGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _interrupt(proc: subprocess.Popen, grace_s: float) -> None:

@@ -97,3 +97,38 @@ def test_the_peak_a_sample_missed_is_the_high_water_mark():
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+class _Stub:
+    """Stands in for a started server: records its stop."""
+
+    def __init__(self, stopped: list[str], name: str):
+        self.stopped, self.name = stopped, name
+
+    def stop(self) -> None:
+        self.stopped.append(self.name)
+
+
+def test_a_group_stops_a_scoped_blocks_servers_at_its_end_and_the_rest_at_close(tmp_path):
+    stopped: list[str] = []
+    with procs.ProcGroup("model", tmp_path) as group:
+        group.started(_Stub(stopped, "kept"))
+        try:
+            with group.scoped():
+                group.started(_Stub(stopped, "a"))
+                group.started(_Stub(stopped, "b"))
+                raise RuntimeError("a lab failing half-way")
+        except RuntimeError:
+            pass
+        assert stopped == ["b", "a"]  # on failure too, the latest first
+    assert stopped == ["b", "a", "kept"]
+    assert procs.ProcGroup("m", tmp_path).kv_secret != group.kv_secret  # each group signs with its own
+
+
+def test_scrape_gives_each_servers_rise_and_their_sum(monkeypatch):
+    seen = iter([{"x": 1.0, "y": 5.0}, {"x": 2.0}, {"x": 4.0, "y": 6.0}, {"x": 2.5}])
+    monkeypatch.setattr(procs, "metrics", lambda url: next(seen))
+    with procs.Scrape(["a", "b"]) as scraped:
+        pass
+    assert scraped.rises("x") == [3.0, 0.5] and scraped.rise("x") == 3.5
+    assert scraped.rises("y") == [1.0, 0.0]  # a sample a server lacks counts as 0

@@ -4,7 +4,7 @@ Always streams with `stream_options.include_usage`, so token counts can come fro
 for a failed request: every failure (connection, HTTP status, error event mid-stream, timeout, cut stream)
 comes back as a `RequestOutput` with `success=False` and an error whose text before the first colon is its
 kind ("HTTP 404", "ConnectError", "Timeout", ...), which the report counts by. `send_all` sends a list of
-requests at a concurrency or on a schedule (the labs' streamed requests).
+requests at a concurrency or on a schedule (the labs' streamed requests), `ttfts` their times to a first token.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from inferd.bench.datasets import BenchRequest
+from inferd.bench.metrics import ttft
 
 
 class Endpoint(enum.Enum):
@@ -251,3 +252,12 @@ def send_all(
             return list(await asyncio.gather(*tasks))
 
     return asyncio.run(go())
+
+
+def ttfts(url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
+    """Streamed completions of 2 tokens, `concurrency` at a time: their TTFTs in seconds, in prompt order;
+    raises on the first that failed."""
+    outs = send_all(url, [BenchRequest(p, len(p), 2) for p in prompts], concurrency=concurrency)
+    if failed := next((o for o in outs if not o.success), None):
+        raise RuntimeError(f"{url}: {failed.error}")
+    return [ttft(o) for o in outs]

@@ -35,7 +35,7 @@ def measure(ctx: LabContext) -> Measurement:
     if ctx.quick:
         profile, where = load_profile(EXAMPLE), f"the shipped example profile {EXAMPLE} (--quick)"
     else:
-        run = ProfileRun(ctx.any_replicas()[0].url, batches=(1, 4, 8, 16), output_len=12, requests_per_point=4)
+        run = ProfileRun(ctx.procs.any_replicas()[0].url, batches=(1, 4, 8, 16), output_len=12, requests_per_point=4)
         profile, where = measure_profile(run), "this machine's replica, measured by `inferd profile`"
     price = ctx.price_per_hour or DEFAULT_PRICE
     lone_ttft = 256 / profile.prefill_tokens_per_s + profile.step_s(1)

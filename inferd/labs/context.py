@@ -1,6 +1,6 @@
 """What the labs of one run share: the model (loaded once per set of engine settings; with `--quick` a tiny
 random-weight Llama), this machine's peaks and the model's bytes and FLOPs (`inferd.measure`), earlier labs'
-measurements, and the servers they start on loopback through `inferd.procs`, all stopped when the run ends."""
+measurements, and the servers they start on loopback (`ctx.procs`, an `inferd.procs.ProcGroup`), stopped at its end."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ import gc
 import os
 import platform
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,23 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inferd.bench.client import send_all
-from inferd.bench.datasets import BenchRequest
-from inferd.bench.metrics import ttft
 from inferd.bench.peers import home_path
 from inferd.bench.results import machine_info
 from inferd.config import DEFAULT_MODEL, EngineConfig, make_engine_config
 from inferd.measure.hardware import Hardware, measure_hardware
 from inferd.measure.model import ModelFacts, model_facts
 from inferd.models.tiny import is_tiny, tiny_model
-from inferd.procs import Proc, free_port, gateway_config, metrics, start_gateway, start_proxy, start_serve, wait_http
+from inferd.procs import ProcGroup
 
 if TYPE_CHECKING:
     from inferd.engine.engine import LLM
     from inferd.labs.base import Lab, Measurement
-
-KV_SECRET = "inferd-lab-kv-secret"  # loopback only, for this run's disaggregated instances
-START_TIMEOUT = 600.0  # a real model on a busy machine can take minutes to load
 
 
 def describe_machine(device: str) -> dict:
@@ -68,14 +59,16 @@ class LabContext:
     _llm: tuple[EngineConfig, LLM] | None = None
     _hardware: Hardware | None = None
     _facts: ModelFacts | None = None
-    _closers: list[Callable[[], None]] = field(default_factory=list)
-    _replicas: dict[tuple, list[Proc]] = field(default_factory=dict)
     date: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
+    procs: ProcGroup = field(init=False)
 
     def __post_init__(self) -> None:
         self.workdir = self.workdir or Path(tempfile.mkdtemp(prefix="inferd-lab-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model = self.model or (str(tiny_model()) if self.quick else DEFAULT_MODEL)
+        # the servers labs start (`inferd.procs`): this run's model as "m", one thread unless a lab says otherwise
+        flags = ["--device", self.device, "--max-model-len", str(self.max_model_len), "--kv-cache-memory", "256MiB"]
+        self.procs = ProcGroup(self.model, self.workdir, flags + ["--attention-backend", "torch"] * self.quick)
 
     @property
     def model_label(self) -> str:
@@ -147,66 +140,8 @@ class LabContext:
             self.measurements[lab.name] = lab.measure(self)
         return self.measurements[lab.name]
 
-    # -- processes: real servers on loopback (`inferd.procs`), each stopped when the run ends ------------------
-    def started(self, proc: Proc) -> Proc:
-        self._closers.append(proc.stop)
-        return proc
-
-    def serve(self, *extra: str) -> Proc:
-        """An `inferd serve` of this run's model as "m", one thread unless `extra` says otherwise (later flags
-        win); wait for it with `wait`."""
-        flags = ["--device", self.device, "--max-model-len", str(self.max_model_len), "--kv-cache-memory", "256MiB"]
-        flags += ["--attention-backend", "torch"] if self.quick else []
-        return self.started(start_serve(self.model, self.workdir, "m", *flags, *extra))
-
-    def prefill(self, *extra: str) -> tuple[Proc, str]:
-        """A `--role prefill` instance and its KV channel's host:port (a `decode` instance's peer)."""
-        port = free_port()
-        flags = ("--role", "prefill", "--kv-secret", KV_SECRET, "--kv-port", str(port))
-        return self.serve(*flags, *extra), f"127.0.0.1:{port}"
-
-    def decode(self, peers: list[str], *extra: str) -> Proc:
-        return self.serve("--role", "decode", "--kv-secret", KV_SECRET, *extra, "--kv-peers", *peers)
-
-    def proxy(self, prefill: list[Proc], decode: list[Proc]) -> Proc:
-        """`inferd disagg proxy` in front of these instances."""
-        return self.started(start_proxy(self.workdir, [p.url for p in prefill], [d.url for d in decode]))
-
-    def gateway(self, servers: list[Proc], **config) -> Proc:
-        """`inferd gateway` with one pool of these servers behind "m" (`config`: more sections), ready."""
-        return self.started(start_gateway(gateway_config([s.url for s in servers], **config), self.workdir))
-
-    @staticmethod
-    def wait(*procs: Proc) -> None:
-        for p in procs:
-            wait_http(p, "/health", timeout=START_TIMEOUT)
-
-    def replicas(self, count: int, *extra: str) -> list[Proc]:
-        """`count` inferd replicas of this run's model, started once per set of flags and kept for later labs."""
-        procs = self._replicas.get((count, extra))
-        if not procs or not all(p.alive() for p in procs):  # none yet, or stopped (a `scoped` block's end)
-            procs = self._replicas[(count, extra)] = [self.serve(*extra) for _ in range(count)]
-            self.wait(*procs)
-        return procs
-
-    def any_replicas(self) -> list[Proc]:
-        """Replicas this run already started (any flags), or one new one."""
-        return next(iter(self._replicas.values()), None) or self.replicas(1)
-
-    @contextmanager
-    def scoped(self) -> Iterator[None]:
-        """Servers started inside the block are stopped when it ends, on failure too, not at the run's end."""
-        mark = len(self._closers)
-        try:
-            yield
-        finally:
-            while len(self._closers) > mark:
-                self._closers.pop()()
-
     def close(self) -> None:
-        while self._closers:
-            self._closers.pop()()
-        self._replicas.clear()
+        self.procs.close()
         self._llm = None
         gc.collect()
 
@@ -216,34 +151,3 @@ def shown_path(path: Path) -> str:
     folder as ~, so a page written from the text names no user."""
     path = Path(path).resolve()
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else home_path(path)
-
-
-# -- what the process labs read off their servers ------------------------------------------------------------
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def ttfts(url: str, prompts: list[list[int]], concurrency: int) -> list[float]:
-    """Streamed completions of 2 tokens, `concurrency` at a time: their TTFTs in seconds, in prompt order."""
-    outs = send_all(url, [BenchRequest(p, len(p), 2) for p in prompts], concurrency=concurrency)
-    if failed := next((o for o in outs if not o.success), None):
-        raise RuntimeError(f"{url}: {failed.error}")
-    return [ttft(o) for o in outs]
-
-
-def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-def summed_delta(after: list[dict[str, float]], before: list[dict[str, float]], key: str) -> float:
-    """`key`'s rise summed over servers (their /metrics after and before, in the same order)."""
-    return sum(delta(a, b, key) for a, b in zip(after, before, strict=True))
-
-
-def leases_released(prefill: Proc, timeout: float = 10.0) -> float:
-    """Blocks the prefill instance still lends after the decode side acknowledged (0 once every lease is
-    released); waits up to `timeout` for the acknowledgements in flight."""
-    deadline = time.monotonic() + timeout
-    while (left := metrics(prefill.url).get("inferd:kv_leases_active", 0.0)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left

@@ -7,14 +7,15 @@ import random
 
 import numpy as np
 
-from inferd.bench.client import send_all
+from inferd.bench.client import send_all, ttfts
 from inferd.bench.datasets import BenchRequest
 from inferd.bench.drive import random_prompts
 from inferd.bench.metrics import itls, summarize_ms, ttft
+from inferd.cpu import usable_cores
 from inferd.labs.base import Explanation, Lab, Measurement
-from inferd.labs.context import LabContext, delta, leases_released, ttfts, usable_cores
+from inferd.labs.context import LabContext
 from inferd.measure.arrivals import arrivals_within
-from inferd.procs import metrics
+from inferd.procs import Scrape, leases_released
 
 
 def _workload(url: str, load: dict, vocab: int) -> tuple[dict[str, float], list[float]]:
@@ -45,26 +46,26 @@ def measure(ctx: LabContext) -> Measurement:
     facts, block_size, cores = ctx.facts(), ctx.llm().engine.kv.block_size, usable_cores()
     threads, short, long = min(2, cores), load["short_prompt"], load["long_prompt"]
     warm = [list(range(16, 16 + short)), [16 + i % (facts.vocab - 16) for i in range(long)]]
-    with ctx.scoped():
-        colo = ctx.serve("--num-threads", str(threads))
-        prefill, kv = ctx.prefill()
-        decode = ctx.decode([kv])
-        proxy = ctx.proxy([prefill], [decode])
-        ctx.wait(colo, prefill, decode, proxy)
+    procs = ctx.procs
+    with procs.scoped():
+        colo = procs.serve("--num-threads", str(threads))
+        prefill, kv = procs.prefill()
+        decode = procs.decode([kv])
+        proxy = procs.proxy([prefill], [decode])
+        procs.wait(colo, prefill, decode, proxy)
         ttfts(colo.url, warm, 1)  # the first request of each shape pays one-time costs
         colocated, colo_gaps = _workload(colo.url, load, facts.vocab)
         colo.stop()  # idle, but nothing of it should share the cores with the roles
         ttfts(proxy.url, warm, 1)
-        before = metrics(decode.url)
-        disagg, dis_gaps = _workload(proxy.url, load, facts.vocab)
-        after = metrics(decode.url)
-        leases_left = leases_released(prefill)
-    rise = lambda key: delta(after, before, f"inferd:kv_transfer_{key}")
+        with Scrape([decode.url]) as scraped:
+            disagg, dis_gaps = _workload(proxy.url, load, facts.vocab)
+        leases_left = leases_released(prefill.url)
+    rise = lambda key: scraped.rise(f"inferd:kv_transfer_{key}")
     blocks, kv_bytes, pulls = rise("blocks_total"), rise("bytes_total"), rise("seconds_count")
     expected = facts.kv_bytes_per_token * block_size
     n = {f"colo_{k}": v for k, v in colocated.items()} | {f"dis_{k}": v for k, v in disagg.items()}
     n |= dict(cores=cores, colo_threads=threads, long_prompt=long, leases_left=leases_left)
-    n |= dict(remote_prefills=delta(after, before, "inferd:remote_prefills_total"), kv_blocks=blocks, transfers=pulls)
+    n |= dict(remote_prefills=scraped.rise("inferd:remote_prefills_total"), kv_blocks=blocks, transfers=pulls)
     n |= dict(kv_mb=kv_bytes / 1e6, kv_kb_per_request=kv_bytes / 1e3 / max(pulls, 1.0), elem_bytes=facts.elem_bytes)
     n |= dict(transfer_ms=1000 * rise("seconds_sum") / max(pulls, 1.0), expected_bytes_per_block=expected)
     n["bytes_per_block"] = kv_bytes / blocks if blocks else 0.0

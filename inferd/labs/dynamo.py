@@ -6,21 +6,20 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from inferd.bench.client import ttfts
 from inferd.labs.base import Explanation, Lab, Measurement, bars
-from inferd.labs.context import LabContext, delta, leases_released, summed_delta, ttfts
+from inferd.labs.context import LabContext
 from inferd.labs.sglang import shared_prefix_prompts
-from inferd.procs import Proc, metrics
+from inferd.procs import Proc, Scrape, leases_released
 
 PICKERS = {"rr": "round_robin", "pa": "scored"}  # the numbers' prefix -> the gateway's picker
 
 
 def routed(name: str, gateway: Proc, decodes: list[Proc], prompts: list[list[int]]) -> dict[str, float]:
     """One gateway's run of the shared-prefix workload, read from the decode workers' own counters."""
-    before = [metrics(d.url) for d in decodes]
-    ttfts(gateway.url, prompts, 2)  # (how prefix-aware routing cuts TTFT is the SGLang lab's)
-    after = [metrics(d.url) for d in decodes]
-    rise = lambda key: summed_delta(after, before, f"inferd:{key}_total")
-    served = [delta(a, b, "inferd:request_success_total") for a, b in zip(after, before, strict=True)]
+    with Scrape([d.url for d in decodes]) as scraped:
+        ttfts(gateway.url, prompts, 2)  # (how prefix-aware routing cuts TTFT is the SGLang lab's)
+    rise, served = lambda key: scraped.rise(f"inferd:{key}_total"), scraped.rises("inferd:request_success_total")
     n = dict(busiest_pct=100 * max(served) / max(sum(served), 1), requests=len(prompts))
     n |= dict(hit_pct=100 * rise("prefix_cache_hits") / max(rise("prefix_cache_queries"), 1.0))
     n |= dict(kb_per_req=rise("kv_transfer_bytes") / 1e3 / len(prompts), remote=rise("remote_prefills"))
@@ -32,19 +31,20 @@ def measure(ctx: LabContext) -> Measurement:
     k, users, plen, qlen = ctx.size((6, 4, 128, 16), (8, 4, 512, 32))
     max_len = 16 * (2 + (plen + qlen) // 16)
     blocks = max(int(0.6 * k * plen / 16), 2 * max_len // 16)  # about half the prefixes per decode worker
-    with ctx.scoped():
-        prefill, kv = ctx.prefill("--max-model-len", str(max_len))
-        decodes = [ctx.decode([kv], "--max-model-len", str(max_len), "--num-blocks", str(blocks)) for _ in "ab"]
-        proxies = [ctx.proxy([prefill], [d]) for d in decodes]
-        ctx.wait(prefill, *decodes, *proxies)
+    procs = ctx.procs
+    with procs.scoped():
+        prefill, kv = procs.prefill("--max-model-len", str(max_len))
+        decodes = [procs.decode([kv], "--max-model-len", str(max_len), "--num-blocks", str(blocks)) for _ in "ab"]
+        proxies = [procs.proxy([prefill], [d]) for d in decodes]
+        procs.wait(prefill, *decodes, *proxies)
         with ThreadPoolExecutor(2) as pool:  # both gateways start at once
-            gateways = list(pool.map(lambda p: ctx.gateway(proxies, routing={"picker": p}), PICKERS.values()))
+            gateways = list(pool.map(lambda p: procs.gateway(proxies, routing={"picker": p}), PICKERS.values()))
         for proxy, prompt in zip(proxies, shared_prefix_prompts(9, 2, 1, plen, qlen, vocab), strict=True):
             ttfts(proxy.url, [prompt], 1)  # the first request of a path pays extra
         n = {"prefixes": k, "users": users, "prefix_len": plen}
         for seed, (name, gateway) in enumerate(zip(PICKERS, gateways, strict=True), 1):
             n |= routed(name, gateway, decodes, shared_prefix_prompts(seed, k, users, plen, qlen, vocab))
-        n["leases_left"] = leases_released(prefill)
+        n["leases_left"] = leases_released(prefill.url)
     n["requests"] = n["rr_requests"] + n["pa_requests"]
     n["accounted"] = n["rr_remote"] + n["rr_local"] + n["pa_remote"] + n["pa_local"]
     return Measurement(numbers=n, settings={"question_len": qlen, "decode_blocks": blocks})

@@ -22,13 +22,13 @@ def _post(url: str, tenant: str, max_tokens: int = M, **body):
 
 
 def measure(ctx: LabContext) -> Measurement:
-    replica = ctx.any_replicas()[0]
+    replica = ctx.procs.any_replicas()[0]
     limits = {t: {"total": b} for t, b in (("exact", LIMIT), ("heavy", BUDGET), ("light", BUDGET))}
     limits["settle"] = {"output": OUT_LIMIT}
     key = lambda tenant: hashlib.sha256(f"sk-lab-{tenant}".encode()).hexdigest()  # what the gateway's config holds
     tenants = [{"id": t, "api_key_sha256": [key(t)], "limits": {"tokens": tokens}} for t, tokens in limits.items()]
-    with ctx.scoped():
-        url = ctx.gateway([replica], tenants=tenants).url
+    with ctx.procs.scoped():
+        url = ctx.procs.gateway([replica], tenants=tenants).url
         # tenant 'exact': four requests (the fourth one token short), then one asking for exactly what remains
         rs = [_post(url, "exact") for _ in range(4)]
         fit = _post(url, "exact", max_tokens=M - 1)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import httpx
 
+from inferd.bench.client import ttfts
 from inferd.errors import InferdError
 from inferd.labs.base import Explanation, Lab, Measurement, bars, fmt
-from inferd.labs.context import LabContext, shown_path, ttfts
+from inferd.labs.context import LabContext, shown_path
 from inferd.procs import rss_samples, start_serve
 from inferd.runtime.disagg import scraped_samples
 
@@ -89,9 +90,9 @@ def measure(ctx: LabContext) -> Measurement:
     flags = [*model.engine_flags(pool), "--device", ctx.device]
     flags += ["--attention-backend", "torch"] if ctx.quick else []  # no native-kernel build in a quick run
     seqs = model.engine_config(pool).scheduler.max_num_seqs
-    with ctx.scoped():  # a replica as the pod runs it (the run's model): idle, then at its peak under a burst
-        proc = ctx.started(start_serve(ctx.model, ctx.workdir, "m", *flags))
-        ctx.wait(proc)
+    with ctx.procs.scoped():  # a replica as the pod runs it (the run's model): idle, then at its peak under a burst
+        proc = ctx.procs.started(start_serve(ctx.model, ctx.workdir, "m", *flags))
+        ctx.procs.wait(proc)
         with httpx.Client(timeout=10) as http:
             info = scraped_samples(http, proc.url, "inferd:cache_config_info")[0].labels
             max_len = http.get(proc.url + "/v1/models").json()["data"][0]["max_model_len"]

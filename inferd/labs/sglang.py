@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 import statistics
 
+from inferd.bench.client import ttfts
 from inferd.bench.drive import Job, random_prompts, serve
 from inferd.labs.base import Explanation, Lab, Measurement, bars
-from inferd.labs.context import LabContext, summed_delta, ttfts
-from inferd.procs import metrics
+from inferd.labs.context import LabContext
+from inferd.procs import Scrape
 
 
 def shared_prefix_prompts(seed: int, prefixes: int, users: int, prefix_len: int, question_len: int, vocab: int):
@@ -22,12 +23,11 @@ def shared_prefix_prompts(seed: int, prefixes: int, users: int, prefix_len: int,
 
 def routed(ctx: LabContext, picker: str, prompts: list[list[int]], replicas) -> tuple[float, float]:
     """(mean TTFT in ms, % of prompt tokens the replicas found cached) through a gateway with this picker."""
-    with ctx.scoped():
-        gw = ctx.gateway(replicas, routing={"picker": picker})
-        before = [metrics(r.url) for r in replicas]
-        ttft = statistics.mean(ttfts(gw.url, prompts, 2)) * 1000
-        after = [metrics(r.url) for r in replicas]
-    hits, queries = (summed_delta(after, before, f"inferd:prefix_cache_{k}_total") for k in ("hits", "queries"))
+    with ctx.procs.scoped():
+        gw = ctx.procs.gateway(replicas, routing={"picker": picker})
+        with Scrape([r.url for r in replicas]) as scraped:
+            ttft = statistics.mean(ttfts(gw.url, prompts, 2)) * 1000
+    hits, queries = (scraped.rise(f"inferd:prefix_cache_{k}_total") for k in ("hits", "queries"))
     return ttft, 100 * hits / max(queries, 1.0)
 
 
@@ -45,7 +45,7 @@ def measure(ctx: LabContext) -> Measurement:
     # two replicas whose caches hold ~60% of all prefix blocks: enough for half the prefixes each, not for all
     max_len = 16 * (2 + (plen + qlen) // 16)
     n["replica_blocks"] = blocks = max(int(0.6 * k * plen / 16), 2 * max_len // 16)
-    replicas = ctx.replicas(2, "--num-blocks", str(blocks), "--max-model-len", str(max_len))
+    replicas = ctx.procs.replicas(2, "--num-blocks", str(blocks), "--max-model-len", str(max_len))
     n["rr_ttft_ms"], n["rr_hit_pct"] = routed(ctx, "round_robin", workload(1), replicas)
     n["pa_ttft_ms"], n["pa_hit_pct"] = routed(ctx, "scored", workload(2), replicas)
     return Measurement(n)
