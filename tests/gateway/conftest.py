@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from inferd.procs import ProcGroup
 from tests.conftest import build_tiny_model
-from tests.gateway.procs import Proc, redis_binary, start_gateway, start_redis, start_replica, wait_http
+from tests.gateway.procs import REPLICA_FLAGS, Proc, redis_binary, start_gateway, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -28,14 +29,8 @@ def logs(tmp_path_factory) -> Path:
 
 def healthy_replicas(model: Path, logs: Path, count: int, *extra: str) -> Iterator[list[Proc]]:
     """`count` replicas of `model` with these flags, healthy, for a fixture to yield; stopped after it."""
-    procs = [start_replica(model, logs, *extra) for _ in range(count)]
-    try:
-        for p in procs:
-            wait_http(p, "/health", timeout=120)
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    with ProcGroup(model, logs, REPLICA_FLAGS, "tiny", start_timeout=120) as group:
+        yield group.replicas(count, *extra)
 
 
 @pytest.fixture(scope="session")

@@ -31,11 +31,12 @@ __all__ = [
 ]
 
 
+REPLICA_FLAGS = ("--max-model-len", "512", "--attention-backend", "torch")
+
+
 def start_replica(model_dir: Path, log_dir: Path, *extra: str) -> Proc:
     """`inferd serve` with the tiny model as `tiny`, as a separate process (caller waits with wait_http)."""
-    return procs.start_serve(
-        model_dir, log_dir, "tiny", "--max-model-len", "512", "--attention-backend", "torch", *extra
-    )
+    return procs.start_serve(model_dir, log_dir, "tiny", *REPLICA_FLAGS, *extra)
 
 
 def start_gateway(config: dict, log_dir: Path, port: int | None = None) -> tuple[Proc, Path]:

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from inferd.procs import Scrape
 from tests.gateway.conftest import base_config, wait_until
-from tests.gateway.procs import replica_metrics
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,12 +109,6 @@ def _prefix_workload(seed: int, prefixes: int, users: int) -> list[str]:
     return prompts
 
 
-def _hit_rate_delta(before: list[dict], after: list[dict]) -> float:
-    """Prefix cache hit rate (tokens) over both replicas between two scrapes."""
-    delta = lambda name: sum(a[name] - b[name] for a, b in zip(after, before, strict=True))
-    return delta("inferd:prefix_cache_hits_total") / delta("inferd:prefix_cache_queries_total")
-
-
 def test_prefix_affinity_raises_replica_prefix_hit_rate_over_round_robin(replicas, gateway, tiny_llama):
     pool = {"name": "ab", "replicas": [r.url for r in replicas], "model": "tiny", "tokenizer": str(tiny_llama)}
     models = [{"name": "tiny", "backends": [{"pool": "ab"}]}]
@@ -122,12 +116,12 @@ def test_prefix_affinity_raises_replica_prefix_hit_rate_over_round_robin(replica
     for seed, picker in enumerate(["round_robin", "scored"]):
         cfg = base_config([pool], models, routing={"picker": picker})
         gw = gateway(cfg)
-        before = [replica_metrics(r.url) for r in replicas]
-        with httpx.Client(timeout=30) as client:
+        with Scrape([r.url for r in replicas]) as scraped, httpx.Client(timeout=30) as client:
             for prompt in _prefix_workload(seed, prefixes=8, users=4):
                 r = client.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
                 assert r.status_code == 200, r.text
-        rates[picker] = _hit_rate_delta(before, [replica_metrics(r.url) for r in replicas])
+        hits, queries = (scraped.rise(f"inferd:prefix_cache_{k}_total") for k in ("hits", "queries"))
+        rates[picker] = hits / queries  # the prefix cache's hit rate (tokens) over both replicas
         gw.stop()
     print("prefix hit rates", rates)
     # each shared prefix is prefilled once with affinity, on both replicas with round-robin
