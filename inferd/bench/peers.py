@@ -11,7 +11,7 @@ what the file says of itself (its date, machine and note) and leaving unknown wh
 CPU flags, command line); the next invocation that writes the file appends its own run after it.
 
 `newest_pair_file` picks the file to show a pair of servers from; `peer_python` and `importable` find a peer's
-own environment and whether it runs.
+own environment and whether it runs; `run_side_by_side` runs the script with a deadline and returns its run.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
-from inferd import cpu
+from inferd import cpu, procs
 from inferd.bench import runs
 from inferd.bench.runs import FORMAT, empty
 
@@ -163,3 +164,29 @@ def home_path(path: Path) -> str:
     """A path as text shows it: the home folder as ~, so a page written from the text names no user."""
     home = Path.home()
     return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
+
+
+class RunFailed(Exception):
+    """A side-by-side run that left no run with figures: why, and where its log is."""
+
+
+def run_side_by_side(
+    script: Path, servers: list[str], args: list[str], out: Path, log: Path, timeout_s: float, grace_s: float
+) -> dict:
+    """`script` (benchmarks/vs_peers.py) with `servers` up at once, its runs file at `out`: the run it added.
+    It runs under `inferd.procs.run_bounded` (interrupted past `timeout_s`, killed `grace_s` later: never left
+    running); `RunFailed` when it failed, timed out, wrote no run, or a server of that run has an error."""
+    cmd = [sys.executable, str(script), "--servers", ",".join(servers), *args, "--out", str(out)]
+    name = f"{script.parent.name}/{script.name}"
+    try:
+        rc = procs.run_bounded(cmd, log, timeout_s, grace_s, cwd=script.parents[1])
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"no result after {timeout_s:.0f} s (log: {log})") from None
+    if rc:
+        written = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        raise RunFailed(f"{name} exited with {rc}: {(written or ['no output'])[-1]} (log: {log})")
+    if not (found := load(out)["runs"]):
+        raise RunFailed(f"{name} wrote no run to {out} (log: {log})")
+    if errors := [f"{server}: {e['error']}" for server, e in found[-1]["servers"].items() if e.get("error")]:
+        raise RunFailed("; ".join(errors))
+    return found[-1]

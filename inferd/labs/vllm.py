@@ -4,11 +4,9 @@ both servers (this CPU kind's file first), shown with that run's own date, commi
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from inferd import cpu, procs
+from inferd import cpu
 from inferd.bench import peers, runs
 from inferd.bench.results import machine_info
 from inferd.config import DEFAULT_MODEL
@@ -28,10 +26,6 @@ LIVE_TIMEOUT_S = 1800.0  # vLLM's start-up alone may take up to 15 minutes (torc
 STOP_GRACE_S = 150.0  # the script stops each server it started (up to 60 s each) once interrupted
 
 
-class LiveRunFailed(Exception):
-    pass
-
-
 def why_not_live(ctx: LabContext, python: Path) -> str | None:
     """None when the lab can run vLLM here now; else the reason it shows a stored run instead."""
     if not python.exists():
@@ -45,29 +39,13 @@ def why_not_live(ctx: LabContext, python: Path) -> str | None:
     return peers.importable(python, "vllm.entrypoints.openai.api_server", "vLLM's server", 300.0)
 
 
-def run_bounded(cmd: list[str], log: Path, timeout_s: float, grace_s: float = STOP_GRACE_S) -> int:
-    """`cmd` run by `inferd.procs.run_bounded` (interrupted past `timeout_s`, never left running)."""
-    try:
-        return procs.run_bounded(cmd, log, timeout_s, grace_s, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        raise LiveRunFailed(f"no result after {timeout_s:.0f} s (log: {log})") from None
-
-
 def run_live(ctx: LabContext) -> tuple[Path, dict]:
     """benchmarks/vs_peers.py with inferd and vLLM up at once, its run file in ctx.out; that run."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     out, log = (ctx.out / "vllm-vs_peers.json").resolve(), ctx.workdir / "vllm-vs_peers.log"
     # bf16 where the CPU computes it natively (1.5-1.8x fp32 there; elsewhere it crawls), as inferd's auto dtype
     peer = "vllm" if {"avx512_bf16", "amx_bf16"} & cpu.cpu_flags() else "vllm-fp32"
-    cmd = [sys.executable, str(VS_PEERS), "--servers", f"inferd,{peer}", *LIVE_ARGS, "--out", str(out)]
-    if rc := run_bounded(cmd, log, LIVE_TIMEOUT_S):
-        written = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-        raise LiveRunFailed(f"benchmarks/vs_peers.py exited with {rc}: {(written or ['no output'])[-1]} (log: {log})")
-    if not (found := peers.load(out)["runs"]):
-        raise LiveRunFailed(f"benchmarks/vs_peers.py wrote no run to {out} (log: {log})")
-    if errors := [f"{name}: {e['error']}" for name, e in found[-1]["servers"].items() if e.get("error")]:
-        raise LiveRunFailed("; ".join(errors))
-    return out, found[-1]
+    return out, peers.run_side_by_side(VS_PEERS, ["inferd", peer], LIVE_ARGS, out, log, LIVE_TIMEOUT_S, STOP_GRACE_S)
 
 
 def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str], source: str) -> Measurement:
@@ -98,7 +76,7 @@ def measure(ctx: LabContext, stored: Path | None = None) -> Measurement:
     if (reason := why_not_live(ctx, python)) is None:
         try:
             out, run = run_live(ctx)
-        except LiveRunFailed as e:
+        except peers.RunFailed as e:
             reason = f"vLLM is installed here, but the side-by-side run failed: {e}"
         else:
             if found := peers.latest_pair({"runs": [run]}, "inferd", VLLM_SERVERS):

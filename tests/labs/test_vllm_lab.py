@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from inferd import procs
 from inferd.bench import peers
 from inferd.labs import vllm
 from inferd.labs.context import LabContext
@@ -154,7 +156,7 @@ def test_an_installed_vllm_is_measured_live_beside_inferd(tmp_path, monkeypatch)
     """The live path end to end except the servers: the script's command line and its run file."""
     seen = {}
 
-    def fake_script(cmd, log, timeout_s, grace_s=0.0):
+    def fake_script(cmd, log, timeout_s, grace_s=0.0, **kw):
         seen["cmd"] = cmd
         out = Path(cmd[cmd.index("--out") + 1])
         peer = cmd[cmd.index("--servers") + 1].split(",")[1]
@@ -164,7 +166,7 @@ def test_an_installed_vllm_is_measured_live_beside_inferd(tmp_path, monkeypatch)
         return 0
 
     monkeypatch.setattr(vllm, "why_not_live", lambda ctx, python: None)
-    monkeypatch.setattr(vllm, "run_bounded", fake_script)
+    monkeypatch.setattr(procs, "run_bounded", fake_script)
     monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset({"avx2", "fma"}))  # no native bf16
     ctx = LabContext(quick=False, workdir=tmp_path / "w", out=tmp_path / "out")
     result = run_lab(vllm.LAB, ctx)
@@ -184,11 +186,11 @@ def test_an_installed_vllm_is_measured_live_beside_inferd(tmp_path, monkeypatch)
 def test_a_failed_live_run_shows_the_stored_run_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm, "why_not_live", lambda ctx, python: None)
 
-    def failing(cmd, log, timeout_s, grace_s=0.0):
+    def failing(cmd, log, timeout_s, grace_s=0.0, **kw):
         log.write_text("the default model is not converted yet\n")
         return 1
 
-    monkeypatch.setattr(vllm, "run_bounded", failing)
+    monkeypatch.setattr(procs, "run_bounded", failing)
     ctx = LabContext(quick=False, workdir=tmp_path / "w", out=tmp_path / "out")
     m = vllm.measure(ctx, _runs_file(tmp_path / "runs.json"))
     assert m.measured_here is False
@@ -218,13 +220,22 @@ def test_a_live_run_past_its_time_is_interrupted_and_ended(tmp_path, kind):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     t0 = time.monotonic()
-    with pytest.raises(vllm.LiveRunFailed, match="no result after 1 s"):
-        vllm.run_bounded([sys.executable, str(script), str(done), kind], tmp_path / "log", timeout_s=1, grace_s=3)
+    with pytest.raises(subprocess.TimeoutExpired):
+        procs.run_bounded([sys.executable, str(script), str(done), kind], tmp_path / "log", timeout_s=1, grace_s=3)
     assert time.monotonic() - t0 < 20
     assert done.exists() == (kind == "cooperative")
     # the process group is gone
     alive = [p for p in Path("/proc").glob("[0-9]*") if _cmdline(p).endswith(f"{script} {done} {kind}")]
     assert alive == []
+
+
+def test_a_live_run_past_its_time_fails_naming_its_log(tmp_path, monkeypatch):
+    def slow(cmd, log, timeout_s, grace_s, **kw):
+        raise subprocess.TimeoutExpired(cmd, timeout_s)
+
+    monkeypatch.setattr(procs, "run_bounded", slow)
+    with pytest.raises(peers.RunFailed, match="no result after 1 s"):
+        peers.run_side_by_side(vllm.VS_PEERS, ["inferd", "vllm"], [], tmp_path / "o.json", tmp_path / "log", 1, 1)
 
 
 def _cmdline(proc: Path) -> str:
@@ -240,14 +251,14 @@ def test_the_live_run_starts_vllm_in_its_faster_dtype_beside_the_labs_results(tm
     results, not into the committed benchmarks/results/."""
     seen = {}
 
-    def capture(cmd, log, timeout_s, grace_s=0.0):
+    def capture(cmd, log, timeout_s, grace_s=0.0, **kw):
         seen["out"], seen["servers"] = Path(cmd[cmd.index("--out") + 1]), cmd[cmd.index("--servers") + 1]
         return 1
 
-    monkeypatch.setattr(vllm, "run_bounded", capture)
+    monkeypatch.setattr(procs, "run_bounded", capture)
     monkeypatch.setattr("inferd.cpu.cpu_flags", lambda: frozenset(flags))
     ctx = LabContext(quick=False, workdir=tmp_path / "w", out=tmp_path / "out")
-    with pytest.raises(vllm.LiveRunFailed):
+    with pytest.raises(peers.RunFailed):
         vllm.run_live(ctx)
     assert seen["servers"] == f"inferd,{peer}"
     assert seen["out"].is_relative_to(tmp_path) and os.fspath(seen["out"]).endswith(".json")
