@@ -324,11 +324,12 @@ class ModelRunner:
         way) take the decode attention path, sorted by length so its padded groups waste little. A decode
         carrying drafts is spread into one query per position, each attending to the cache up to itself (its
         own and the earlier drafts' K/V are written before attention reads, within each layer): verifying
-        k drafts is then k + 1 decode rows, not a small prefill."""
+        k drafts is then k + 1 decode rows, not a small prefill. Output tokens computed again (`recompute`) are
+        rows too, where the native kernel reads K/V in place (the PyTorch path would gather every row's context)."""
         rows: list[tuple[ScheduledChunk, int]] = []  # (chunk, its token) for every one-query row
         multis = []
         for c in sched.chunks:
-            if c.num_tokens == 1 or c.num_drafts:
+            if c.num_tokens == 1 or c.num_drafts or (c.recompute and self.decode_kernel is not None):
                 rows.extend((c, j) for j in range(c.num_tokens))
             else:
                 multis.append(c)

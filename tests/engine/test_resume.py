@@ -119,3 +119,38 @@ def test_bad_resumes_are_refused(llm):
     with pytest.raises(InvalidRequestError, match="not allowed by the request's grammar"):
         llm.generate([PROMPTS[0]], SamplingParams(resume_token_ids=outside, structured=grammar, max_tokens=8))
     assert_idle(llm)
+
+
+@pytest.mark.cpu_feature
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_int8_outputs_computed_again_are_bit_identical(tiny_models, family):
+    """With int8 weights (and activations rounded to int8 per group of 32) a prefill's attention rounds
+    differently from decoding's, and the rounding magnifies it. Output tokens computed again, a resumed
+    stream's delivered tokens and a preempted request's outputs, are therefore computed as one-query rows, as
+    decoding first computed them: the logprobs that follow are bit-identical to the uninterrupted run's.
+    (Prefix caching is off: a cached prompt head would have its tail computed as a chunk of its own.)"""
+    kw = dict(KW, quantization="int8", enable_prefix_caching=False, max_num_seqs=8)
+    llm = LLM(str(tiny_models[family]), **kw)
+    if llm.engine.runner.decode_kernel is None:
+        pytest.skip("the native paged decode kernel did not build for this CPU: recomputed outputs go as a prefill")
+    prompts = prompt_set(VOCAB, lengths=(9, 20, 33))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+
+    def logprobs(out) -> list[float]:
+        return [p.logprob for p in out.outputs[0].logprobs]
+
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    for prompt, out in zip(prompts, alone, strict=True):
+        tokens = out.outputs[0].token_ids
+        for k in (3, 17):
+            (rest,) = llm.generate([prompt], _resumed(params, tokens, k))
+            assert rest.outputs[0].token_ids == tokens[k:]
+            assert logprobs(rest) == logprobs(out)[k:]
+    # a pool too small for all six: preempted requests recompute prompt and outputs, and go on bit-identically
+    tight = LLM(str(tiny_models[family]), **dict(kw, num_blocks=22))
+    six = prompts * 2
+    outs = tight.generate(six, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [logprobs(o) for o in outs] == [logprobs(o) for o in alone * 2]
+    assert_idle(llm)
+    assert_idle(tight)
