@@ -635,6 +635,22 @@ class LLM:
     def close(self) -> None:
         self.engine.close()
 
+    def reconfigure(self, config: EngineConfig) -> bool:
+        """Take `config` without reloading when only its scheduling and speculative settings differ (both are
+        read every step; the scheduling policy, which shapes the scheduler's queue, is not): True once taken,
+        False when anything else differs and the model must load anew. Refused while requests run."""
+        engine = self.engine
+        same_policy = config.scheduler.scheduling_policy == engine.config.scheduler.scheduling_policy
+        kept = dataclasses.replace(engine.config, scheduler=config.scheduler, speculative=config.speculative)
+        if kept != config or not same_policy:
+            return False
+        if config != engine.config:
+            config.validate()
+            engine.set_speculative(config.speculative)  # refused while requests run
+            engine.scheduler.config = config.scheduler
+            engine.config = config
+        return True
+
     def __enter__(self) -> LLM:
         return self
 

@@ -4,7 +4,6 @@ measurements, and the servers they start on loopback (`ctx.procs`, an `inferd.pr
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import platform
@@ -18,7 +17,7 @@ import torch
 
 from inferd.bench.peers import home_path
 from inferd.bench.results import machine_info
-from inferd.config import DEFAULT_MODEL, EngineConfig, make_engine_config
+from inferd.config import DEFAULT_MODEL, make_engine_config
 from inferd.measure.hardware import Hardware, measure_hardware
 from inferd.measure.model import ModelFacts, model_facts
 from inferd.models.tiny import is_tiny, tiny_model
@@ -56,7 +55,7 @@ class LabContext:
     fleet: Path | None = None  # the fleet spec the KServe lab renders (None: examples/fleet.yaml)
     workdir: Path | None = None  # where tiny models and process logs go (a temp folder if None)
     measurements: dict[str, Measurement] = field(default_factory=dict)
-    _llm: tuple[EngineConfig, LLM] | None = None
+    _llm: LLM | None = None
     _hardware: Hardware | None = None
     _facts: ModelFacts | None = None
     date: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
@@ -85,7 +84,7 @@ class LabContext:
 
     def llm(self, **settings) -> LLM:
         """The model with these engine settings; the last one is kept, so labs in a row share it, and an idle
-        one takes new scheduling and speculative settings (read every step) without reloading."""
+        one takes new scheduling and speculative settings (read every step) without reloading (`LLM.reconfigure`)."""
         from inferd.engine.engine import LLM
 
         full = {
@@ -98,19 +97,12 @@ class LabContext:
             full |= {"num_threads": 1, "attention_backend": "torch"}  # no native-kernel build (the TensorRT lab asks)
         full |= settings
         config = make_engine_config(self.model, **full)
-        if self._llm is not None:
-            old, llm = self._llm
-            if dataclasses.replace(old, scheduler=config.scheduler, speculative=config.speculative) == config:
-                if old != config:
-                    config.validate()
-                    llm.engine.set_speculative(config.speculative)  # refused while requests run
-                    llm.engine.scheduler.config = config.scheduler
-                self._llm = (config, llm)
-                return llm
+        if self._llm is not None and self._llm.reconfigure(config):
+            return self._llm
         self._llm = None
         gc.collect()
-        self._llm = (config, LLM(self.model, **full))
-        return self._llm[1]
+        self._llm = LLM(config)
+        return self._llm
 
     @property
     def torch_device(self) -> torch.device:
