@@ -30,13 +30,15 @@ from inferd.sampling import SamplingParams
 
 @dataclass
 class Job:
-    """One request of a workload: token ids in, exactly `max_tokens` out (eos ignored)."""
+    """One request of a workload: token ids (or text) in, exactly `max_tokens` out (greedy, eos ignored), unless
+    it brings its own sampling settings."""
 
-    prompt: list[int]
+    prompt: list[int] | str
     max_tokens: int
     at: float = 0.0  # arrival, seconds after the start (open loop)
     at_step: int | None = None  # or: arrives once this many steps have run
     cache_salt: str | None = None
+    params: SamplingParams | None = None  # its own sampling settings, max_tokens included, instead
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Served:
     input_tokens: int
     output_tokens: int
     cached_tokens: int
+    text: str  # what it generated
+    finish_reason: str | None
 
     @property
     def ttft(self) -> float:
@@ -104,15 +108,51 @@ class Run:
         """Mean share of a batch of `batch` slots holding a request that computes, over the run's steps."""
         return statistics.mean(min(batch, s.decoding + s.prefilling) / batch for s in self.steps)
 
+    def decode_steps(self) -> dict[int, list[float]]:
+        """Durations of the steps in which requests only decoded (none prefilled or waited), by how many did."""
+        out: dict[int, list[float]] = {}
+        for s in self.steps:
+            if s.decoding and s.prefilling == 0 and s.waiting == 0:
+                out.setdefault(s.decoding, []).append(s.duration)
+        return out
+
     def pure_decode_steps(self, batch: int) -> list[float]:
         """Durations of steps in which exactly `batch` requests decoded and nothing else ran or waited."""
-        return [s.duration for s in self.steps if s.decoding == batch and s.prefilling == 0 and s.waiting == 0]
+        return self.decode_steps().get(batch, [])
 
 
 def random_prompts(rng: random.Random, vocab: int, count: int, length: int) -> list[list[int]]:
     """Distinct random token-id prompts (ids clear of the low special tokens), so no prefix is shared."""
     hi = min(vocab, 50_000)
     return [[rng.randrange(16, hi) for _ in range(length)] for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """A shared-prefix workload in token ids (as `SharedPrefixDataset` in text): `prefixes` system prompts of
+    `prefix_len` tokens, each followed by `users` different questions of `question_len` tokens."""
+
+    prefixes: int
+    users: int
+    prefix_len: int
+    question_len: int
+
+    def prompts(self, seed: int, vocab: int) -> list[list[int]]:
+        """Every prefix with each of its users' questions, in random order."""
+        rng = random.Random(seed)
+        heads = random_prompts(rng, vocab, self.prefixes, self.prefix_len)
+        prompts = [h + random_prompts(rng, vocab, 1, self.question_len)[0] for h in heads for _ in range(self.users)]
+        rng.shuffle(prompts)
+        return prompts
+
+    @property
+    def max_len(self) -> int:
+        """A context length for one prompt and two tokens out, in whole 16-token blocks."""
+        return 16 * (2 + (self.prefix_len + self.question_len) // 16)
+
+    def blocks_holding(self, share: float) -> int:
+        """16-token KV blocks for `share` of all the prefixes, and never fewer than two requests at max_len need."""
+        return max(int(share * self.prefixes * self.prefix_len / 16), 2 * self.max_len // 16)
 
 
 def arriving(prompts: list[list[int]], max_tokens: int | Sequence[int], rate: float, seed: int = 0) -> list[Job]:
@@ -194,7 +234,7 @@ def serve(
     def add(i: int, arrival: float) -> None:
         rid = f"lab-{i}-{engine.new_request_id()}"
         ids[rid] = i
-        params = SamplingParams(max_tokens=jobs[i].max_tokens, ignore_eos=True, temperature=0.0)
+        params = jobs[i].params or SamplingParams(max_tokens=jobs[i].max_tokens, ignore_eos=True, temperature=0.0)
         engine.add_request(rid, jobs[i].prompt, params, cache_salt=jobs[i].cache_salt, arrival_time=t0 + arrival)
 
     while feeder.pending or feeder.queue or engine.has_unfinished_requests():
@@ -247,4 +287,6 @@ def _served(out, t0: float) -> Served:
         input_tokens=m.num_prompt_tokens,
         output_tokens=m.num_generation_tokens,
         cached_tokens=m.num_cached_tokens,
+        text=out.outputs[0].text,
+        finish_reason=out.outputs[0].finish_reason,
     )

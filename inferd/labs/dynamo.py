@@ -5,11 +5,12 @@ shared-prefix workload of which each worker's cache holds about half."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from inferd.bench.client import ttfts
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
-from inferd.labs.sglang import shared_prefix_prompts
+from inferd.labs.sglang import workload
 from inferd.procs import Proc, Scrape, leases_released
 
 PICKERS = {"rr": "round_robin", "pa": "scored"}  # the numbers' prefix -> the gateway's picker
@@ -27,27 +28,24 @@ def routed(name: str, gateway: Proc, decodes: list[Proc], prompts: list[list[int
 
 
 def measure(ctx: LabContext) -> Measurement:
-    vocab = ctx.facts().vocab
-    k, users, plen, qlen = ctx.size((6, 4, 128, 16), (8, 4, 512, 32))
-    max_len = 16 * (2 + (plen + qlen) // 16)
-    blocks = max(int(0.6 * k * plen / 16), 2 * max_len // 16)  # about half the prefixes per decode worker
-    procs = ctx.procs
+    w, vocab, procs = workload(ctx), ctx.facts().vocab, ctx.procs
+    blocks, max_len = w.blocks_holding(0.6), str(w.max_len)  # about half the prefixes per decode worker
     with procs.scoped():
-        prefill, kv = procs.prefill("--max-model-len", str(max_len))
-        decodes = [procs.decode([kv], "--max-model-len", str(max_len), "--num-blocks", str(blocks)) for _ in "ab"]
+        prefill, kv = procs.prefill("--max-model-len", max_len)
+        decodes = [procs.decode([kv], "--max-model-len", max_len, "--num-blocks", str(blocks)) for _ in "ab"]
         proxies = [procs.proxy([prefill], [d]) for d in decodes]
         procs.wait(prefill, *decodes, *proxies)
         with ThreadPoolExecutor(2) as pool:  # both gateways start at once
             gateways = list(pool.map(lambda p: procs.gateway(proxies, routing={"picker": p}), PICKERS.values()))
-        for proxy, prompt in zip(proxies, shared_prefix_prompts(9, 2, 1, plen, qlen, vocab), strict=True):
+        for proxy, prompt in zip(proxies, replace(w, prefixes=2, users=1).prompts(9, vocab), strict=True):
             ttfts(proxy.url, [prompt], 1)  # the first request of a path pays extra
-        n = {"prefixes": k, "users": users, "prefix_len": plen}
+        n = {"prefixes": w.prefixes, "users": w.users, "prefix_len": w.prefix_len}
         for seed, (name, gateway) in enumerate(zip(PICKERS, gateways, strict=True), 1):
-            n |= routed(name, gateway, decodes, shared_prefix_prompts(seed, k, users, plen, qlen, vocab))
+            n |= routed(name, gateway, decodes, w.prompts(seed, vocab))
         n["leases_left"] = leases_released(prefill.url)
     n["requests"] = n["rr_requests"] + n["pa_requests"]
     n["accounted"] = n["rr_remote"] + n["rr_local"] + n["pa_remote"] + n["pa_local"]
-    return Measurement(numbers=n, settings={"question_len": qlen, "decode_blocks": blocks})
+    return Measurement(numbers=n, settings={"question_len": w.question_len, "decode_blocks": blocks})
 
 
 def explain(m: Measurement) -> Explanation:

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 
 from inferd.bench.client import ttfts
-from inferd.bench.drive import Job, random_prompts, serve
+from inferd.bench.drive import Job, SharedPrefixes, serve
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 from inferd.procs import Scrape
 
 
-def shared_prefix_prompts(seed: int, prefixes: int, users: int, prefix_len: int, question_len: int, vocab: int):
-    """`prefixes` system prompts, each followed by `users` different questions, in random order."""
-    rng = random.Random(seed)
-    heads = random_prompts(rng, vocab, prefixes, prefix_len)
-    prompts = [h + random_prompts(rng, vocab, 1, question_len)[0] for h in heads for _ in range(users)]
-    rng.shuffle(prompts)
-    return prompts
+def workload(ctx: LabContext) -> SharedPrefixes:
+    """This lab's shared-prefix workload at the run's size (the Dynamo lab routes the same one)."""
+    return SharedPrefixes(*ctx.size((6, 4, 128, 16), (8, 4, 512, 32)))
 
 
 def routed(ctx: LabContext, picker: str, prompts: list[list[int]], replicas) -> tuple[float, float]:
@@ -32,22 +27,20 @@ def routed(ctx: LabContext, picker: str, prompts: list[list[int]], replicas) -> 
 
 
 def measure(ctx: LabContext) -> Measurement:
-    k, users, plen, qlen = ctx.size((6, 4, 128, 16), (8, 4, 512, 32))
-    workload = lambda seed: shared_prefix_prompts(seed, k, users, plen, qlen, ctx.facts().vocab)
-    n = dict(prefixes=k, users=users, prefix_len=plen)
+    w, vocab = workload(ctx), ctx.facts().vocab
+    n = dict(prefixes=w.prefixes, users=w.users, prefix_len=w.prefix_len)
     for caching in ("on", "off"):  # one engine
         llm = ctx.llm(enable_prefix_caching=caching == "on")
         llm.engine.kv.reset_prefix_cache()
-        run = serve(llm, [Job(p, 2) for p in workload(0)], concurrency=4)
+        run = serve(llm, [Job(p, 2) for p in w.prompts(0, vocab)], concurrency=4)
         n[f"ttft_{caching}_ms"] = run.metrics()["mean_ttft_ms"]
         n[f"computed_{caching}"] = sum(s.input_tokens - s.cached_tokens for s in run.served)
     n["saved_pct"] = 100 * (1 - n["computed_on"] / n["computed_off"])
     # two replicas whose caches hold ~60% of all prefix blocks: enough for half the prefixes each, not for all
-    max_len = 16 * (2 + (plen + qlen) // 16)
-    n["replica_blocks"] = blocks = max(int(0.6 * k * plen / 16), 2 * max_len // 16)
-    replicas = ctx.procs.replicas(2, "--num-blocks", str(blocks), "--max-model-len", str(max_len))
-    n["rr_ttft_ms"], n["rr_hit_pct"] = routed(ctx, "round_robin", workload(1), replicas)
-    n["pa_ttft_ms"], n["pa_hit_pct"] = routed(ctx, "scored", workload(2), replicas)
+    n["replica_blocks"] = blocks = w.blocks_holding(0.6)
+    replicas = ctx.procs.replicas(2, "--num-blocks", str(blocks), "--max-model-len", str(w.max_len))
+    n["rr_ttft_ms"], n["rr_hit_pct"] = routed(ctx, "round_robin", w.prompts(1, vocab), replicas)
+    n["pa_ttft_ms"], n["pa_hit_pct"] = routed(ctx, "scored", w.prompts(2, vocab), replicas)
     return Measurement(n)
 
 

@@ -9,8 +9,8 @@ import uuid
 
 import torch
 
+from inferd.bench.drive import Job, serve
 from inferd.bench.schemas import extraction_prompt, is_valid, small_schemas
-from inferd.engine.events import StepEvents
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 from inferd.measure.hardware import best_time
@@ -23,20 +23,6 @@ DEFINITION = (
     'named in its SGLang entry, "engine with RadixAttention (prefix-cache reuse), strong for structured '
     'generation and high-concurrency workloads."'
 )
-
-
-def _generate(llm, prompts, params) -> tuple[list, dict[int, list[float]]]:
-    """The outputs, and the durations (ms) of the steps in which every row decoded, by the number of rows."""
-    events = llm.engine.events = StepEvents(kv_interval=3600.0)
-    try:
-        outs = llm.generate(prompts, params)
-    finally:
-        llm.engine.events = None
-    steps: dict[int, list[float]] = {}
-    for e in events.ring.drain():
-        if e["type"] == "step" and e["reqs"] and all(r[2] == "d" for r in e["reqs"]):
-            steps.setdefault(len(e["reqs"]), []).append(e["dur_ms"])
-    return outs, steps
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -66,21 +52,22 @@ def measure(ctx: LabContext) -> Measurement:
         pick_fused_ms = 1000 * best_time(lambda: model.greedy_tokens(hidden, mask), runs=10)
         pick_full_ms = 1000 * best_time(masked_in_memory, runs=10)
     prompts = [extraction_prompt(json.dumps(s)) for s in schemas]
-    free, free_steps = _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    held = [SamplingParams(temperature=0, max_tokens=max_tokens, structured=Constraint.json(s)) for s in schemas]
-    constrained, held_steps = _generate(llm, prompts, held)
-    valid = lambda outs: [is_valid(s, o.outputs[0].text)[0] for s, o in zip(schemas, outs, strict=True)]
-    ok_free, ok_held = valid(free), valid(constrained)
-    finished = [ok for ok, o in zip(ok_held, constrained, strict=True) if o.outputs[0].finish_reason == "stop"]
-    # decode steps at the largest batch size both runs had at least 3 of
+    job = lambda p, **more: Job(p, max_tokens, params=SamplingParams(temperature=0, max_tokens=max_tokens, **more))
+    free = serve(llm, [job(p) for p in prompts])
+    held = serve(llm, [job(p, structured=Constraint.json(s)) for p, s in zip(prompts, schemas, strict=True)])
+    valid = lambda run: [is_valid(s, o.text)[0] for s, o in zip(schemas, run.served, strict=True)]
+    ok_free, ok_held = valid(free), valid(held)
+    finished = [ok for ok, o in zip(ok_held, held.served, strict=True) if o.finish_reason == "stop"]
+    free_steps, held_steps = free.decode_steps(), held.decode_steps()
+    # decode steps (s) at the largest batch size both runs had at least 3 of
     rows_both = max(k for k in held_steps if len(held_steps[k]) >= 3 and len(free_steps.get(k, [])) >= 3)
     n = dict(schemas=len(schemas), vocab=vocab, fill_us_per_row=fill_us_per_row, mask_rows=rows)
     n |= dict(pick_fused_ms=pick_fused_ms, pick_full_ms=pick_full_ms)
     n |= dict(compile_cold_ms=statistics.median(cold), compile_cached_ms=statistics.median(cached))
     n |= dict(valid_free_pct=100 * statistics.mean(ok_free), valid_held_pct=100 * statistics.mean(ok_held))
     n |= dict(finished_held=len(finished), valid_of_finished_pct=100 * statistics.mean(finished or [True]))
-    n |= dict(step_rows=rows_both, step_free_ms=statistics.median(free_steps[rows_both]))
-    n["step_held_ms"] = statistics.median(held_steps[rows_both])
+    n |= dict(step_rows=rows_both, step_free_ms=1000 * statistics.median(free_steps[rows_both]))
+    n["step_held_ms"] = 1000 * statistics.median(held_steps[rows_both])
     n["step_overhead_pct"] = 100 * (n["step_held_ms"] / n["step_free_ms"] - 1)
     return Measurement(n, settings={"max_schema_chars": max_chars, "max_tokens": max_tokens, "greedy": True})
 

@@ -4,7 +4,7 @@ more will come)."""
 
 from __future__ import annotations
 
-from inferd.bench.drive import Job, _Feeder
+from inferd.bench.drive import Job, SharedPrefixes, _Feeder
 
 
 def _jobs(times: list[float]) -> list[Job]:
@@ -52,3 +52,15 @@ def test_arriving_jobs_keep_prompt_order_with_poisson_times():
     assert 0 == jobs[0].at < jobs[1].at < jobs[2].at == arriving([[1]] * 3, 1, 10.0, seed=1)[2].at  # the first at 0
     run = Run([], [StepLog(0, 0.1, 2, 0, 0), StepLog(0.1, 0.1, 3, 1, 0)], 0.2)
     assert run.slot_use(4) == (0.5 + 1.0) / 2
+
+
+def test_shared_prefixes_give_each_prefix_its_users_questions_and_the_blocks_they_need():
+    w = SharedPrefixes(prefixes=3, users=2, prefix_len=40, question_len=8)
+    prompts = w.prompts(0, 500)
+    assert len(prompts) == 6 and all(len(p) == 48 for p in prompts)
+    assert len({tuple(p[:40]) for p in prompts}) == 3
+    assert len({tuple(p[40:]) for p in prompts}) == 6
+    assert prompts == w.prompts(0, 500) and prompts != w.prompts(1, 500)
+    assert w.max_len == 80  # 48 tokens, two out, in whole blocks (and a spare one)
+    assert w.blocks_holding(1.0) == 10  # the floor: two requests at max_len
+    assert SharedPrefixes(10, 1, 160, 8).blocks_holding(0.5) == 50
