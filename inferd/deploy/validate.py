@@ -103,3 +103,17 @@ def leaf_fields(value: Any, prefix: str = "") -> list[str]:
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in leaf_fields(v, f"{prefix}[{i}]")]
     return [prefix]
+
+
+def report(objs: list[dict], folder: Path = CRDS) -> list[dict]:
+    """Per object: its kind and name, how many fields the check covered and its errors as text (JSON data, as
+    `inferd lab kserve` reports them)."""
+    return [
+        {
+            "kind": o["kind"],
+            "name": o["metadata"]["name"],
+            "fields": len(leaf_fields(body(o))),
+            "errors": [str(e) for e in errors(o, folder)],
+        }
+        for o in objs
+    ]

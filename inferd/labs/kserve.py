@@ -43,18 +43,14 @@ def render_kserve(spec) -> list[dict]:
 def validation(objs: list[dict]) -> tuple[list[dict], list[str]]:
     """Each object's kind, name, fields and errors against KServe's CRD schemas; and the errors of a copy of the
     LLMInferenceService with BREAKS fields broken the ways hands break YAML."""
-    from inferd.deploy.validate import body, errors, leaf_fields
+    from inferd.deploy.validate import errors, report
 
-    checked = [
-        {"kind": o["kind"], "name": o["metadata"]["name"], "fields": len(leaf_fields(body(o))), "errors": errors(o)}
-        for o in objs
-    ]
     bad = copy.deepcopy(next(o for o in objs if o["kind"] == "LLMInferenceService"))
     bad["spec"]["replica"] = bad["spec"].pop("replicas", 1)  # a misspelt field
     bad["spec"]["model"]["uri"] = 42  # a wrong type
     container = bad["spec"]["template"]["containers"][0]
     container["readinesProbe"] = container.pop("readinessProbe", {})  # a misspelt field, deep in the pod
-    return [o | {"errors": [str(e) for e in o["errors"]]} for o in checked], [str(e) for e in errors(bad)]
+    return report(objs), [str(e) for e in errors(bad)]
 
 
 def field_table(llm: dict) -> str:

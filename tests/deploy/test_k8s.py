@@ -16,6 +16,7 @@ import yaml
 from inferd.cli import build_parser, main
 from inferd.deploy import keda
 from inferd.deploy.k8s import K8sOptions, kustomization, render
+from inferd.deploy.validate import report
 from inferd.errors import ConfigError
 from inferd.fleet.spec import parse_fleet
 from inferd.gateway.config import parse_config
@@ -284,6 +285,15 @@ def test_without_out_the_base_goes_to_stdout(tmp_path, capsys):
     assert main(["deploy", "k8s", "--config", str(fleet)]) == 0
     objs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert {o["kind"] for o in objs} >= {"Deployment", "ConfigMap"} and "ScaledObject" not in {o["kind"] for o in objs}
+
+
+def test_the_validation_report_names_each_kserve_object_its_fields_and_errors(rendered):
+    objs = rendered["kserve.yaml"]
+    found = report(objs)
+    assert [(o["kind"], o["name"]) for o in found] == [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert all(o["errors"] == [] and o["fields"] > 10 for o in found)
+    misspelt = objs[0] | {"spec": objs[0]["spec"] | {"replica": 2}}
+    assert [e.endswith("'replica' was unexpected)") for e in report([misspelt])[0]["errors"]] == [True]
 
 
 def test_kserve_and_inference_extension_objects(rendered):
