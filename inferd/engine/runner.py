@@ -324,15 +324,19 @@ class ModelRunner:
         way) take the decode attention path, sorted by length so its padded groups waste little. A decode
         carrying drafts is spread into one query per position, each attending to the cache up to itself (its
         own and the earlier drafts' K/V are written before attention reads, within each layer): verifying
-        k drafts is then k + 1 decode rows, not a small prefill. Output tokens computed again (`recompute`) are
-        rows too, where the native kernel reads K/V in place (the PyTorch path would gather every row's context)."""
+        k drafts is then k + 1 decode rows, not a small prefill. Output tokens computed again (`num_recompute`)
+        are rows too, where the native kernel reads K/V in place (the PyTorch path would gather every row's
+        context); the prompt tokens of their chunk before them stay a prefill, in the same step."""
         rows: list[tuple[ScheduledChunk, int]] = []  # (chunk, its token) for every one-query row
-        multis = []
+        multis: list[tuple[ScheduledChunk, int]] = []  # (chunk, its first tokens computed as a prefill)
         for c in sched.chunks:
-            if c.num_tokens == 1 or c.num_drafts or (c.recompute and self.decode_kernel is not None):
+            if c.num_tokens == 1 or c.num_drafts:
                 rows.extend((c, j) for j in range(c.num_tokens))
-            else:
-                multis.append(c)
+                continue
+            k = c.num_tokens - c.num_recompute if self.decode_kernel is not None else c.num_tokens
+            rows.extend((c, j) for j in range(k, c.num_tokens))
+            if k:
+                multis.append((c, k))
         rows.sort(key=lambda r: r[0].start + r[1])
         bs = self.block_size
         ids: list[int] = []
@@ -355,16 +359,17 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             block_tables.append(table)
             seq_lens.append(p + 1)
-        for c in multis:
-            table, start, n = self.requests[c.request_id].block_ids, c.start, c.num_tokens
-            at[c.request_id] = list(range(len(ids), len(ids) + n))
+        for c, n in multis:
+            table, start = self.requests[c.request_id].block_ids, c.start
+            at[c.request_id] = [*range(len(ids), len(ids) + n), *at.get(c.request_id, ())]  # in position order
             adapters.extend([self.requests[c.request_id].lora_name] * n)
             chunks.append(PrefillChunk(len(ids), n, start, self._tensor(table[: -(-(start + n) // bs)])))
-            ids.extend(c.token_ids)
+            ids.extend(c.token_ids[:n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         verify: list[int] = []
-        ordered = [c for c, j in rows if j == c.num_tokens - 1] + multis  # the order of the old flat batch
+        # the order of the old flat batch: the chunks whose last token is a row, then the others
+        ordered = [c for c, j in rows if j == c.num_tokens - 1] + [c for c, n in multis if n == c.num_tokens]
         for c in ordered:
             if c.samples:
                 logits_indices.append(at[c.request_id][-1])

@@ -3,8 +3,8 @@
 Every step, each scheduled request gets a number of tokens to compute. A decoding request needs one
 (its last sampled token); a prefilling request takes the next chunk of what it has not computed yet.
 Prefill chunks and decodes share a step, so a long prompt never stalls the requests already running.
-A chunk ends at the prompt's end: output tokens computed again (after a preemption, or the delivered tokens of
-a resumed stream) are a chunk of their own, which the runner computes as decoding first did (`recompute`).
+A chunk may reach past the prompt into output tokens computed again (after a preemption, or the delivered
+tokens of a resumed stream): it says how many (`num_recompute`), and the runner computes them as decoding did.
 
 The scheduler is also the one place where a request moves forward: `update_from_output` advances
 `num_computed_tokens`, appends the sampled tokens and applies the token-level stops (`check_stop`);
@@ -173,13 +173,6 @@ class Scheduler:
         limit = self.config.long_prefill_token_threshold
         return min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
 
-    @staticmethod
-    def _uncomputed(request: Request, start: int) -> int:
-        """The tokens from `start` one chunk may take: up to the prompt's end while inside the prompt, else all the
-        rest, so a chunk is either prompt or output tokens."""
-        end = request.num_prompt_tokens if start < request.num_prompt_tokens else request.num_tokens
-        return end - start
-
     def _schedule_running(self, out: SchedulerOutput, budget: int, head: Request | None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -189,7 +182,7 @@ class Scheduler:
             if head is not None and remaining > 1 and request.rank > head.rank and not self._same_class(request, head):
                 i += 1  # a later-ranked prefill sits out the step that admits the waiting head: a short step
                 continue
-            n = self._chunk(self._uncomputed(request, request.num_computed_tokens) + len(draft), budget)
+            n = self._chunk(remaining + len(draft), budget)
             draft = draft[: n - remaining]
             num_blocks = self.kv.num_blocks_of(request.request_id)
             ahead = self._lookahead(request, n, len(draft))
@@ -237,7 +230,7 @@ class Scheduler:
     def _first_chunk_fits(self, request: Request, budget: int) -> int | None:
         """The tokens of a waiting request's first chunk within `budget`, if a sequence slot and KV blocks for
         them are free now; None if not."""
-        first_chunk = self._chunk(self._uncomputed(request, request.num_computed_tokens), budget)
+        first_chunk = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
         full = len(self.running) + len(self.loading) >= self.config.max_num_seqs
         if full or self.kv.blocks_needed(first_chunk) > self.kv.pool.num_free_blocks:
             return None
@@ -320,7 +313,7 @@ class Scheduler:
                         break
                     continue
             start = request.num_computed_tokens if loaded else computed.num_tokens
-            n = self._chunk(self._uncomputed(request, start), budget)
+            n = self._chunk(request.num_tokens - start, budget)
             if not self.kv.allocate_slots(request, n, computed):
                 break
             if not loaded:
@@ -399,7 +392,7 @@ class Scheduler:
             new_block_ids=self.kv.block_ids(request.request_id, num_known_blocks),
             num_drafts=len(draft),
             num_lookahead=num_lookahead,
-            recompute=not is_decode and start >= request.num_prompt_tokens,
+            num_recompute=0 if is_decode else max(0, end - max(start, request.num_prompt_tokens)),
         )
 
     # -- progress ----------------------------------------------------------------------------------

@@ -50,10 +50,11 @@ class ScheduledChunk:
     # self-drafting (`self_draft`): after the step the runner drafts this many tokens past the one it samples, into
     # slots allocated with this chunk's; the next step verifies them
     num_lookahead: int = 0
-    # output tokens computed again (after a preemption, or a resumed stream's delivered tokens): the runner computes
-    # them as one-query rows, as decoding first did, so their K/V and the token after them are the ones decoding
-    # gave (a prefill's attention rounds differently, and int8 activations magnify it)
-    recompute: bool = False
+    # the last num_recompute tokens (before any drafts) are output tokens computed again, after a preemption or
+    # a resumed stream's delivered ones: the runner computes them as one-query rows, as decoding first did, so
+    # their K/V and the token after them are the ones decoding gave (a prefill's attention rounds differently,
+    # and int8 activations magnify it)
+    num_recompute: int = 0
 
     @property
     def num_tokens(self) -> int:
