@@ -6,12 +6,12 @@ temperature 0.8 with seeds, `--max-tokens` each; once every stream has its first
 SIGKILL. Each stream's text is compared with the same request's uninterrupted answer (asked of the survivor
 before, one at a time), and for each stream the longest gap between two chunks is taken: for a stream that was
 on the killed replica that is its stall, from its last chunk there to its first from the survivor. Beside it,
-the survivor's TTFT for that stream's prompt plus the tokens it had delivered, asked alone afterwards: one
-prefill of what the resume sends (the stall also holds the gateway's notice of the break and the survivor's
-running batch, which the resumed streams join). `--quantization none` serves the checkpoint's values in
-float: the resumed positions are then computed (as a prefill) to the same numbers the first replica decoded
-them to; with int8 weights and activations quantized per group, a prefill's rounding can differ from the
-decodes', and a sampled stream can part from the uninterrupted one some tokens later.
+the survivor's TTFT for that stream's prompt plus the tokens it had delivered, asked alone afterwards (one
+prefill of what the resume sends), and the TTFT of all the resumed streams' prefills sent at once. The stall
+also holds the wait for the kill after the stream's last chunk, the gateway's notice of the break and the
+survivor's running batch, which the resumed streams join; it is recorded in those parts. `--quantization none`
+serves the checkpoint's values in float; the default is int8 on CPU. The survivor computes the delivered tokens
+as decode rows, as the first replica decoded them, so the continuation is exact with int8 weights too.
 
     python -m benchmarks.resume     # ~2 min on 2 cores; writes benchmarks/results/resume-<cpu kind>.json
 """
@@ -73,11 +73,12 @@ def stream(url: str, req: dict, out: dict, started: threading.Event) -> None:
                     started.set()
 
 
-def ttft(url: str, prompt: list[int]) -> float:
-    """The survivor's time to first token for a token-id prompt, alone."""
+def ttft(url: str, prompt: list[int], salt: str) -> float:
+    """The survivor's time to first token for a token-id prompt, computed whole: a fresh `cache_salt` keeps the
+    blocks the resume left in its prefix cache out of it."""
     t = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                      json={"model": "m", "prompt": prompt, "max_tokens": 1, "stream": True}) as r:  # fmt: skip
+    req = {"model": "m", "prompt": prompt, "max_tokens": 1, "stream": True, "cache_salt": salt}
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json=req) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 return time.perf_counter() - t
@@ -128,6 +129,7 @@ def main() -> int:
             moved = out.get("replica") == victim.url
             before = [t for t in out["times"] if t <= killed_at]
             delivered = out["ids"][: len(before)] if moved else []
+            after = [t for t in out["times"] if t > killed_at]
             streams.append({
                 "sampling": "greedy" if i < 4 else "seeded",
                 "on_killed_replica": moved,
@@ -138,13 +140,28 @@ def main() -> int:
                 "longest_gap_s": round(max(gaps), 3) if gaps else None,
                 "median_gap_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
                 "delivered_before_kill": len(delivered),
+                # the stall's two parts: its last chunk before the kill to the kill, the kill to its next chunk
+                "last_chunk_to_kill_s": round(killed_at - before[-1], 3) if moved and before else None,
+                "kill_to_next_chunk_s": round(after[0] - killed_at, 3) if moved and after else None,
             })  # fmt: skip
         tokenize = lambda text: httpx.post(survivor.url + "/tokenize", json={"model": "m", "prompt": text},
                                            timeout=30).json()["tokens"]  # fmt: skip
+        resent = {}
         for i, s in enumerate(streams):
             if s["on_killed_replica"]:  # one prefill of what the resume sent, on the survivor alone
-                prompt = tokenize(PROMPTS[i]) + outs[i]["ids"][: s["delivered_before_kill"]]
-                s["prefill_of_resume_s"] = round(ttft(survivor.url, prompt), 3)
+                resent[i] = tokenize(PROMPTS[i]) + outs[i]["ids"][: s["delivered_before_kill"]]
+                s["prefill_of_resume_s"] = round(ttft(survivor.url, resent[i], f"alone-{i}"), 3)
+        # and all of them at once, as the resumes reached the survivor: the prefill they share (one step)
+        together: dict[int, float] = {}
+
+        def send(i: int) -> None:
+            together[i] = ttft(survivor.url, resent[i], f"together-{i}")
+
+        senders = [threading.Thread(target=send, args=(i,)) for i in resent]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(120)
         result = {"model": args.model, "quantization": args.quantization or "auto", "max_tokens": args.max_tokens}
         result["streams"] = streams
         moved = [s for s in streams if s["on_killed_replica"]]
@@ -156,6 +173,9 @@ def main() -> int:
             "resumed": len(moved),
             "stall_s": [s["longest_gap_s"] for s in moved],
             "prefill_of_resume_s": [s["prefill_of_resume_s"] for s in moved],
+            "prefill_of_all_resumes_together_s": round(max(together.values()), 3) if together else None,
+            "last_chunk_to_kill_s": [s["last_chunk_to_kill_s"] for s in moved],
+            "kill_to_next_chunk_s": [s["kill_to_next_chunk_s"] for s in moved],
             "median_gap_s": [s["median_gap_s"] for s in streams],
         }
         print(record_run("resume", result, sys.argv, args.out, started=started_at))
