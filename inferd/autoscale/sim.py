@@ -515,6 +515,14 @@ class Simulator:
         }
 
 
+class UtilisationSimulator(Simulator):
+    """The CPU-utilisation rule of Kubernetes' HPA, ceil(total utilisation / target): `utilization` is the
+    policy's `running` signal, the baseline an LLM-aware policy is measured against."""
+
+    def measure(self) -> Measured:
+        return Measured(running=self.utilization())
+
+
 def simulate(
     profile: Profile,
     workload: Workload,

@@ -10,8 +10,7 @@ import numpy as np
 from inferd.autoscale.measure import ProfileRun, measure_profile
 from inferd.autoscale.plan import PlanInputs, max_rate_at_slo, saturation
 from inferd.autoscale.profile import load_profile
-from inferd.autoscale.signals import Measured
-from inferd.autoscale.sim import SLO, Simulator
+from inferd.autoscale.sim import SLO, Simulator, UtilisationSimulator
 from inferd.autoscale.workload import make_workload
 from inferd.fleet.spec import AutoscalingPolicy
 from inferd.labs.base import Explanation, Lab, Measurement, fmt
@@ -22,13 +21,6 @@ EXAMPLE = "example-cpu-gemma3-270m"
 PROMPT, OUTPUT = "lognormal:256:0.6", "lognormal:128:0.6"
 UTIL_TARGET = 0.7  # HPA's usual CPU target
 MAX_REQUESTS = 150_000  # per simulated run: a faster replica gets its day compressed instead
-
-
-class UtilisationSim(Simulator):
-    """HPA's CPU rule, ceil(total utilisation / target): utilisation summed over replicas as the `running` signal."""
-
-    def measure(self) -> Measured:
-        return Measured(running=self.utilization())
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -63,7 +55,7 @@ def measure(ctx: LabContext) -> Measurement:
     targets = {"util": {"running": UTIL_TARGET}, "queue": {"waiting": 2.0, "ttft_p95_s": 0.8 * slo.ttft_s}}
     for name, target in targets.items():
         policy = AutoscalingPolicy(targets={"waiting": None, "kv_cache_usage": None, **target}, **common)
-        sim = (UtilisationSim if name == "util" else Simulator)(
+        sim = (UtilisationSimulator if name == "util" else Simulator)(
             profile, workload, policy, 1, slo, price, timeline_s=max(60.0, period / 300)
         )
         r = sim.run()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from inferd.autoscale.profile import Profile, example_profiles, load_profile
-from inferd.autoscale.sim import SLO, Simulator, simulate
+from inferd.autoscale.sim import SLO, Simulator, UtilisationSimulator, simulate
 from inferd.autoscale.workload import Workload, make_workload, with_shared_prefixes
 from inferd.fleet.spec import AutoscalingPolicy
 
@@ -93,6 +93,16 @@ def test_the_autoscaler_follows_a_step_in_load_and_comes_back_down():
     assert r.report["cold_starts"] >= 1 and r.report["finished"] == len(t)
     fixed = simulate(profile(step=0.04, max_num_seqs=4), w, replicas=1)
     assert r.report["ttft_p95_s"] < fixed.report["ttft_p95_s"] / 5  # scaling cut the queueing
+
+
+def test_the_utilisation_baseline_scales_on_busy_replicas_however_much_room_their_batches_have():
+    targets = {"running": 0.5, "waiting": None, "kv_cache_usage": None}
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=3, targets=targets, interval_s=2, window_s=10)
+    w = make_workload("poisson:rate=5,duration=120", "fixed:8", "fixed:20", 0)
+    busy = UtilisationSimulator(profile(step=0.04, max_num_seqs=64), w, policy, 1).run()
+    assert max(busy.timeline["replicas"]) == 3  # one replica stepping all the time reads as 100% busy
+    trickle = make_workload("poisson:rate=0.05,duration=120", "fixed:8", "fixed:20", 0)  # ~4% of one replica
+    assert max(UtilisationSimulator(profile(step=0.04), trickle, policy, 1).run().timeline["replicas"]) == 1
 
 
 def test_scale_to_zero_in_the_simulator_holds_the_first_request_for_a_cold_start():
