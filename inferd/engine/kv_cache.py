@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from inferd.engine.kv_tier import Evicted, KVTiers, TierEntry
 from inferd.prefix_hash import BlockHash, extend_block_hashes
 from inferd.request import Request
+from inferd.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from inferd.engine.kv_publisher import KVEventRecorder
@@ -201,6 +202,17 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def fit(self, lengths: Sequence[int]) -> tuple[int, int]:
+        """Requests of these lengths allocated in order, in an empty cache the size of this one (no prefix
+        caching; this one is not touched), until one does not fit: (how many fit, blocks they hold)."""
+        kv = KVCacheManager(self.num_blocks, self.block_size, enable_caching=False)
+        for fitted, n in enumerate(lengths):
+            if not kv.allocate_slots(Request(f"r{fitted}", "r", 0, list(range(n)), SamplingParams(), frozenset()), n):
+                break
+        else:
+            fitted = len(lengths)
+        return fitted, kv.num_blocks - kv.pool.num_free_blocks
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self.req_blocks.get(request_id, ()))

@@ -3,23 +3,8 @@ own tensors and block allocator."""
 
 from __future__ import annotations
 
-from inferd.engine.kv_cache import KVCacheManager
 from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
-from inferd.request import Request
-from inferd.sampling import SamplingParams
-
-
-def allocate(engine, lengths: list[int]) -> tuple[int, int]:
-    """Requests of these lengths allocated in order, in an empty cache the size of the engine's, until one does
-    not fit: (how many fit, blocks used)."""
-    kv = KVCacheManager(engine.kv.num_blocks, engine.kv.block_size, enable_caching=False)
-    for fitted, n in enumerate(lengths):
-        if not kv.allocate_slots(Request(f"r{fitted}", "r", 0, list(range(n)), SamplingParams(), frozenset()), n):
-            break
-    else:
-        fitted = len(lengths)
-    return fitted, kv.num_blocks - kv.pool.num_free_blocks
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -28,13 +13,13 @@ def measure(ctx: LabContext) -> Measurement:
     cache = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in engine.runner.kv_caches)
 
     def mib(length: int, batch: int) -> float:  # of blocks, for `batch` requests of `length` tokens
-        fitted, used = allocate(engine, [length] * batch)
+        fitted, used = engine.kv.fit([length] * batch)
         return used * cache / blocks / 2**20 if fitted == batch else float("nan")
 
     n = dict(layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, elem_bytes=facts.elem_bytes)
     n |= dict(formula_bytes_per_token=facts.kv_bytes_per_token, allocator_bytes_per_token=cache / blocks / bs)
     n |= dict(L=L, mib_L=mib(L, 2), mib_2L=mib(2 * L, 2), mib_2B=mib(L, 4), cache_mib=cache / 2**20, fit_len=fit_len)
-    n |= dict(fit=allocate(engine, [fit_len] * (blocks + 1))[0], fit_predicted=blocks * bs // (-(-fit_len // bs) * bs))
+    n |= dict(fit=engine.kv.fit([fit_len] * (blocks + 1))[0], fit_predicted=blocks * bs // (-(-fit_len // bs) * bs))
     n |= dict(serving_kv_mib=32 * fit_len * facts.kv_bytes_per_token / 2**20, weights_mib=facts.weight_bytes / 2**20)
     n["mismatch"] = abs(n["allocator_bytes_per_token"] - n["formula_bytes_per_token"])
     n["growth"] = max(n["mib_2L"], n["mib_2B"]) / n["mib_L"]

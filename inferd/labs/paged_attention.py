@@ -6,7 +6,6 @@ import random
 
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
-from inferd.labs.kv_cache import allocate
 
 
 def measure(ctx: LabContext) -> Measurement:
@@ -14,7 +13,7 @@ def measure(ctx: LabContext) -> Measurement:
     bs, max_len, capacity = engine.kv.block_size, engine.max_model_len, engine.kv.num_blocks * engine.kv.block_size
     # prompt + output as chat traffic has them: mostly short, a long tail, capped at the context
     lengths = [min(max_len, max(16, int(rng.lognormvariate(5.3, 0.8)))) for _ in range(engine.kv.num_blocks + 1)]
-    paged, used = allocate(engine, lengths)
+    paged, used = engine.kv.fit(lengths)
     contiguous = capacity // max_len  # each request reserves the whole context up front
     waste = used * bs - sum(lengths[:paged])
     n = dict(capacity_tokens=capacity, max_len=max_len, mean_len=sum(lengths) / len(lengths), block_size=bs)

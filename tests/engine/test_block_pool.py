@@ -167,3 +167,11 @@ def test_random_interleavings_never_leak(ops, caching):
     for r in list(live.values()):
         kv.free(r)
     kv.check_idle()
+
+
+def test_fit_counts_the_requests_an_empty_cache_of_this_size_holds_and_leaves_this_one_alone():
+    kv = KVCacheManager(num_blocks=10, block_size=16)
+    kv.allocate_slots(Request("busy", "r", 0, list(range(40)), SamplingParams(), frozenset()), 40)
+    assert kv.fit([16, 17, 33]) == (3, 6)  # 1 + 2 + 3 blocks
+    assert kv.fit([100, 100]) == (1, 7)  # the second needs 7 more of the 3 left
+    assert kv.fit([]) == (0, 0) and kv.num_blocks_of("busy") == 3 and kv.pool.num_free_blocks == 7
