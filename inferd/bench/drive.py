@@ -21,9 +21,10 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inferd.bench.metrics import RequestTiming, compute_run_metrics
+from inferd.bench.runner import spec_decode_fields
 from inferd.measure.arrivals import arrival_offsets
 from inferd.sampling import SamplingParams
 
@@ -83,6 +84,7 @@ class Run:
     served: list[Served]  # in job order
     steps: list[StepLog]
     duration: float
+    spec_decode: dict = field(default_factory=dict)  # the run's drafts and acceptance, as `inferd bench` reports
 
     def timings(self) -> list[RequestTiming]:
         out = []
@@ -226,6 +228,7 @@ def serve(
     engine = llm.engine
     engine.kv.reset_prefix_cache()  # each run starts cold: an earlier run's prompts must not hit
     feeder = _Feeder(jobs, concurrency, static_batch, max_wait)
+    counters = _spec_counters(engine)
     t0 = time.monotonic()
     ids: dict[str, int] = {}
     results: dict[int, Served] = {}
@@ -262,7 +265,15 @@ def serve(
             if out.finished:
                 results[ids[out.request_id]] = _served(out, t0)
     duration = time.monotonic() - t0
-    return Run([results[i] for i in range(len(jobs))], steps, duration)
+    spec = spec_decode_fields(counters, _spec_counters(engine))
+    return Run([results[i] for i in range(len(jobs))], steps, duration, spec)
+
+
+def _spec_counters(engine) -> dict[str, int]:
+    """The engine's speculative-decoding counters under the names `spec_decode_fields` reads."""
+    stats = engine.stats()
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    return {f"spec_decode_{k}": getattr(stats, f"spec_{k}") for k in names}
 
 
 def _sleep_until(feeder: _Feeder, t0: float, wait: float | None) -> None:

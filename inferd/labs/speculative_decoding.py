@@ -32,14 +32,9 @@ def _prompts(ctx: LabContext, workload: str, count: int, length: int, seed: int)
 def _run(ctx: LabContext, prompts: list[list[int]], out_len: int, spec: bool) -> tuple[float, float, float]:
     """The prompts served at once, greedy: (output tokens/s, tokens per verifying step, % of drafts accepted)."""
     llm = ctx.llm(**(SPEC | {"speculative_draft_policy": "all"} if spec else {}))  # every draft, at any batch
-    before = llm.engine.stats()
-    tok_s = serve(llm, [Job(p, out_len) for p in prompts]).metrics()["output_throughput"]
-    after = llm.engine.stats()
-    drafts, proposed, accepted = (
-        getattr(after, k) - getattr(before, k)
-        for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
-    )
-    return tok_s, 1 + accepted / drafts if drafts else 1.0, 100 * accepted / proposed if proposed else 0.0
+    run = serve(llm, [Job(p, out_len) for p in prompts])
+    per_step, accepted = (run.spec_decode[f"spec_decode_{k}"] for k in ("mean_acceptance_length", "acceptance_rate"))
+    return run.metrics()["output_throughput"], per_step or 1.0, 100 * (accepted or 0.0)
 
 
 def _mismatches(ctx: LabContext, prompts: list[list[int]], out_len: int, **settings) -> int:
