@@ -9,9 +9,11 @@ on the killed replica that is its stall, from its last chunk there to its first 
 the survivor's TTFT for that stream's prompt plus the tokens it had delivered, asked alone afterwards (one
 prefill of what the resume sends), and the TTFT of all the resumed streams' prefills sent at once. The stall
 also holds the wait for the kill after the stream's last chunk, the gateway's notice of the break and the
-survivor's running batch, which the resumed streams join; it is recorded in those parts. `--quantization none`
-serves the checkpoint's values in float; the default is int8 on CPU. The survivor computes the delivered tokens
-as decode rows, as the first replica decoded them, so the continuation is exact with int8 weights too.
+survivor's running batch, which the resumed streams join; it is recorded in those parts, with the time the
+killed process takes to end (the kernel closes its sockets only after freeing its memory: until then the
+gateway sees a silent stream, not a broken one). `--quantization none` serves the checkpoint's values in float;
+the default is int8 on CPU. The survivor computes the delivered tokens as decode rows, as the first replica
+decoded them, so the continuation is exact with int8 weights too.
 
     python -m benchmarks.resume     # ~2 min on 2 cores; writes benchmarks/results/resume-<cpu kind>.json
 """
@@ -54,8 +56,10 @@ def body(i: int, max_tokens: int) -> dict:
 def stream(url: str, req: dict, out: dict, started: threading.Event) -> None:
     """One stream through the gateway: its chunks' arrival times and texts, the replica it began on, its end."""
     out.update(times=[], text="", ids=[], done=False, error=None)
-    with httpx.stream("POST", url + "/v1/completions", json={**req, "stream": True, "return_token_ids": True},
-                      timeout=300) as r:  # fmt: skip
+    # the final usage carries the engine's account of the last replica's part (`return_timing`): for a resumed
+    # stream, the survivor's queue and prefill of the continuation
+    extra = {"stream": True, "return_token_ids": True, "return_timing": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json={**req, **extra}, timeout=300) as r:
         out["replica"] = r.headers.get("x-inferd-replica")
         for line in r.iter_lines():
             if line == "data: [DONE]":
@@ -65,6 +69,8 @@ def stream(url: str, req: dict, out: dict, started: threading.Event) -> None:
                 if "error" in chunk:
                     out["error"] = chunk["error"]
                     continue
+                if chunk.get("usage"):
+                    out["timing"] = chunk["usage"].get("timing")
                 for c in chunk["choices"]:
                     out["text"] += c.get("text") or ""
                     out["ids"] += c.get("token_ids") or []
@@ -106,9 +112,10 @@ def main() -> int:
         gateway = start_gateway(cfg, logs)
         victim, survivor = reps
         want = []
-        for i in range(len(PROMPTS)):  # the uninterrupted answers, from the survivor
-            r = httpx.post(survivor.url + "/v1/completions", json={**body(i, args.max_tokens), "return_token_ids":
-                           True}, timeout=300)  # fmt: skip
+        for i in range(len(PROMPTS)):  # the uninterrupted answers, from the survivor (salted: the resumes
+            # must not find these blocks in its prefix cache)
+            want_body = {**body(i, args.max_tokens), "return_token_ids": True, "cache_salt": "uninterrupted"}
+            r = httpx.post(survivor.url + "/v1/completions", json=want_body, timeout=300)
             choice = r.json()["choices"][0]
             want.append((choice["text"], choice["token_ids"]))
         outs = [{} for _ in PROMPTS]
@@ -121,15 +128,20 @@ def main() -> int:
             e.wait(120)
         killed_at = time.perf_counter()
         os.kill(victim.popen.pid, signal.SIGKILL)
+        victim.popen.wait(60)  # the kernel closes a killed process's sockets only after freeing its memory
+        dead_at = time.perf_counter()
         for t in threads:
             t.join(300)
         streams = []
         for i, out in enumerate(outs):
             gaps = [b - a for a, b in zip(out["times"], out["times"][1:], strict=False)]
             moved = out.get("replica") == victim.url
-            before = [t for t in out["times"] if t <= killed_at]
-            delivered = out["ids"][: len(before)] if moved else []
-            after = [t for t in out["times"] if t > killed_at]
+            # a moved stream's stall ends at the survivor's first chunk (the killed replica's last may arrive after
+            # the kill: negative `last_chunk_to_kill_s`)
+            stall = gaps.index(max(gaps)) + 1 if moved and gaps else None
+            before = out["times"][:stall] if stall else []
+            delivered = out["ids"][: len(before)]
+            resumed_at = out["times"][stall] if stall else None
             streams.append({
                 "sampling": "greedy" if i < 4 else "seeded",
                 "on_killed_replica": moved,
@@ -141,8 +153,14 @@ def main() -> int:
                 "median_gap_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
                 "delivered_before_kill": len(delivered),
                 # the stall's two parts: its last chunk before the kill to the kill, the kill to its next chunk
-                "last_chunk_to_kill_s": round(killed_at - before[-1], 3) if moved and before else None,
-                "kill_to_next_chunk_s": round(after[0] - killed_at, 3) if moved and after else None,
+                "last_chunk_to_kill_s": round(killed_at - before[-1], 3) if before else None,
+                "kill_to_next_chunk_s": round(resumed_at - killed_at, 3) if resumed_at else None,
+                # of which: the process's end (its sockets close then), and the resume from there
+                "kill_to_exit_s": round(dead_at - killed_at, 3) if moved else None,
+                "exit_to_next_chunk_s": round(resumed_at - dead_at, 3) if resumed_at else None,
+                # on the replica that finished it (the survivor, for a resumed one): its wait and its first step
+                "final_replica_queue_s": round(out["timing"]["queue_ms"] / 1000, 3) if out.get("timing") else None,
+                "final_replica_ttft_s": round(out["timing"]["ttft_ms"] / 1000, 3) if out.get("timing") else None,
             })  # fmt: skip
         tokenize = lambda text: httpx.post(survivor.url + "/tokenize", json={"model": "m", "prompt": text},
                                            timeout=30).json()["tokens"]  # fmt: skip
@@ -176,6 +194,10 @@ def main() -> int:
             "prefill_of_all_resumes_together_s": round(max(together.values()), 3) if together else None,
             "last_chunk_to_kill_s": [s["last_chunk_to_kill_s"] for s in moved],
             "kill_to_next_chunk_s": [s["kill_to_next_chunk_s"] for s in moved],
+            "kill_to_exit_s": round(dead_at - killed_at, 3),
+            "exit_to_next_chunk_s": [s["exit_to_next_chunk_s"] for s in moved],
+            "survivor_queue_s": [s["final_replica_queue_s"] for s in moved],
+            "survivor_ttft_s": [s["final_replica_ttft_s"] for s in moved],
             "median_gap_s": [s["median_gap_s"] for s in streams],
         }
         print(record_run("resume", result, sys.argv, args.out, started=started_at))
