@@ -34,7 +34,7 @@ import httpx
 
 from benchmarks.common import OUT_HELP, record_run
 from inferd.config import DEFAULT_MODEL
-from inferd.procs import gateway_config, start_gateway, start_serve, wait_http
+from inferd.procs import ProcGroup, gateway_config, start_gateway
 
 PROMPTS = [
     "Write a short essay about the history of the printing press.",
@@ -101,15 +101,12 @@ def main() -> int:
     started_at = time.time()
     logs = Path(tempfile.mkdtemp(prefix="inferd-resume-"))
     flags = ["--quantization", args.quantization] if args.quantization else []
-    reps = [start_serve(args.model, logs, "m", *flags) for _ in range(2)]
-    gateway = None
-    try:
-        for r in reps:
-            wait_http(r, "/health", timeout=900)
+    with ProcGroup(args.model, logs, flags, start_timeout=900) as group:
+        reps = group.replicas(2)
         cfg = gateway_config([r.url for r in reps], routing={"picker": "round_robin"})
         cfg["models"][0]["resume"] = {"enabled": True}
         cfg["expose_replica_header"] = True
-        gateway = start_gateway(cfg, logs)
+        gateway = group.started(start_gateway(cfg, logs))
         victim, survivor = reps
         want = []
         for i in range(len(PROMPTS)):  # the uninterrupted answers, from the survivor (salted: the resumes
@@ -169,7 +166,7 @@ def main() -> int:
             if s["on_killed_replica"]:  # one prefill of what the resume sent, on the survivor alone
                 resent[i] = tokenize(PROMPTS[i]) + outs[i]["ids"][: s["delivered_before_kill"]]
                 s["prefill_of_resume_s"] = round(ttft(survivor.url, resent[i], f"alone-{i}"), 3)
-        # and all of them at once, as the resumes reached the survivor: the prefill they share (one step)
+        # and all of them at once, as the resumes reached the survivor: the prefill they share
         together: dict[int, float] = {}
 
         def send(i: int) -> None:
@@ -202,10 +199,6 @@ def main() -> int:
         }
         print(record_run("resume", result, sys.argv, args.out, started=started_at))
         print(json.dumps(result["summary"], indent=1))
-    finally:
-        for proc in [gateway, *reps]:
-            if proc is not None:
-                proc.stop()
     return 0
 
 
