@@ -26,6 +26,7 @@ _INT4_SOURCE = Path(__file__).parent / "kernels" / "int4_linear_cpu.cpp"
 _NORM_SOURCE = Path(__file__).parent / "kernels" / "norm_rope_cpu.cpp"
 _PREFILL_SOURCE = Path(__file__).parent / "kernels" / "prefill_attention_cpu.cpp"
 _LORA_SOURCE = Path(__file__).parent / "kernels" / "lora_cpu.cpp"
+_GGUF_SOURCE = Path(__file__).parent / "kernels" / "gguf_linear_cpu.cpp"
 
 
 def _cpu_fingerprint() -> str:
@@ -119,6 +120,14 @@ def int4_kernels():
 
 
 @functools.cache
+def gguf_module():
+    """The compiled GGUF-block module: `gguf_linear(x, weights, types, bias)` (a few rows),
+    `gguf_linear_dense(x, weights, types, bias, chunk_rows)` (many), `gguf_dequantize(weight, type, K, lo, hi)`,
+    `isa()`. No fused multiply-add outside its intrinsics: `gguf_dequantize` rounds as the `gguf` package does."""
+    return _build("inferd_gguf_linear", _GGUF_SOURCE, "CPU GGUF block kernel", ["-ffp-contract=off"])
+
+
+@functools.cache
 def _norm_rope_module():
     # no fused multiply-add: the reference rounds each product before the sum. -fno-trapping-math lets GCC
     # vectorise exp_approx's clamp (std::min/max) where the CPU has no masked vector ops: without it, on AVX2
@@ -192,6 +201,7 @@ MODULES: dict[str, Callable] = {
     "norm_rope": _norm_rope_module,
     "prefill_attention": _prefill_attention_module,
     "lora": _lora_module,
+    "gguf_linear": gguf_module,
 }
 
 

@@ -1,0 +1,457 @@
+// A linear layer on a GGUF file's own quantized blocks: y[M, N] = x[M, K] @ W^T (+ bias), W read as the file
+// stores it (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K rows), dequantized exactly in registers: the weights are the
+// values llama.cpp computes with, and a decode step streams the file's 4.5-8.5 bits a weight.
+//
+// A layer is a list of segments, each a run of output rows in one GGML type ([rows, row bytes] uint8, rows
+// as the file stores them: K / block values per row, blocks back to back). A fused q/k/v layer whose v rows
+// the file keeps in another type than q and k is one call.
+//
+// gguf_linear (a few rows, decode): each activation row is quantized to int8 in groups of 32 with one float
+// step (x ~= xq * xd, xd = max|x| / 127, as llama.cpp's Q8_0). Each weight row is decoded into unsigned codes
+// u in one byte (or kept as signed int8 for Q8_0) with, per group of 32, a float factor A and an offset B,
+// so that a weight is A * u + B (Q6_K: A * s16 * u + B16, with a signed int8 scale s16 per half group):
+//   Q8_0  A = d,            u = q signed,   B = 0
+//   Q4_0  A = d,            u = q (0..15),  B = -8 d
+//   Q5_0  A = d,            u = q (0..31),  B = -16 d
+//   Q4_K  A = d * sc,       u = q (0..15),  B = -dmin * m       (per sub-block of 32)
+//   Q5_K  A = d * sc,       u = q (0..31),  B = -dmin * m
+//   Q6_K  A = d,            u = q (0..63),  B16 = -32 d * s16   (per 16)
+// A group's dot product is A * xd * sum(u * xq) + B * xd * sum(xq): the integer sum is exact (AVX2's
+// vpmaddubsw + vpmaddwd, Q8_0's sign moved onto the activation; Q6_K's two scales applied in vpmaddwd), the
+// offsets are summed apart. The decoded row sits in a per-thread buffer in L1 and serves every activation row
+// (four at a time in registers).
+//
+// gguf_linear_dense (many rows, prefill): chunks of weight rows are dequantized into the activations' dtype
+// and multiplied with torch's dense matmul, which is compute-bound there.
+//
+// gguf_dequantize gives a segment's weights as float32, with the same arithmetic as the `gguf` package (the
+// reference the tests hold it to). Work is split over runs of output rows (parallel_claim).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "quantized_common.h"
+#include "work_queue.h"
+
+using namespace inferd;
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kSuper = 256;  // values in a k-quant super-block
+
+// GGML's type codes (ggml.h), and each type's block: values, bytes
+enum Type : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Layout {
+  int64_t values, bytes;
+};
+
+Layout layout(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q5_0: return {32, 22};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {kSuper, 144};
+    case Q5_K: return {kSuper, 176};
+    case Q6_K: return {kSuper, 210};
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", type, " is not supported");
+  }
+  return {0, 0};
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One weight row decoded for the integer dot products: codes u [K] (signed for Q8_0), per group of 32 the
+// factor A, per 16 the offset B16 (a group's B repeated) and, for Q6_K, the int16 scale of each 16.
+struct Decoded {
+  std::vector<uint8_t> u;
+  std::vector<float> a, b16;
+  std::vector<int16_t> s16;
+  explicit Decoded(int64_t K) : u(K), a(K / kGroup), b16(K / 16), s16(K / 16) {}
+};
+
+// 16 bytes of nibbles -> 32 codes: the low nibbles first, then the high ones (Q4_0/Q5_0's order)
+inline void nibbles_split(const uint8_t* q, uint8_t* u) {
+#if defined(__AVX2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(u), _mm_and_si128(v, m));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+#else
+  for (int j = 0; j < 16; ++j) {
+    u[j] = q[j] & 15;
+    u[j + 16] = q[j] >> 4;
+  }
+#endif
+}
+
+void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
+  uint8_t* u = d.u.data();
+  const int64_t G = K / kGroup;
+  auto same_b = [&](int64_t g, float b) { d.b16[2 * g] = d.b16[2 * g + 1] = b; };
+  switch (type) {
+    case Q8_0:
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* blk = row + g * 34;
+        d.a[g] = half(blk);
+        same_b(g, 0.f);
+        std::memcpy(u + g * kGroup, blk + 2, kGroup);
+      }
+      break;
+    case Q4_0:
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* blk = row + g * 18;
+        const float dd = half(blk);
+        d.a[g] = dd;
+        same_b(g, -8.f * dd);
+        nibbles_split(blk + 2, u + g * kGroup);
+      }
+      break;
+    case Q5_0:
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* blk = row + g * 22;
+        const float dd = half(blk);
+        d.a[g] = dd;
+        same_b(g, -16.f * dd);
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        uint8_t* o = u + g * kGroup;
+        nibbles_split(blk + 6, o);
+#if defined(__AVX2__)
+        // bit j of qh -> 0x10 in byte j: byte j takes qh's byte j / 8 and tests bit j % 8
+        const __m256i shuffle = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                                 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bits = _mm256_set1_epi64x(0x8040201008040201LL);
+        __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)), shuffle);
+        h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits), _mm256_set1_epi8(0x10));
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_or_si256(v, h));
+#else
+        for (int j = 0; j < 32; ++j) o[j] |= ((qh >> j) & 1) << 4;
+#endif
+      }
+      break;
+    case Q4_K:
+    case Q5_K: {
+      const bool five = type == Q5_K;
+      const int64_t bytes = five ? 176 : 144;
+      for (int64_t s = 0; s < K / kSuper; ++s) {
+        const uint8_t* blk = row + s * bytes;
+        const float dd = half(blk), dmin = half(blk + 2);
+        const uint8_t* scales = blk + 4;
+        const uint8_t* qh = five ? blk + 16 : nullptr;
+        const uint8_t* qs = blk + (five ? 48 : 16);
+        for (int j = 0; j < 8; ++j) {
+          uint8_t sc, m;
+          scale_min_k4(j, scales, &sc, &m);
+          const int64_t g = s * 8 + j;
+          d.a[g] = dd * static_cast<float>(sc);
+          same_b(g, -(dmin * static_cast<float>(m)));
+          const uint8_t* q = qs + (j / 2) * 32;
+          const int shift = (j % 2) * 4;
+          uint8_t* o = u + g * kGroup;
+          for (int l = 0; l < 32; ++l) {
+            uint8_t v = (q[l] >> shift) & 15;
+            if (five) v |= ((qh[l] >> j) & 1) << 4;
+            o[l] = v;
+          }
+        }
+      }
+      break;
+    }
+    case Q6_K:
+      for (int64_t s = 0; s < K / kSuper; ++s) {
+        const uint8_t* blk = row + s * 210;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float dd = half(blk + 208);
+        for (int h = 0; h < 2; ++h) {
+          for (int t = 0; t < 4; ++t) {  // the 32 values at 128 h + 32 t
+            const uint8_t* lo = ql + 64 * h + 32 * (t % 2);
+            const int shift = 4 * (t / 2);
+            const uint8_t* hi = qh + 32 * h;
+            const int64_t g = s * 8 + h * 4 + t;
+            uint8_t* o = u + g * kGroup;
+            for (int l = 0; l < 32; ++l) o[l] = ((lo[l] >> shift) & 15) | (((hi[l] >> (2 * t)) & 3) << 4);
+            d.a[g] = dd;
+            for (int half16 = 0; half16 < 2; ++half16) {
+              const int8_t scale = sc[(g - s * 8) * 2 + half16];
+              d.s16[2 * g + half16] = scale;
+              d.b16[2 * g + half16] = -32.f * dd * static_cast<float>(scale);
+            }
+          }
+        }
+      }
+      break;
+    default: TORCH_CHECK(false, "gguf_linear: GGML type ", type, " is not supported");
+  }
+}
+
+// The quantized activation rows: q [M, K], d [M, K/32] each group's step, s16 [M, K/16] xd * sum(xq) per 16.
+struct QuantizedRows {
+  int64_t K, G;
+  std::vector<int8_t> q;
+  std::vector<float> d, s16;
+  const int8_t* qrow(int64_t m) const { return q.data() + m * K; }
+  const float* drow(int64_t m) const { return d.data() + m * G; }
+  const float* srow(int64_t m) const { return s16.data() + m * 2 * G; }
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  QuantizedRows r{K, K / kGroup, std::vector<int8_t>(M * K), std::vector<float>(M * (K / kGroup)),
+                  std::vector<float>(M * (K / 16))};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < r.G; ++g) {
+        float v[kGroup], amax = 0.f;
+        for (int j = 0; j < kGroup; ++j) {
+          v[j] = static_cast<float>(x[m * K + g * kGroup + j]);
+          amax = std::max(amax, std::fabs(v[j]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f, xd = amax / 127.f;
+        int8_t* q = r.q.data() + m * K + g * kGroup;
+        int32_t sums[2] = {0, 0};
+        for (int j = 0; j < kGroup; ++j) {
+          q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+          sums[j / 16] += q[j];
+        }
+        r.d[m * r.G + g] = xd;
+        r.s16[m * 2 * r.G + 2 * g] = xd * static_cast<float>(sums[0]);
+        r.s16[m * 2 * r.G + 2 * g + 1] = xd * static_cast<float>(sums[1]);
+      }
+    }
+  });
+  return r;
+}
+
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+enum class Codes { Unsigned, Signed, Scaled16 };
+
+// MB activation rows (from m0) against one decoded weight row: sum over groups of A * xd * sum(u * xq).
+template <int MB, Codes C>
+inline void dot_rows(const Decoded& w, const QuantizedRows& a, int64_t m0, float* out) {
+  const int64_t G = a.G;
+#if defined(__AVX2__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u.data() + g * kGroup));
+    __m256i uw = wv, pairs_scale = ones;
+    if constexpr (C == Codes::Signed) uw = _mm256_abs_epi8(wv);
+    if constexpr (C == Codes::Scaled16) {
+      const __m128i lo = _mm_set1_epi16(w.s16[2 * g]), hi = _mm_set1_epi16(w.s16[2 * g + 1]);
+      pairs_scale = _mm256_set_m128i(hi, lo);
+    }
+    const float ag = w.a[g];
+    for (int m = 0; m < MB; ++m) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + m) + g * kGroup));
+      if constexpr (C == Codes::Signed) xv = _mm256_sign_epi8(xv, wv);
+      const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), pairs_scale);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(ag * a.drow(m0 + m)[g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum8(acc[m]);
+#else
+  for (int m = 0; m < MB; ++m) {
+    const int8_t* xq = a.qrow(m0 + m);
+    float total = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t s[2] = {0, 0};
+      for (int j = 0; j < kGroup; ++j) {
+        const int32_t code = C == Codes::Signed ? static_cast<int8_t>(w.u[g * kGroup + j]) : w.u[g * kGroup + j];
+        s[j / 16] += code * xq[g * kGroup + j];
+      }
+      const int32_t dot = C == Codes::Scaled16 ? s[0] * w.s16[2 * g] + s[1] * w.s16[2 * g + 1] : s[0] + s[1];
+      total += w.a[g] * a.drow(m0 + m)[g] * static_cast<float>(dot);
+    }
+    out[m] = total;
+  }
+#endif
+}
+
+template <Codes C, typename Out>
+void row_out(const Decoded& w, const QuantizedRows& a, int64_t M, float add, Out* y, int64_t N) {
+  const int64_t H = 2 * a.G;
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    float out[4];
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    switch (mb) {
+      case 4: dot_rows<4, C>(w, a, m0, out); break;
+      case 3: dot_rows<3, C>(w, a, m0, out); break;
+      case 2: dot_rows<2, C>(w, a, m0, out); break;
+      default: dot_rows<1, C>(w, a, m0, out); break;
+    }
+    for (int64_t m = 0; m < mb; ++m) {
+      const float* xs = a.srow(m0 + m);
+      float offset = 0.f;
+      for (int64_t h = 0; h < H; ++h) offset += w.b16[h] * xs[h];
+      put(out[m] + offset + add, y + (m0 + m) * N);
+    }
+  }
+}
+
+struct Segment {
+  int64_t type, rows, row_bytes, first;  // first: its first output column
+  const uint8_t* data;
+};
+
+std::vector<Segment> segments(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& types,
+                              int64_t K) {
+  TORCH_CHECK(weights.size() == types.size() && !weights.empty(), "gguf_linear: one type per weight segment");
+  std::vector<Segment> out;
+  int64_t first = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& w = weights[i];
+    const Layout l = layout(types[i]);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+                "gguf_linear: a segment is a contiguous uint8 [rows, row bytes] tensor");
+    TORCH_CHECK(K % l.values == 0 && w.size(1) == K / l.values * l.bytes, "gguf_linear: segment ", i,
+                " holds rows of ", w.size(1), " bytes; K = ", K, " needs ", K / l.values * l.bytes);
+    out.push_back({types[i], w.size(0), w.size(1), first, w.data_ptr<uint8_t>()});
+    first += w.size(0);
+  }
+  return out;
+}
+
+constexpr int64_t kRowsPerItem = 8;
+
+}  // namespace
+
+// A few activation rows (float32 or bfloat16) against the segments' rows; returns [M, N] in x's dtype.
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x is [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "gguf_linear: x must be float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kGroup == 0, "gguf_linear: K must be a multiple of 32");
+  const std::vector<Segment> segs = segments(weights, types, K);
+  const int64_t N = segs.back().first + segs.back().rows;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
+  const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows a = x.scalar_type() == torch::kFloat32 ? quantize_rows(x.data_ptr<float>(), M, K)
+                                                              : quantize_rows(x.data_ptr<at::BFloat16>(), M, K);
+  // work items: runs of kRowsPerItem rows of one segment
+  std::vector<std::pair<int64_t, int64_t>> items;  // (segment, first row)
+  for (size_t s = 0; s < segs.size(); ++s)
+    for (int64_t r = 0; r < segs[s].rows; r += kRowsPerItem) items.emplace_back(s, r);
+  auto run = [&](auto* Y) {
+    parallel_claim(static_cast<int64_t>(items.size()), 1, [&](auto each) {
+      Decoded w(K);
+      each([&](int64_t i) {
+        const Segment& s = segs[items[i].first];
+        const int64_t r1 = std::min(s.rows, items[i].second + kRowsPerItem);
+        for (int64_t r = items[i].second; r < r1; ++r) {
+          const uint8_t* row = s.data + r * s.row_bytes;
+          __builtin_prefetch(row + s.row_bytes * kRowsPerItem, 0, 3);
+          decode_row(s.type, row, K, w);
+          const int64_t n = s.first + r;
+          const float add = B ? B[n] : 0.f;
+          if (s.type == Q8_0) row_out<Codes::Signed>(w, a, M, add, Y + n, N);
+          else if (s.type == Q6_K) row_out<Codes::Scaled16>(w, a, M, add, Y + n, N);
+          else row_out<Codes::Unsigned>(w, a, M, add, Y + n, N);
+        }
+      });
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  return y;
+}
+
+// One segment's rows [lo, hi) as float32 [hi - lo, K], computed as the `gguf` package's dequantize does
+// (per type: d * q, d * (q - 8), d * (q - 16), (d * sc) * q - dmin * m, (d * s16) * (q - 32)).
+torch::Tensor gguf_dequantize(torch::Tensor weight, int64_t type, int64_t K, int64_t lo, int64_t hi) {
+  const std::vector<Segment> segs = segments({weight}, {type}, K);
+  TORCH_CHECK(0 <= lo && lo <= hi && hi <= weight.size(0), "gguf_dequantize: rows out of range");
+  auto out = torch::empty({hi - lo, K}, weight.options().dtype(torch::kFloat32));
+  float* O = out.data_ptr<float>();
+  const Segment& s = segs[0];
+  at::parallel_for(lo, hi, 16, [&](int64_t r0, int64_t r1) {
+    Decoded w(K);
+    for (int64_t r = r0; r < r1; ++r) {
+      decode_row(type, s.data + r * s.row_bytes, K, w);
+      float* o = O + (r - lo) * K;
+      for (int64_t g = 0; g < K / kGroup; ++g) {
+        const uint8_t* u = w.u.data() + g * kGroup;
+        float* og = o + g * kGroup;
+        if (type == Q8_0) {
+          for (int j = 0; j < kGroup; ++j) og[j] = w.a[g] * static_cast<float>(static_cast<int8_t>(u[j]));
+        } else if (type == Q6_K) {
+          for (int j = 0; j < kGroup; ++j)
+            og[j] = (w.a[g] * static_cast<float>(w.s16[2 * g + j / 16])) * static_cast<float>(u[j] - 32);
+        } else if (type == Q4_K || type == Q5_K) {
+          for (int j = 0; j < kGroup; ++j) og[j] = w.a[g] * static_cast<float>(u[j]) + w.b16[2 * g];
+        } else {  // Q4_0 / Q5_0: d * (q - offset), offset = -B / d
+          const int offset = type == Q4_0 ? 8 : 16;
+          for (int j = 0; j < kGroup; ++j) og[j] = w.a[g] * static_cast<float>(static_cast<int>(u[j]) - offset);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Many activation rows against the segments' rows, chunk by chunk of weight rows dequantized into x's dtype
+// for the dense matmul; returns [M, N] in x's dtype.
+torch::Tensor gguf_linear_dense(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                                c10::optional<torch::Tensor> bias, int64_t chunk_rows) {
+  TORCH_CHECK(x.dim() == 2 && chunk_rows > 0, "gguf_linear_dense: x is [M, K], chunk_rows > 0");
+  const int64_t M = x.size(0), K = x.size(1);
+  const std::vector<Segment> segs = segments(weights, types, K);
+  const int64_t N = segs.back().first + segs.back().rows;
+  auto y = torch::empty({M, N}, x.options());
+  for (size_t i = 0; i < segs.size(); ++i) {
+    for (int64_t lo = 0; lo < segs[i].rows; lo += chunk_rows) {
+      const int64_t hi = std::min(segs[i].rows, lo + chunk_rows);
+      auto w = gguf_dequantize(weights[i], types[i], K, lo, hi).to(x.scalar_type());
+      y.narrow(1, segs[i].first + lo, hi - lo).copy_(at::mm(x, w.t()));
+    }
+  }
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(x.scalar_type()));
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_linear", &gguf_linear, "a linear layer on GGUF blocks, a few float32/bfloat16 rows (CPU)");
+  m.def("gguf_linear_dense", &gguf_linear_dense, "a linear layer on GGUF blocks, many rows, dense matmul per chunk");
+  m.def("gguf_dequantize", &gguf_dequantize, "a segment's rows as float32, as the gguf package dequantizes");
+  m.def("isa", [] { return std::string(kIsa); }, "the instruction set gguf_linear was built for");
+}
