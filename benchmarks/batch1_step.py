@@ -28,6 +28,7 @@ MODES = {  # name -> LLM settings
     "auto": {"dtype": "auto", "quantization": "none"},  # the auto dtype on the checkpoint's values
     "fp32": {"dtype": "float32", "quantization": "none"},
     "int8": {"dtype": "auto", "quantization": "int8"},
+    "gguf": {"dtype": "auto", "quantization": "gguf"},
     "int4": {"dtype": "auto", "quantization": "int4"},
 }
 PROMPT = "Tell me a long story about a dragon who guards a library of paged attention kernels. " * 3

@@ -40,6 +40,7 @@ MODES: dict[str, dict] = {
     "default": dict(),  # `inferd serve` with no flags (--dtype auto, --quantization auto)
     "int8": dict(dtype="auto", quantization="int8"),  # int8 weights, bf16 activations where the CPU has bf16
     "int8-fp32": dict(dtype="float32", quantization="int8"),  # int8 weights, fp32 activations (the AVX2 path)
+    "gguf": dict(dtype="auto", quantization="gguf"),  # the GGUF file's own blocks, activations int8 in groups of 32
     "int4": dict(dtype="auto", quantization="int4"),  # int4 weights (groups of 32), bf16 activations where native
     "int4-fp32": dict(dtype="float32", quantization="int4"),
     "int8-kv-fp8": dict(dtype="auto", quantization="int8", kv_cache_dtype="fp8"),  # and an fp8 (e4m3) KV cache

@@ -370,8 +370,9 @@ class EngineConfig:
         "auto",
         "weight-only quantization of the linear layers and the LM head: auto (int8 on CPU where the checkpoint "
         "stores its weights quantized, as a GGUF does; none otherwise), none, int8 (per output channel, "
-        "symmetric) or int4 (groups of 32, asymmetric); activations stay in --dtype",
-        choices=("auto", "none", "int8", "int4"),
+        "symmetric), int4 (groups of 32, asymmetric) or gguf (a GGUF checkpoint's own blocks, exactly the "
+        "file's values); activations stay in --dtype",
+        choices=("auto", "none", "int8", "int4", "gguf"),
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -120,11 +120,13 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(config.tokenizer or folder)
         hf_config = loader.text_config(loader.load_config(folder))
         self.max_model_len = config.context_len(loader.model_max_len(hf_config))
-        self.quant_choice = resolve_quantization(config.quantization, self.device, loader.checkpoint_formats(folder))
+        gguf = loader.gguf_source(folder)
+        formats = loader.checkpoint_formats(folder)
+        self.quant_choice = resolve_quantization(config.quantization, self.device, formats, gguf)
         self.quantization = self.quant_choice.name  # int8, int4, or None: the checkpoint's values in self.dtype
         logger.info("quantization: %s (%s)", self.quantization or "none", self.quant_choice.reason)
         self.model = loader.load_model(
-            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, self.quantization
+            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, self.quantization, gguf
         )
         self.vocab_size = hf_config.vocab_size
         self.model_type = getattr(hf_config, "model_type", "")  # the family's formats (tool calls) follow it

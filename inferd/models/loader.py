@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 from collections import Counter
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -34,8 +35,9 @@ from inferd.models.registry import model_class_for
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
-# beside a converted GGUF: how many weight matrices the file stored in each GGML type
+# beside a converted GGUF: how many weight matrices the file stored in each GGML type, and the file itself
 FORMATS_FILE = "inferd_gguf_formats.json"
+SOURCE_FILE = "inferd_gguf_source.json"
 
 
 def cache_dir() -> Path:
@@ -100,6 +102,8 @@ def convert_gguf(gguf: Path) -> Path:
     if (out / "model.safetensors").exists():
         if not (out / FORMATS_FILE).exists():  # a folder converted before the formats were recorded
             _write_formats(gguf, out)
+        if not (out / SOURCE_FILE).exists() or "tensors" not in json.loads((out / SOURCE_FILE).read_text()):
+            _write_source(gguf, out)
         return out
     from rich.console import Console
 
@@ -136,6 +140,7 @@ def _convert(gguf: Path, out: Path) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _write_formats(gguf, tmp)
+    _write_source(gguf, tmp)
     tmp.rename(out)
 
 
@@ -148,6 +153,60 @@ def _write_formats(gguf: Path, folder: Path) -> None:
         raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
     counts = Counter(t.tensor_type.name for t in tensors if len(t.shape) >= 2)
     (folder / FORMATS_FILE).write_text(json.dumps(dict(sorted(counts.items()))))
+
+
+def _write_source(gguf: Path, folder: Path) -> None:
+    """Beside the converted folder: the GGUF file (path, size, mtime), its architecture, and where each weight
+    matrix's blocks lie in it ({name: [GGML type, rows, bytes a row, offset]}), so serving its blocks reads no
+    metadata (the `gguf` package's reader takes seconds over a large vocabulary)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf)
+    except Exception as e:
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
+    arch = reader.fields["general.architecture"]
+    tensors = {
+        t.name: [t.tensor_type.name, int(t.data.shape[0]), int(t.n_bytes // t.data.shape[0]), int(t.data_offset)]
+        for t in reader.tensors
+        if len(t.shape) == 2
+    }
+    st = gguf.stat()
+    source = {
+        "path": str(gguf.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "architecture": bytes(arch.parts[arch.data[0]]).decode(),
+        "tensors": tensors,
+    }
+    (folder / SOURCE_FILE).write_text(json.dumps(source))
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """The GGUF file a folder was converted from: where it is, its architecture, and each weight matrix's
+    [GGML type, rows, bytes a row, offset in the file]."""
+
+    path: Path
+    architecture: str
+    tensors: dict[str, list]
+
+
+def gguf_source(folder: Path) -> GGUFSource | None:
+    """The GGUF file `folder` was converted from, while it is still there unchanged (`--quantization gguf`
+    serves its blocks); None for any other folder."""
+    path = folder / SOURCE_FILE
+    if not path.exists():
+        return None
+    source = json.loads(path.read_text())
+    gguf = Path(source["path"])
+    try:
+        st = gguf.stat()
+    except OSError:
+        return None
+    if (st.st_size, st.st_mtime_ns) != (source["size"], source["mtime_ns"]) or "tensors" not in source:
+        return None
+    return GGUFSource(gguf, source["architecture"], source["tensors"])
 
 
 def checkpoint_formats(folder: Path) -> dict[str, int]:
@@ -229,11 +288,12 @@ def load_model(
     max_positions: int,
     cpu_linear: str = engine_default("cpu_linear"),
     quantization: str | None = None,
+    gguf: GGUFSource | None = None,
 ) -> CausalLM:
     """Build the model class for `config` (a text config, see `text_config`) and fill it from `folder`.
 
     The checkpoint is read into float32; `quantization` (see inferd.models.quant) quantizes from those values,
-    then the rest of the model is cast to `dtype`."""
+    then the rest of the model is cast to `dtype`. `gguf`: the GGUF file whose blocks --quantization gguf serves."""
     cls = model_class_for(config)
     with _skip_init(), torch.device(device):
         model = cls(config, max_positions)
@@ -246,7 +306,7 @@ def load_model(
         model.tile_lm_head()  # tiles view the cast weight: a tied head stays shared with the embedding
     else:
         model.tile_lm_head()  # tiles view the fp32 weights, then become int8 copies
-        quantize_model(model, quantization, device)
+        quantize_model(model, quantization, device, gguf)
         model.to(dtype=dtype)
     if device.type == "cpu" and cpu_linear == "onednn":
         if dtype == torch.float32:

@@ -52,7 +52,7 @@ from inferd.models.lm_head import LMHead
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "gguf")
 
 # bf16 rows up to which the int8-reading kernels beat widening the weights for the dense matmul (see module
 # doc): torch's packed op without our kernel; ours, below the point on Gemma 3 270M's shapes where a bf16
@@ -286,9 +286,10 @@ def check_quantization(name: str | None, device: torch.device) -> None:
         raise ConfigError(f"--quantization {name} runs on CPU only (its kernels are CPU kernels); got {device}")
 
 
-def resolve_quantization(name: str | None, device: torch.device, formats: dict[str, int]) -> QuantChoice:
+def resolve_quantization(name: str | None, device: torch.device, formats: dict[str, int], gguf=None) -> QuantChoice:
     """'auto', 'none' (or None) or a mode -> the mode the weights run in. `formats` is how the checkpoint stored
-    its weight matrices (`inferd.models.loader.checkpoint_formats`).
+    its weight matrices (`inferd.models.loader.checkpoint_formats`), `gguf` the GGUF file it was converted
+    from, if any (`loader.gguf_source`): `gguf` serves that file's blocks.
 
     auto: a checkpoint that stores its weights quantized (a GGUF's Q4_K/Q5_0/Q6_K/Q8_0 blocks, 4.5-8.5 bits a
     weight) runs in int8 on CPU: it has already given up float precision, and a decode step, bound by the bytes
@@ -296,6 +297,8 @@ def resolve_quantization(name: str | None, device: torch.device, formats: dict[s
     blocks, and the rounding to int8 costs a measured perplexity, docs/performance.md). Float checkpoints, and
     any on a GPU (the int8 kernels are CPU kernels), keep their values in --dtype."""
     check_quantization(name, device)
+    if name == "gguf" and gguf is None:
+        raise ConfigError("--quantization gguf serves a GGUF file's own blocks; this checkpoint is not a GGUF")
     if name in QUANTIZATIONS:
         return QuantChoice(name, "asked for")
     if name != "auto":
@@ -313,18 +316,25 @@ def resolve_quantization(name: str | None, device: torch.device, formats: dict[s
     return QuantChoice("int8", f"auto: the checkpoint stores {listing} blocks; int8 reads half of bf16's bytes")
 
 
-def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
-    """Replace every Linear (the LM head's tiles included) by its quantized form; returns how many."""
+def quantize_model(model: nn.Module, name: str, device: torch.device, gguf=None) -> int:
+    """Replace every Linear (the LM head's tiles included) by its quantized form; returns how many. gguf: each
+    layer on the blocks of the GGUF file `gguf` (a `loader.GGUFSource`) where it can be
+    (inferd/models/gguf_blocks.py), int8 otherwise."""
     check_quantization(name, device)
-    from inferd.models.cpu_kernels import int4_kernels, int8_module
+    from inferd.models.cpu_kernels import gguf_module, int4_kernels, int8_module
 
     native = int8_module() if device.type == "cpu" else None
+    on_blocks = 0
+    if name == "gguf":
+        on_blocks = _use_gguf_blocks(model, gguf, gguf_module())
     int4 = None
     if name == "int4":
         int4 = int4_kernels()
         if int4 is None:
             raise ConfigError("--quantization int4 needs its native CPU kernel, which failed to build (see the log)")
     targets = [(parent, child_name, child) for parent in model.modules() for child_name, child in _linears(parent)]
+    if not targets and on_blocks:
+        return on_blocks
     if not targets:
         raise ConfigError(f"--quantization {name}: {type(model).__name__} has no linear layers to quantize")
     # int4 keeps the LM head in int8, as llama.cpp keeps its output tensor at 6-8 bits: every logit rests on
@@ -352,12 +362,27 @@ def quantize_model(model: nn.Module, name: str, device: torch.device) -> int:
             INT4_GROUP,
         )
     logger.info(
-        "quantization %s: %d linear layers; kernels for a few rows: %s",
+        "quantization %s: %d linear layers%s; kernels for a few rows: %s",
         name,
-        len(targets),
+        len(targets) + on_blocks,
+        f" ({on_blocks} on the file's blocks, {len(targets)} int8)" if name == "gguf" else "",
         f"native, int8 activations ({native.isa()})" if native else "torch (no native int8 kernel)",
     )
-    return len(targets)
+    return len(targets) + on_blocks
+
+
+def _use_gguf_blocks(model: nn.Module, gguf, kernels) -> int:
+    from inferd.models.gguf_blocks import use_gguf_blocks
+
+    if gguf is None or kernels is None:
+        raise ConfigError(
+            "--quantization gguf needs a GGUF checkpoint and the native GGUF kernel"
+            + ("" if kernels is not None else ", which failed to build (see the log)")
+        )
+    replaced, skipped = use_gguf_blocks(model, gguf, kernels)
+    for layer, why in sorted(skipped.items()):
+        logger.info("quantization gguf: %s stays int8: %s", layer, why)
+    return replaced
 
 
 def _linears(parent: nn.Module):

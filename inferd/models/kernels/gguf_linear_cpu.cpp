@@ -70,7 +70,11 @@ Layout layout(int64_t type) {
 inline float half(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes
@@ -86,20 +90,45 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
 
 // One weight row decoded for the integer dot products: codes u [K] (signed for Q8_0), per group of 32 the
 // factor A, per 16 the offset B16 (a group's B repeated) and, for Q6_K, the int16 scale of each 16.
+// Group g's 32 codes are at codes + g * stride: the buffer u (stride 32), or a Q8_0 row's own blocks (stride 34).
 struct Decoded {
   std::vector<uint8_t> u;
   std::vector<float> a, b16;
   std::vector<int16_t> s16;
+  const uint8_t* codes = nullptr;
+  int64_t stride = kGroup;
   explicit Decoded(int64_t K) : u(K), a(K / kGroup), b16(K / 16), s16(K / 16) {}
 };
+
+#if defined(__AVX2__)
+// 16 bytes of nibbles -> 32 codes in a register: the low nibbles first, then the high ones
+inline __m256i nibbles32(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// bit j of qh -> `value` in byte j (byte j takes qh's byte j / 8 and tests its bit j % 8)
+inline __m256i bits32(uint32_t qh, char value) {
+  const __m256i shuffle = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                           3, 3, 3, 3, 3, 3, 3);
+  const __m256i bits = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)), shuffle);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits), _mm256_set1_epi8(value));
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+// each byte's bits [shift, shift + width) as a number: 16-bit shifts are fine, the mask drops the neighbour's bits
+inline __m256i field(__m256i v, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+#endif
 
 // 16 bytes of nibbles -> 32 codes: the low nibbles first, then the high ones (Q4_0/Q5_0's order)
 inline void nibbles_split(const uint8_t* q, uint8_t* u) {
 #if defined(__AVX2__)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(u), _mm_and_si128(v, m));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+  store32(u, nibbles32(q));
 #else
   for (int j = 0; j < 16; ++j) {
     u[j] = q[j] & 15;
@@ -109,18 +138,24 @@ inline void nibbles_split(const uint8_t* q, uint8_t* u) {
 }
 
 void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
+  // the rows are streamed once: ask for the bytes kPrefetchBytes ahead (the hardware prefetcher alone
+  // loses the stream where threads claim runs of rows)
+  const int64_t row_bytes = K / layout(type).values * layout(type).bytes;
+  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + kPrefetchBytes + off, 0, 3);
   uint8_t* u = d.u.data();
+  d.codes = u;
+  d.stride = kGroup;
   const int64_t G = K / kGroup;
   auto same_b = [&](int64_t g, float b) { d.b16[2 * g] = d.b16[2 * g + 1] = b; };
   switch (type) {
-    case Q8_0:
+    case Q8_0:  // the codes are read in place
+      d.codes = row + 2;
+      d.stride = 34;
       for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* blk = row + g * 34;
-        d.a[g] = half(blk);
+        d.a[g] = half(row + g * 34);
         same_b(g, 0.f);
-        std::memcpy(u + g * kGroup, blk + 2, kGroup);
       }
-      break;
+      return;
     case Q4_0:
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* blk = row + g * 18;
@@ -139,17 +174,10 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
         uint32_t qh;
         std::memcpy(&qh, blk + 2, 4);
         uint8_t* o = u + g * kGroup;
-        nibbles_split(blk + 6, o);
 #if defined(__AVX2__)
-        // bit j of qh -> 0x10 in byte j: byte j takes qh's byte j / 8 and tests bit j % 8
-        const __m256i shuffle = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
-                                                 2, 3, 3, 3, 3, 3, 3, 3, 3);
-        const __m256i bits = _mm256_set1_epi64x(0x8040201008040201LL);
-        __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)), shuffle);
-        h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits), _mm256_set1_epi8(0x10));
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_or_si256(v, h));
+        store32(o, _mm256_or_si256(nibbles32(blk + 6), bits32(qh, 0x10)));
 #else
+        nibbles_split(blk + 6, o);
         for (int j = 0; j < 32; ++j) o[j] |= ((qh >> j) & 1) << 4;
 #endif
       }
@@ -173,11 +201,17 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
           const uint8_t* q = qs + (j / 2) * 32;
           const int shift = (j % 2) * 4;
           uint8_t* o = u + g * kGroup;
+#if defined(__AVX2__)
+          __m256i v = field(load32(q), shift, 15);
+          if (five) v = _mm256_or_si256(v, _mm256_slli_epi16(field(load32(qh), j, 1), 4));
+          store32(o, v);
+#else
           for (int l = 0; l < 32; ++l) {
             uint8_t v = (q[l] >> shift) & 15;
             if (five) v |= ((qh[l] >> j) & 1) << 4;
             o[l] = v;
           }
+#endif
         }
       }
       break;
@@ -196,7 +230,11 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
             const uint8_t* hi = qh + 32 * h;
             const int64_t g = s * 8 + h * 4 + t;
             uint8_t* o = u + g * kGroup;
+#if defined(__AVX2__)
+            store32(o, _mm256_or_si256(field(load32(lo), shift, 15), _mm256_slli_epi16(field(load32(hi), 2 * t, 3), 4)));
+#else
             for (int l = 0; l < 32; ++l) o[l] = ((lo[l] >> shift) & 15) | (((hi[l] >> (2 * t)) & 3) << 4);
+#endif
             d.a[g] = dd;
             for (int half16 = 0; half16 < 2; ++half16) {
               const int8_t scale = sc[(g - s * 8) * 2 + half16];
@@ -259,68 +297,106 @@ inline float hsum8(__m256 v) {
 
 enum class Codes { Unsigned, Signed, Scaled16 };
 
-// MB activation rows (from m0) against one decoded weight row: sum over groups of A * xd * sum(u * xq).
-template <int MB, Codes C>
-inline void dot_rows(const Decoded& w, const QuantizedRows& a, int64_t m0, float* out) {
+// NR decoded weight rows against MB activation rows (from m0): out[r * MB + m] = sum over groups of
+// A * xd * sum(u * xq). NR x MB accumulators in registers; each activation load serves NR weight rows.
+template <int NR, int MB, Codes C>
+inline void dot_block(const Decoded* w, const QuantizedRows& a, int64_t m0, float* out) {
   const int64_t G = a.G;
 #if defined(__AVX2__)
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[NR][MB];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u.data() + g * kGroup));
-    __m256i uw = wv, pairs_scale = ones;
-    if constexpr (C == Codes::Signed) uw = _mm256_abs_epi8(wv);
-    if constexpr (C == Codes::Scaled16) {
-      const __m128i lo = _mm_set1_epi16(w.s16[2 * g]), hi = _mm_set1_epi16(w.s16[2 * g + 1]);
-      pairs_scale = _mm256_set_m128i(hi, lo);
-    }
-    const float ag = w.a[g];
+    __m256i xv[MB];
+    __m256 xd[MB];
     for (int m = 0; m < MB; ++m) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + m) + g * kGroup));
-      if constexpr (C == Codes::Signed) xv = _mm256_sign_epi8(xv, wv);
-      const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), pairs_scale);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(ag * a.drow(m0 + m)[g]), acc[m]);
+      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qrow(m0 + m) + g * kGroup));
+      xd[m] = _mm256_set1_ps(a.drow(m0 + m)[g]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r].codes + g * w[r].stride));
+      __m256i uw = wv, pairs_scale = ones;
+      if constexpr (C == Codes::Signed) uw = _mm256_abs_epi8(wv);
+      if constexpr (C == Codes::Scaled16) {
+        const __m128i lo = _mm_set1_epi16(w[r].s16[2 * g]), hi = _mm_set1_epi16(w[r].s16[2 * g + 1]);
+        pairs_scale = _mm256_set_m128i(hi, lo);
+      }
+      const __m256 ag = _mm256_set1_ps(w[r].a[g]);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xs = C == Codes::Signed ? _mm256_sign_epi8(xv[m], wv) : xv[m];
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xs), pairs_scale);
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ag, xd[m]), acc[r][m]);
+      }
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = hsum8(acc[m]);
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MB; ++m) out[r * MB + m] = hsum8(acc[r][m]);
 #else
-  for (int m = 0; m < MB; ++m) {
-    const int8_t* xq = a.qrow(m0 + m);
-    float total = 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t s[2] = {0, 0};
-      for (int j = 0; j < kGroup; ++j) {
-        const int32_t code = C == Codes::Signed ? static_cast<int8_t>(w.u[g * kGroup + j]) : w.u[g * kGroup + j];
-        s[j / 16] += code * xq[g * kGroup + j];
+  for (int r = 0; r < NR; ++r) {
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xq = a.qrow(m0 + m);
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t s[2] = {0, 0};
+        for (int j = 0; j < kGroup; ++j) {
+          const uint8_t c = w[r].codes[g * w[r].stride + j];
+          const int32_t code = C == Codes::Signed ? static_cast<int8_t>(c) : c;
+          s[j / 16] += code * xq[g * kGroup + j];
+        }
+        const int32_t dot = C == Codes::Scaled16 ? s[0] * w[r].s16[2 * g] + s[1] * w[r].s16[2 * g + 1] : s[0] + s[1];
+        total += w[r].a[g] * a.drow(m0 + m)[g] * static_cast<float>(dot);
       }
-      const int32_t dot = C == Codes::Scaled16 ? s[0] * w.s16[2 * g] + s[1] * w.s16[2 * g + 1] : s[0] + s[1];
-      total += w.a[g] * a.drow(m0 + m)[g] * static_cast<float>(dot);
+      out[r * MB + m] = total;
     }
-    out[m] = total;
   }
 #endif
 }
 
-template <Codes C, typename Out>
-void row_out(const Decoded& w, const QuantizedRows& a, int64_t M, float add, Out* y, int64_t N) {
+// sum over h of b16[h] * xs[h] (the offsets' share of a dot product)
+inline float offsets(const float* b16, const float* xs, int64_t H) {
+  float total = 0.f;
+  int64_t h = 0;
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; h + 8 <= H; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(b16 + h), _mm256_loadu_ps(xs + h), acc);
+  total = hsum8(acc);
+#endif
+  for (; h < H; ++h) total += b16[h] * xs[h];
+  return total;
+}
+
+// NR decoded weight rows (output columns n0..n0+NR) against every activation row, written to y
+template <int NR, Codes C, typename Out>
+void rows_out(const Decoded* w, const QuantizedRows& a, int64_t M, const float* bias, int64_t n0, Out* y,
+              int64_t N) {
   const int64_t H = 2 * a.G;
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    float out[4];
-    const int64_t mb = std::min<int64_t>(4, M - m0);
-    switch (mb) {
-      case 4: dot_rows<4, C>(w, a, m0, out); break;
-      case 3: dot_rows<3, C>(w, a, m0, out); break;
-      case 2: dot_rows<2, C>(w, a, m0, out); break;
-      default: dot_rows<1, C>(w, a, m0, out); break;
-    }
-    for (int64_t m = 0; m < mb; ++m) {
-      const float* xs = a.srow(m0 + m);
-      float offset = 0.f;
-      for (int64_t h = 0; h < H; ++h) offset += w.b16[h] * xs[h];
-      put(out[m] + offset + add, y + (m0 + m) * N);
+  constexpr int MB = NR == 1 ? 4 : 2;
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    float out[NR * MB];
+    const int64_t mb = std::min<int64_t>(MB, M - m0);
+    if (mb == MB) dot_block<NR, MB, C>(w, a, m0, out);
+    else if constexpr (MB == 4) {
+      if (mb == 3) dot_block<NR, 3, C>(w, a, m0, out);
+      else if (mb == 2) dot_block<NR, 2, C>(w, a, m0, out);
+      else dot_block<NR, 1, C>(w, a, m0, out);
+    } else dot_block<NR, 1, C>(w, a, m0, out);
+    for (int r = 0; r < NR; ++r) {
+      const float add = bias ? bias[n0 + r] : 0.f;
+      for (int64_t m = 0; m < mb; ++m) {
+        const float off = C == Codes::Signed ? 0.f : offsets(w[r].b16.data(), a.srow(m0 + m), H);
+        put(out[r * mb + m] + off + add, y + (m0 + m) * N + n0 + r);
+      }
     }
   }
+}
+
+template <int NR, typename Out>
+void rows_out(int64_t type, const Decoded* w, const QuantizedRows& a, int64_t M, const float* bias, int64_t n0,
+              Out* y, int64_t N) {
+  if (type == Q8_0) rows_out<NR, Codes::Signed>(w, a, M, bias, n0, y, N);
+  else if (type == Q6_K) rows_out<NR, Codes::Scaled16>(w, a, M, bias, n0, y, N);
+  else rows_out<NR, Codes::Unsigned>(w, a, M, bias, n0, y, N);
 }
 
 struct Segment {
@@ -346,7 +422,8 @@ std::vector<Segment> segments(const std::vector<torch::Tensor>& weights, const s
   return out;
 }
 
-constexpr int64_t kRowsPerItem = 8;
+constexpr int64_t kRowsPerItem = 16;  // rows a thread claims at a time
+constexpr int kRowsPerBlock = 4;      // weight rows whose dot products run together
 
 }  // namespace
 
@@ -374,19 +451,18 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
     for (int64_t r = 0; r < segs[s].rows; r += kRowsPerItem) items.emplace_back(s, r);
   auto run = [&](auto* Y) {
     parallel_claim(static_cast<int64_t>(items.size()), 1, [&](auto each) {
-      Decoded w(K);
+      std::vector<Decoded> w(kRowsPerBlock, Decoded(K));
       each([&](int64_t i) {
         const Segment& s = segs[items[i].first];
         const int64_t r1 = std::min(s.rows, items[i].second + kRowsPerItem);
-        for (int64_t r = items[i].second; r < r1; ++r) {
-          const uint8_t* row = s.data + r * s.row_bytes;
-          __builtin_prefetch(row + s.row_bytes * kRowsPerItem, 0, 3);
-          decode_row(s.type, row, K, w);
-          const int64_t n = s.first + r;
-          const float add = B ? B[n] : 0.f;
-          if (s.type == Q8_0) row_out<Codes::Signed>(w, a, M, add, Y + n, N);
-          else if (s.type == Q6_K) row_out<Codes::Scaled16>(w, a, M, add, Y + n, N);
-          else row_out<Codes::Unsigned>(w, a, M, add, Y + n, N);
+        for (int64_t r = items[i].second; r < r1; r += kRowsPerBlock) {
+          const int64_t nr = std::min<int64_t>(kRowsPerBlock, r1 - r);
+          for (int64_t j = 0; j < nr; ++j) decode_row(s.type, s.data + (r + j) * s.row_bytes, K, w[j]);
+          if (nr == kRowsPerBlock) {
+            rows_out<kRowsPerBlock>(s.type, w.data(), a, M, B, s.first + r, Y, N);
+          } else {
+            for (int64_t j = 0; j < nr; ++j) rows_out<1>(s.type, w.data() + j, a, M, B, s.first + r + j, Y, N);
+          }
         }
       });
     });
@@ -410,7 +486,7 @@ torch::Tensor gguf_dequantize(torch::Tensor weight, int64_t type, int64_t K, int
       decode_row(type, s.data + r * s.row_bytes, K, w);
       float* o = O + (r - lo) * K;
       for (int64_t g = 0; g < K / kGroup; ++g) {
-        const uint8_t* u = w.u.data() + g * kGroup;
+        const uint8_t* u = w.codes + g * w.stride;
         float* og = o + g * kGroup;
         if (type == Q8_0) {
           for (int j = 0; j < kGroup; ++j) og[j] = w.a[g] * static_cast<float>(static_cast<int8_t>(u[j]));

@@ -1,0 +1,206 @@
+"""Serve a GGUF checkpoint from its own quantized blocks (`--quantization gguf`).
+
+A GGUF (the default model is Q4_K_M) stores each weight matrix as blocks of a GGML type: Q5_0, Q8_0, Q4_K, Q6_K
+... (4.5-8.5 bits a weight). inferd converts the file once to a float folder (loader.py), builds the model from
+it, and with this mode then puts each linear layer back on the file's own bytes: a `GGUFLinear` holds the rows
+as the file stores them and the native kernel (`kernels/gguf_linear_cpu.cpp`) decodes them exactly in
+registers, so the weights a step multiplies by are the file's values, the same values llama.cpp computes with,
+and only the activations are rounded (to int8 in groups of 32, as llama.cpp's Q8_0).
+
+Each layer's blocks are checked at load against the float weights the model was built from: they must
+dequantize to exactly those values (a row order is found for q/k where the converter permuted them, as
+transformers does for Llama-family GGUFs). A layer whose tensor is missing, of a type without a kernel, or
+that does not match stays on the int8 path (`quant.Int8Linear`), and the log says which and why. The LM head's
+vocabulary tiles take their rows of the file's output (or tied embedding) tensor; the embedding lookup keeps
+the float table.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from inferd.models.attention import named_in_profiles
+from inferd.models.layers import FusedLinear, Linear
+from inferd.models.lm_head import LMHead
+
+logger = logging.getLogger(__name__)
+
+#: GGML types the kernel reads, by name -> GGML's type code
+GGUF_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# activation rows up to which the fused kernel (integer products on the blocks) runs; above, chunks of weight
+# rows are dequantized into the activations' dtype for the dense matmul (compute-bound there). Rows of one chunk.
+GGUF_FUSED_MAX_ROWS = 64
+GGUF_CHUNK_ROWS = 2048
+
+
+class GGUFLinear(nn.Module):
+    """A linear layer on a GGUF's blocks: `segments`, each (GGML type code, uint8 [rows, row bytes]), are its
+    output rows in order (a fused q/k/v layer whose v the file stores in another type has several)."""
+
+    out_sizes: list[int]
+
+    def __init__(self, segments: list[tuple[int, torch.Tensor]], in_features: int, bias, kernels):
+        super().__init__()
+        self.in_features = in_features
+        self.types = [int(t) for t, _ in segments]
+        self.out_features = sum(w.shape[0] for _, w in segments)
+        for i, (_, w) in enumerate(segments):
+            self.register_buffer(f"blocks{i}", w.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        self.kernels = kernels
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"blocks{i}") for i in range(len(self.types))]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.out_sizes, dim=-1)
+
+    def weight_bytes(self) -> int:
+        """What a pass over the layer reads: the file's blocks, as stored."""
+        return sum(w.numel() for w in self.weights)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        k, segments = self.in_features, zip(self.types, self.weights, strict=True)
+        rows = [self.kernels.gguf_dequantize(w, t, k, 0, w.shape[0]) for t, w in segments]
+        return torch.cat(rows).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self._forward_rows(x)
+        y = self._forward_rows(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        dtype = x2.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return self._forward_rows(x2.float()).to(dtype)
+        if x2.shape[0] <= GGUF_FUSED_MAX_ROWS:
+            with named_in_profiles("inferd::gguf_linear"):
+                return self.kernels.gguf_linear(x2, self.weights, self.types, self.bias)
+        with named_in_profiles("inferd::gguf_linear_dense"):
+            return self.kernels.gguf_linear_dense(x2, self.weights, self.types, self.bias, GGUF_CHUNK_ROWS)
+
+    def extra_repr(self) -> str:
+        names = {code: name for name, code in GGUF_TYPES.items()}
+        kinds = "+".join(names[t] for t in self.types)
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {kinds} blocks"
+
+
+def _tensor_name_map(architecture: str, num_layers: int):
+    import gguf
+
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(architecture)
+    return None if arch is None else gguf.get_tensor_name_map(arch, num_layers)
+
+
+def _head_rows_order(n: int, heads: int) -> torch.Tensor:
+    """The row order transformers' GGUF loader gives q/k of Llama-family files (it undoes llama.cpp's
+    permutation for rotary): our row i is the file's row order[i]."""
+    return torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+class _Blocks:
+    """The GGUF file's weight matrices by name, as uint8 [rows, row bytes] with their GGML type (read through a
+    memory map at the offsets recorded when the file was converted, `loader.GGUFSource`)."""
+
+    def __init__(self, source, num_layers: int):
+        self.file = np.memmap(source.path, dtype=np.uint8, mode="r")
+        self.tensors = source.tensors
+        self.names = _tensor_name_map(source.architecture, num_layers)
+
+    def lookup(self, module_name: str, prefixes: list[tuple[str, str]] = ()):
+        """(type name, uint8 rows) of the tensor stored for a module name (ours, or ours with a prefix
+        rewritten back to a checkpoint's spelling), or None."""
+        spellings = [module_name] + [c + module_name[len(o) :] for c, o in prefixes if module_name.startswith(o)]
+        names = [self.names.get_name(n) for n in spellings] if self.names is not None else []
+        name = next((n for n in names if n), None)
+        t = self.tensors.get(f"{name}.weight") if name else None
+        if t is None:
+            return None
+        kind, rows, row_bytes, offset = t
+        if kind not in GGUF_TYPES:
+            return kind, None
+        data = np.array(self.file[offset : offset + rows * row_bytes]).reshape(rows, row_bytes)
+        return kind, torch.from_numpy(data)
+
+
+def _rows(rows: torch.Tensor | None, lo: int, n: int) -> torch.Tensor | None:
+    return None if rows is None else rows[lo : lo + n]
+
+
+def _shards(model: nn.Module, path: str, layer: nn.Module) -> list[str]:
+    """The checkpoint module names whose rows make up our layer at `path`, in row order."""
+    parent, _, leaf = path.rpartition(".")
+    fused: dict[str, list[str]] = {}
+    for ckpt, (ours, _) in sorted(getattr(model, "fused_shards", {}).items(), key=lambda kv: kv[1][1]):
+        fused.setdefault(ours, []).append(ckpt)
+    names = fused.get(leaf, [leaf]) if isinstance(layer, FusedLinear) else [leaf]
+    return [f"{parent}.{n}" for n in names]
+
+
+def _matching_rows(kernels, type_code: int, rows: torch.Tensor, want: torch.Tensor, heads: list[int]):
+    """`rows` in the order that dequantizes exactly to `want` (float32 [N, K]), or None."""
+    n, k = want.shape
+    got = kernels.gguf_dequantize(rows, type_code, k, 0, rows.shape[0])
+    if torch.equal(got, want):
+        return rows
+    for h in heads:
+        if h and n % (2 * h) == 0:
+            order = _head_rows_order(n, h)
+            if torch.equal(got[order], want):
+                return rows[order].contiguous()
+    return None
+
+
+def use_gguf_blocks(model: nn.Module, source, kernels) -> tuple[int, dict[str, str]]:
+    """Replace each linear layer (the LM head's tiles included) by a `GGUFLinear` on the file's blocks where
+    they dequantize exactly to its float weights. Returns (how many layers were replaced, {layer: why not}
+    for the others, which the caller quantizes otherwise)."""
+    config = model.config
+    blocks = _Blocks(source, config.num_hidden_layers)
+    heads = [getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", 0)]
+    head = getattr(model, "lm_head", None)
+    head_tiles = {id(t): lo for lo, t in zip(head.offsets, head.tiles, strict=True)} if isinstance(head, LMHead) else {}
+    tied = getattr(config, "tie_word_embeddings", False)
+    head_tensor = blocks.lookup("model.embed_tokens" if tied else "lm_head")
+    replaced, skipped = 0, {}
+    for path_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, Linear):
+                continue
+            name = f"{path_name}.{child_name}" if path_name else child_name
+            weight = child.weight.detach().float()
+            if id(child) in head_tiles:
+                lo = head_tiles[id(child)]
+                found = [head_tensor and (head_tensor[0], _rows(head_tensor[1], lo, weight.shape[0]))]
+                wants = [weight]
+            else:
+                shard_names = _shards(model, name, child)
+                found = [blocks.lookup(n, getattr(model, "checkpoint_prefixes", [])) for n in shard_names]
+                sizes = getattr(child, "out_sizes", [weight.shape[0]])
+                wants = list(weight.split(sizes))
+            segments, why = [], None
+            for shard, want in zip(found, wants, strict=True):
+                if not shard:
+                    why = "no tensor for it in the file"
+                elif shard[1] is None:
+                    why = f"stored as {shard[0]}, which has no block kernel"
+                else:
+                    rows = _matching_rows(kernels, GGUF_TYPES[shard[0]], shard[1], want.contiguous(), heads)
+                    why = None if rows is not None else "its blocks do not dequantize to the loaded weights"
+                    segments.append((GGUF_TYPES[shard[0]], rows))
+                if why:
+                    break
+            if why:
+                skipped[name] = why
+                continue
+            layer = GGUFLinear(segments, weight.shape[1], child.bias, kernels)
+            layer.out_sizes = list(getattr(child, "out_sizes", [layer.out_features]))
+            setattr(parent, child_name, layer)
+            replaced += 1
+    return replaced, skipped

@@ -1,0 +1,212 @@
+"""--quantization gguf: the GGUF block kernel against the `gguf` package, and a model on a GGUF file's blocks."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES as ARCH_NAMES
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from inferd import LLM, SamplingParams
+from inferd.errors import ConfigError
+from inferd.models import loader
+from inferd.models.cpu_kernels import gguf_module
+from inferd.models.gguf_blocks import GGUF_TYPES, GGUFLinear
+from inferd.models.quant import Int8Linear
+
+T = GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = gguf_module()
+    if module is None:
+        pytest.skip("the native GGUF kernel did not build here")
+    return module
+
+
+def random_blocks(kind: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Rows of random blocks of `kind`: random codes and scale bytes, with sane fp16 steps."""
+    rng = np.random.default_rng(seed)
+    values, size = GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, size=(rows, k // values, size), dtype=np.uint8)
+    steps = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}.get(kind, (0,))
+    for at in steps:
+        half = (rng.random((rows, k // values)) * 0.02 + 1e-3).astype(np.float16)
+        raw[:, :, at : at + 2] = half.view(np.uint8).reshape(rows, k // values, 2)
+    return raw.reshape(rows, -1)
+
+
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it: int8 per group of 32 with a float step max|x| / 127, back in float64."""
+    m, k = x.shape
+    groups = x.float().view(m, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv) * (amax / 127.0)).view(m, k).double()
+
+
+KINDS = [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_blocks_dequantize_exactly_as_the_gguf_package_does(kernels, kind):
+    raw = random_blocks(kind, 37, 512)
+    want = dequantize(raw, kind).reshape(37, 512).astype(np.float32)
+    got = kernels.gguf_dequantize(torch.from_numpy(raw), int(kind), 512, 0, 37)
+    assert torch.equal(got, torch.from_numpy(want))
+    part = kernels.gguf_dequantize(torch.from_numpy(raw), int(kind), 512, 5, 9)
+    assert torch.equal(part, got[5:9])
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13])
+def test_the_kernel_is_the_dot_product_of_rounded_activations_with_the_files_values(kernels, kind, rows):
+    """Exact but for float summation order: the file's weights times the activations rounded to int8 per 32.
+    37 output rows leave a tail after blocks of 4 and runs of 16."""
+    raw = random_blocks(kind, 37, 512, seed=rows)
+    w = torch.from_numpy(dequantize(raw, kind).reshape(37, 512).astype(np.float64))
+    torch.manual_seed(rows)
+    x, bias = torch.randn(rows, 512), torch.randn(37)
+    got = kernels.gguf_linear(x, [torch.from_numpy(raw)], [int(kind)], bias)
+    xq = rounded_activations(x)
+    want = xq @ w.T + bias.double()
+    scale = xq.abs() @ w.abs().T + bias.double().abs()
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs() / scale).max() < 1e-5
+    # bfloat16 rows: rounded to int8 from their bf16 values, the output rounded to bf16
+    got16 = kernels.gguf_linear(x.bfloat16(), [torch.from_numpy(raw)], [int(kind)], bias)
+    want16 = rounded_activations(x.bfloat16()) @ w.T + bias.double()
+    assert got16.dtype == torch.bfloat16
+    assert ((got16.double() - want16).abs() / scale).max() < 1e-2
+
+
+def test_segments_of_several_types_are_one_layer_and_many_rows_take_the_dense_path(kernels):
+    k = 256
+    parts = [(T.Q5_0, random_blocks(T.Q5_0, 24, k, 1)), (T.Q8_0, random_blocks(T.Q8_0, 9, k, 2)),
+             (T.Q6_K, random_blocks(T.Q6_K, 16, k, 3))]  # fmt: skip
+    weights = [torch.from_numpy(raw) for _, raw in parts]
+    types = [int(kind) for kind, _ in parts]
+    x = torch.randn(6, k)
+    whole = kernels.gguf_linear(x, weights, types, None)
+    alone = torch.cat([kernels.gguf_linear(x, [w], [t], None) for w, t in zip(weights, types, strict=True)], 1)
+    assert torch.equal(whole, alone)
+    # the dense path: the dequantized weights in a matmul with the unrounded activations
+    w = torch.cat([torch.from_numpy(dequantize(raw, kind).reshape(-1, k).astype(np.float32)) for kind, raw in parts])
+    many = torch.randn(70, k)
+    dense = kernels.gguf_linear_dense(many, weights, types, None, 10)
+    torch.testing.assert_close(dense, many @ w.T, rtol=1e-4, atol=1e-3)
+    layer = GGUFLinear(list(zip(types, weights, strict=True)), k, None, kernels)
+    layer.out_sizes = [24, 9, 16]
+    torch.testing.assert_close(layer(many), dense, rtol=1e-4, atol=1e-3)
+    assert torch.equal(layer(x), whole) and [t.shape[-1] for t in layer.split(whole)] == [24, 9, 16]
+    assert torch.equal(layer.dequantized(), w)
+    assert layer.weight_bytes() == sum(raw.nbytes for _, raw in parts)
+
+
+def test_the_kernel_refuses_rows_that_do_not_fit(kernels):
+    raw = torch.from_numpy(random_blocks(T.Q5_0, 4, 256))
+    with pytest.raises(RuntimeError, match="needs"):
+        kernels.gguf_linear(torch.randn(1, 512), [raw], [int(T.Q5_0)], None)
+    with pytest.raises(RuntimeError, match="not supported"):
+        kernels.gguf_linear(torch.randn(1, 256), [raw], [int(T.IQ4_NL)], None)
+
+
+# -- a model on a GGUF file's blocks ---------------------------------------------------------------------------
+# what each matrix is stored as in the test's file (the gguf package quantizes these types)
+STORED = {"attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_down": T.Q4_0, "token_embd": T.Q8_0, "output": T.Q8_0}
+
+
+def llama_cpp_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """q/k rows as llama.cpp's converter permutes them for Llama-family models (rotary's pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(folder, target, arch: str, permute: bool):
+    """A GGUF of `folder`'s weights, quantized, and `target`: a copy of the folder holding the file's values,
+    as converting the file gives (with the file recorded as its source)."""
+    import json
+
+    shutil.copytree(folder, target)
+    config = json.loads((folder / "config.json").read_text())
+    names = get_tensor_name_map(next(a for a, n in ARCH_NAMES.items() if n == arch), config["num_hidden_layers"])
+    weights = load_file(str(folder / "model.safetensors"))
+    path = target.parent / f"{target.name}.gguf"
+    writer = GGUFWriter(path, arch)
+    values = {}
+    for name, tensor in weights.items():
+        gguf_name = names.get_name(name.removesuffix(".weight"))
+        if tensor.dim() != 2 or gguf_name is None:
+            values[name] = tensor
+            continue
+        kind = STORED.get(gguf_name.split(".")[-1], T.Q5_0)
+        w = tensor.float().numpy()
+        kv = config["num_key_value_heads"]
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": kv}.get(gguf_name.split(".")[-1])
+        if permute and heads:
+            w = llama_cpp_order(w, heads)
+        blocks = quantize(w, kind)
+        writer.add_tensor(f"{gguf_name}.weight", blocks, raw_dtype=kind)
+        stored = dequantize(blocks, kind).astype(np.float32).reshape(w.shape)
+        if permute and heads:  # back to the checkpoint's order, as transformers' GGUF loader does
+            n = stored.shape[0]
+            stored = stored[np.arange(n).reshape(heads, n // heads // 2, 2).transpose(0, 2, 1).reshape(-1)]
+        values[name] = torch.from_numpy(np.ascontiguousarray(stored))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(values, str(target / "model.safetensors"))
+    loader._write_source(path, target)
+    return path
+
+
+@pytest.mark.parametrize(("arch", "gguf_arch", "permute"), [("llama", "llama", True), ("gemma3", "gemma3", False)])
+def test_a_model_on_its_ggufs_blocks_multiplies_by_the_files_values(tiny_models, tmp_path, arch, gguf_arch, permute):
+    if gguf_module() is None:
+        pytest.skip("the native GGUF kernel did not build here")
+    write_gguf(tiny_models[arch], tmp_path / arch, gguf_arch, permute)
+    kw = dict(max_model_len=64, num_blocks=32, block_size=8, dtype="float32")
+    blocks = LLM(str(tmp_path / arch), quantization="gguf", **kw)
+    reference = LLM(str(tmp_path / arch), quantization="none", cpu_linear="dense", **kw)
+    assert blocks.engine.quantization == "gguf"
+    ours = dict(blocks.engine.model.named_modules())
+    floats = dict(reference.engine.model.named_modules())
+    on_blocks = {name: m for name, m in ours.items() if isinstance(m, GGUFLinear)}
+    assert not any(isinstance(m, Int8Linear) for m in ours.values())
+    assert {n.rsplit(".", 1)[-1] for n in on_blocks} >= {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert sum(n.startswith("lm_head.tiles") for n in on_blocks) == len(reference.engine.model.lm_head.tiles)
+    for name, layer in on_blocks.items():  # the file's values, q/k rows in the checkpoint's order
+        assert torch.equal(layer.dequantized(), floats[name].weight.float()), name
+    qkv = ours["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.types == [GGUF_TYPES["Q5_0"], GGUF_TYPES["Q5_0"], GGUF_TYPES["Q8_0"]]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    (out,) = blocks.generate(["the quick brown fox"], params)
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_a_layer_whose_blocks_do_not_match_stays_int8_and_the_log_says_why(tiny_models, tmp_path, caplog):
+    if gguf_module() is None:
+        pytest.skip("the native GGUF kernel did not build here")
+    target = tmp_path / "llama"
+    write_gguf(tiny_models["llama"], target, "llama", permute=True)
+    weights = load_file(str(target / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"] += 1e-3  # no longer what the file stores
+    save_file(weights, str(target / "model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="inferd.models.quant"):
+        llm = LLM(str(target), quantization="gguf", max_model_len=64, num_blocks=32, block_size=8, dtype="float32")
+    layers = llm.engine.model.model.layers
+    assert isinstance(layers[1].mlp.down_proj, Int8Linear) and isinstance(layers[0].mlp.down_proj, GGUFLinear)
+    assert "model.layers.1.mlp.down_proj stays int8: its blocks do not dequantize to the loaded weights" in caplog.text
+
+
+def test_gguf_needs_a_gguf_checkpoint(tiny_models):
+    with pytest.raises(ConfigError, match="not a GGUF"):
+        LLM(str(tiny_models["llama"]), quantization="gguf", max_model_len=64, num_blocks=16, block_size=8)
+    assert loader.gguf_source(tiny_models["llama"]) is None
