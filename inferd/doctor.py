@@ -47,6 +47,7 @@ def report() -> dict:
     prefill = cpu_kernels.prefill_attention_kernel() is not None
     int8 = kernels["int8_linear"].get("isa")
     int4 = kernels["int4_linear"].get("isa")
+    gguf = kernels["gguf_linear"].get("isa")
     paths = {
         "dtype (--dtype auto)": f"{choice.name} ({choice.reason})",
         "weights (--quantization auto)": weights_path,
@@ -56,6 +57,7 @@ def report() -> dict:
         else "PyTorch SDPA" + ("" if not built["prefill_attention"] else " (this CPU has no AMX-BF16)"),
         "int8 weights": f"native kernel ({int8})" if int8 else "PyTorch reference",
         "int4 weights": f"native kernel ({int4})" if int4 else "unavailable (int4 needs its native kernel)",
+        "GGUF blocks (--quantization gguf)": f"native kernel ({gguf})" if gguf else "unavailable (needs its kernel)",
         "RMS norm, rotary, gated activations": "native kernels" if built["norm_rope"] else "PyTorch reference",
         "LoRA adapters' products": "native kernel" if built["lora"] else "PyTorch matmuls",
     }

@@ -123,7 +123,7 @@ class Engine:
         gguf = loader.gguf_source(folder)
         formats = loader.checkpoint_formats(folder)
         self.quant_choice = resolve_quantization(config.quantization, self.device, formats, gguf)
-        self.quantization = self.quant_choice.name  # int8, int4, or None: the checkpoint's values in self.dtype
+        self.quantization = self.quant_choice.name  # int8, int4, gguf, or None: the checkpoint's values in self.dtype
         logger.info("quantization: %s (%s)", self.quantization or "none", self.quant_choice.reason)
         self.model = loader.load_model(
             folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, self.quantization, gguf

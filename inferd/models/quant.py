@@ -1,4 +1,5 @@
-"""Quantized weights for the linear layers and the LM head (`--quantization int8|int4`).
+"""Quantized weights for the linear layers and the LM head (`--quantization int8|int4|gguf`; gguf, a GGUF's own
+blocks, is inferd/models/gguf_blocks.py).
 
 int8, per output channel, symmetric: each weight row is stored as int8 `q` with one float32 scale,
 w ~= q * scale, scale = max|row| / 127 (a quarter of fp32's bytes, half of bf16's: what decoding a small batch
@@ -269,7 +270,7 @@ FLOAT_FORMATS = frozenset({"F32", "F16", "BF16", "F64"})
 
 @dataclass(frozen=True)
 class QuantChoice:
-    """The weight mode a model runs in (int8, int4, or None for the checkpoint's values in --dtype), and why
+    """The weight mode a model runs in (int8, int4, gguf, or None for the checkpoint's values in --dtype), and why
     (logged at start, shown on the server's /v1/models)."""
 
     name: str | None

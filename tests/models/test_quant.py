@@ -291,9 +291,9 @@ def test_quantized_lm_head_argmax_equals_its_full_logits_argmax():
 
 
 def test_unknown_or_impossible_quantization_is_a_clear_error():
-    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, int4; got 'fp8'"):
+    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, int4, gguf; got 'fp8'"):
         make_engine_config("x", quantization="fp8").validate()
-    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, int4"):
+    with pytest.raises(ConfigError, match="quantization must be one of auto, none, int8, int4, gguf"):
         quant.check_quantization("int3", torch.device("cpu"))
     with pytest.raises(ConfigError, match="CPU only"):
         quant.check_quantization("int8", torch.device("cuda"))
