@@ -99,7 +99,7 @@ def test_segments_of_several_types_are_one_layer_and_many_rows_take_the_dense_pa
     assert torch.equal(whole, alone)
     # the dense path: the dequantized weights in a matmul with the unrounded activations
     w = torch.cat([torch.from_numpy(dequantize(raw, kind).reshape(-1, k).astype(np.float32)) for kind, raw in parts])
-    many = torch.randn(70, k)
+    many = torch.randn(130, k)  # above GGUF_FUSED_MAX_ROWS in float32
     dense = kernels.gguf_linear_dense(many, weights, types, None, 10)
     torch.testing.assert_close(dense, many @ w.T, rtol=1e-4, atol=1e-3)
     layer = GGUFLinear(list(zip(types, weights, strict=True)), k, None, kernels)
