@@ -39,6 +39,27 @@ def test_the_default_mode_serves_the_gguf_in_int8_and_still_knows_paris():
     assert_idle(default)
 
 
+def test_gguf_serves_the_files_own_blocks_and_matches_the_reference_logits(llm):
+    """--quantization gguf on the default model: every linear layer, the LM head's tiles included, on the file's
+    blocks; a prompt's logits within the activations' rounding of the fp32 reference's, the same next token."""
+    from inferd.models.cpu_kernels import gguf_module
+    from inferd.models.gguf_blocks import GGUFLinear
+
+    if gguf_module() is None:
+        pytest.skip("the native GGUF kernel did not build here")
+    blocks = LLM(max_model_len=256, kv_cache_memory=64 * 1024**2, dtype="float32", quantization="gguf")
+    layers = [m for m in blocks.engine.model.modules() if isinstance(m, GGUFLinear)]
+    assert len(layers) == 18 * 4 + len(blocks.engine.model.lm_head.tiles)
+    assert not [m for m in blocks.engine.model.modules() if type(m).__name__ == "Int8Linear"]
+    ids = blocks.engine.tokenizer(PROMPT)["input_ids"]
+    ours, ref = _engine_logits(blocks, ids)[-1], _engine_logits(llm, ids)[-1]
+    assert ours.argmax() == ref.argmax()
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()  # a prefill of this length takes the block kernel
+    out = blocks.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "Paris" in out.outputs[0].text
+    assert_idle(blocks)
+
+
 def _engine_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one prefill step of our model."""
     runner, bs = llm.engine.runner, llm.engine.kv.block_size
