@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -533,6 +534,136 @@ constexpr int64_t kFusedRows = 2;
 constexpr int64_t kFusedRows = 0;
 #endif
 
+#if defined(__AVX2__)
+// ---- Three activation rows and more: eight weight rows interleaved, one output row a lane ----
+// Eight decoded rows are laid out as the int8 kernel's tiles are: for every four k, the four codes of each of
+// the 8 rows in one 32-byte vector, so one broadcast of four activation bytes multiplies 8 rows at once and
+// each int32 lane sums one output row's group. A group's factor A and offset B are then vectors over the 8
+// rows, and the float work (convert, scale, offsets) is a few instructions per group for 8 outputs, not per
+// output: with one row a lane of 32 k, that float work shared the multiply ports with the integer products
+// and halved the kernel's speed from 16 rows up.
+constexpr int kTileRows = 8;
+
+struct Tile {
+  std::vector<uint8_t> codes, signs;  // [G][8 steps][32]: Q8_0 keeps |w| in codes and w in signs
+  std::vector<float> a, b;            // [G][8] factors, [2G][8] offsets of each half group
+  std::vector<int16_t> s;             // [2G][16] Q6_K's scales: row r's in int16 lanes 2r and 2r + 1
+  explicit Tile(int64_t K)
+      : codes(K * kTileRows), signs(K * kTileRows), a(K / kGroup * kTileRows), b(K / 16 * kTileRows),
+        s(K / 16 * 16) {}
+};
+
+// rows' decoded groups -> the tile (rows past `nr` are zero: their outputs are not stored)
+void build_tile(int64_t type, const Decoded* w, int nr, int64_t G, Tile& t) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i v[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) {
+      v[r] = r < nr ? load32(w[r].codes + g * w[r].stride) : _mm256_setzero_si256();
+      t.a[g * kTileRows + r] = r < nr ? w[r].a[g] : 0.f;
+      for (int h = 0; h < 2; ++h) {
+        t.b[(2 * g + h) * kTileRows + r] = r < nr ? w[r].b16[2 * g + h] : 0.f;
+        const int16_t sc = r < nr && type == Q6_K ? w[r].s16[2 * g + h] : 1;
+        t.s[(2 * g + h) * 16 + 2 * r] = t.s[(2 * g + h) * 16 + 2 * r + 1] = sc;
+      }
+    }
+    // 8 x 8 transpose of int32 quads: out[j] holds quad j (k 4j..4j+3) of rows 0..7
+    __m256i t4[8], u[8];
+    for (int r = 0; r < 8; r += 2) {
+      t4[r] = _mm256_unpacklo_epi32(v[r], v[r + 1]);
+      t4[r + 1] = _mm256_unpackhi_epi32(v[r], v[r + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {
+      u[q] = _mm256_unpacklo_epi64(t4[q], t4[q + 2]);
+      u[q + 1] = _mm256_unpackhi_epi64(t4[q], t4[q + 2]);
+      u[q + 2] = _mm256_unpacklo_epi64(t4[q + 1], t4[q + 3]);
+      u[q + 3] = _mm256_unpackhi_epi64(t4[q + 1], t4[q + 3]);
+    }
+    uint8_t* out = t.codes.data() + g * 8 * 32;
+    uint8_t* sout = t.signs.data() + g * 8 * 32;
+    for (int j = 0; j < 4; ++j) {
+      const __m256i lo = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);  // quad j
+      const __m256i hi = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);  // quad j + 4
+      if (type == Q8_0) {
+        store32(sout + j * 32, lo);
+        store32(sout + (j + 4) * 32, hi);
+        store32(out + j * 32, _mm256_abs_epi8(lo));
+        store32(out + (j + 4) * 32, _mm256_abs_epi8(hi));
+      } else {
+        store32(out + j * 32, lo);
+        store32(out + (j + 4) * 32, hi);
+      }
+    }
+  }
+}
+
+// MB activation rows (from m0) against a tile; out[m][r] the whole dot product of row r
+template <Codes C, int MB>
+inline void tile_dot(const Tile& t, const QuantizedRows& a, int64_t m0, __m256* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[MB];
+  for (int m = 0; m < MB; ++m) f[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
+    const uint8_t* wg = t.codes.data() + g * 8 * 32;
+    const uint8_t* sg = t.signs.data() + g * 8 * 32;
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = load32(wg + j * 32);
+      __m256i sw = w, scale = ones;
+      if constexpr (C == Codes::Signed) sw = load32(sg + j * 32);
+      if constexpr (C == Codes::Scaled16)
+        scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s.data() + (2 * g + j / 4) * 16));
+      for (int m = 0; m < MB; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, a.qrow(m0 + m) + g * kGroup + 4 * j, 4);
+        __m256i xb = _mm256_set1_epi32(quad);
+        if constexpr (C == Codes::Signed) xb = _mm256_sign_epi8(xb, sw);
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb), scale));
+      }
+    }
+    const __m256 ag = _mm256_loadu_ps(t.a.data() + g * kTileRows);
+    const __m256 b0 = _mm256_loadu_ps(t.b.data() + 2 * g * kTileRows);
+    const __m256 b1 = _mm256_loadu_ps(t.b.data() + (2 * g + 1) * kTileRows);
+    for (int m = 0; m < MB; ++m) {
+      f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(ag, _mm256_set1_ps(a.drow(m0 + m)[g])), f[m]);
+      if constexpr (C != Codes::Signed) {
+        f[m] = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.srow(m0 + m)[2 * g]), f[m]);
+        f[m] = _mm256_fmadd_ps(b1, _mm256_set1_ps(a.srow(m0 + m)[2 * g + 1]), f[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = f[m];
+}
+
+template <Codes C, typename Out>
+void tile_out(const Tile& t, const QuantizedRows& a, int64_t M, const float* bias, int64_t n0, int nr, Out* y,
+              int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    __m256 out[4];
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    switch (mb) {
+      case 4: tile_dot<C, 4>(t, a, m0, out); break;
+      case 3: tile_dot<C, 3>(t, a, m0, out); break;
+      case 2: tile_dot<C, 2>(t, a, m0, out); break;
+      default: tile_dot<C, 1>(t, a, m0, out); break;
+    }
+    for (int64_t m = 0; m < mb; ++m) {
+      alignas(32) float v[kTileRows];
+      _mm256_store_ps(v, out[m]);
+      for (int r = 0; r < nr; ++r) put(v[r] + (bias ? bias[n0 + r] : 0.f), y + (m0 + m) * N + n0 + r);
+    }
+  }
+}
+
+template <typename Out>
+void tile_out(int64_t type, const Tile& t, const QuantizedRows& a, int64_t M, const float* bias, int64_t n0, int nr,
+              Out* y, int64_t N) {
+  if (type == Q8_0) tile_out<Codes::Signed>(t, a, M, bias, n0, nr, y, N);
+  else if (type == Q6_K) tile_out<Codes::Scaled16>(t, a, M, bias, n0, nr, y, N);
+  else tile_out<Codes::Unsigned>(t, a, M, bias, n0, nr, y, N);
+}
+#endif
+
 struct Segment {
   int64_t type, rows, row_bytes, first;  // first: its first output column
   const uint8_t* data;
@@ -585,13 +716,25 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
     for (int64_t r = 0; r < segs[s].rows; r += kRowsPerItem) items.emplace_back(s, r);
   auto run = [&](auto* Y) {
     parallel_claim(static_cast<int64_t>(items.size()), 1, [&](auto each) {
-      std::vector<Decoded> w(kRowsPerBlock, Decoded(K));
+      std::vector<Decoded> w(std::max<int64_t>(kRowsPerBlock, 8), Decoded(K));
+#if defined(__AVX2__)
+      std::unique_ptr<Tile> tile = M > kFusedRows ? std::make_unique<Tile>(K) : nullptr;
+#endif
       each([&](int64_t i) {
         const Segment& s = segs[items[i].first];
         const int64_t r1 = std::min(s.rows, items[i].second + kRowsPerItem);
 #if defined(__AVX2__)
         if (M <= kFusedRows && s.type != Q8_0) {  // Q8_0 codes need no decoding: read in place below
           fused_rows(s.type, s.data, s.row_bytes, items[i].second, r1, a, M, B, s.first, Y, N);
+          return;
+        }
+        if (M > kFusedRows) {
+          for (int64_t r = items[i].second; r < r1; r += kTileRows) {
+            const int nr = static_cast<int>(std::min<int64_t>(kTileRows, r1 - r));
+            for (int j = 0; j < nr; ++j) decode_row(s.type, s.data + (r + j) * s.row_bytes, K, w[j]);
+            build_tile(s.type, w.data(), nr, K / kGroup, *tile);
+            tile_out(s.type, *tile, a, M, B, s.first + r, nr, Y, N);
+          }
           return;
         }
 #endif
