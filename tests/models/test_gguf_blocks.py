@@ -66,7 +66,7 @@ def test_blocks_dequantize_exactly_as_the_gguf_package_does(kernels, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13])
 def test_the_kernel_is_the_dot_product_of_rounded_activations_with_the_files_values(kernels, kind, rows):
     """Exact but for float summation order: the file's weights times the activations rounded to int8 per 32.
     37 output rows leave a tail after blocks of 4 and runs of 16."""

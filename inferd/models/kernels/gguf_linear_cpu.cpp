@@ -6,10 +6,10 @@
 // as the file stores them: K / block values per row, blocks back to back). A fused q/k/v layer whose v rows
 // the file keeps in another type than q and k is one call.
 //
-// gguf_linear (a few rows, decode): each activation row is quantized to int8 in groups of 32 with one float
-// step (x ~= xq * xd, xd = max|x| / 127, as llama.cpp's Q8_0). Each weight row is decoded into unsigned codes
-// u in one byte (or kept as signed int8 for Q8_0) with, per group of 32, a float factor A and an offset B,
-// so that a weight is A * u + B (Q6_K: A * s16 * u + B16, with a signed int8 scale s16 per half group):
+// gguf_linear (up to a few hundred rows): each activation row is quantized to int8 in groups of 32 with one
+// float step (x ~= xq * xd, xd = max|x| / 127, as llama.cpp's Q8_0). A weight row is decoded into unsigned
+// codes u in one byte (Q8_0 keeps its signed int8) with, per group of 32, a float factor A and an offset B, so
+// that a weight is A * u + B (Q6_K: A * s16 * u + B16, with a signed int8 scale s16 per half group):
 //   Q8_0  A = d,            u = q signed,   B = 0
 //   Q4_0  A = d,            u = q (0..15),  B = -8 d
 //   Q5_0  A = d,            u = q (0..31),  B = -16 d
@@ -18,8 +18,12 @@
 //   Q6_K  A = d,            u = q (0..63),  B16 = -32 d * s16   (per 16)
 // A group's dot product is A * xd * sum(u * xq) + B * xd * sum(xq): the integer sum is exact (AVX2's
 // vpmaddubsw + vpmaddwd, Q8_0's sign moved onto the activation; Q6_K's two scales applied in vpmaddwd), the
-// offsets are summed apart. The decoded row sits in a per-thread buffer in L1 and serves every activation row
-// (four at a time in registers).
+// offsets are summed apart. Three ways through, by the number of activation rows M (AVX2; a portable loop
+// otherwise):
+// - M <= 2: each group decoded in registers and used at once (Q8_0, whose codes need no decoding, takes the
+//   next way, reading them in place);
+// - M < 8: each row decoded once into a buffer in L1, four weight rows by up to two activation rows at a time;
+// - M >= 8: eight decoded rows transposed into the int8 kernel's tile layout, one output row a lane.
 //
 // gguf_linear_dense (many rows, prefill): chunks of weight rows are dequantized into the activations' dtype
 // and multiplied with torch's dense matmul, which is compute-bound there.
@@ -543,6 +547,9 @@ constexpr int64_t kFusedRows = 0;
 // output: with one row a lane of 32 k, that float work shared the multiply ports with the integer products
 // and halved the kernel's speed from 16 rows up.
 constexpr int kTileRows = 8;
+// activation rows from which the tiles pay for their transposes (Gemma 3 270M's layers on a Zen 3: at 4 rows
+// the per-row path took 14-16 ms against the tiles' 17-20, at 16 rows 39-58 against 34-47)
+constexpr int64_t kTileMinRows = 8;
 
 struct Tile {
   std::vector<uint8_t> codes, signs;  // [G][8 steps][32]: Q8_0 keeps |w| in codes and w in signs
@@ -560,9 +567,12 @@ void build_tile(int64_t type, const Decoded* w, int nr, int64_t G, Tile& t) {
     for (int r = 0; r < kTileRows; ++r) {
       v[r] = r < nr ? load32(w[r].codes + g * w[r].stride) : _mm256_setzero_si256();
       t.a[g * kTileRows + r] = r < nr ? w[r].a[g] : 0.f;
+      if (type == Q8_0) continue;  // no offsets, one scale
+      t.b[2 * g * kTileRows + r] = r < nr ? w[r].b16[2 * g] : 0.f;
+      t.b[(2 * g + 1) * kTileRows + r] = r < nr ? w[r].b16[2 * g + 1] : 0.f;
+      if (type != Q6_K) continue;
       for (int h = 0; h < 2; ++h) {
-        t.b[(2 * g + h) * kTileRows + r] = r < nr ? w[r].b16[2 * g + h] : 0.f;
-        const int16_t sc = r < nr && type == Q6_K ? w[r].s16[2 * g + h] : 1;
+        const int16_t sc = r < nr ? w[r].s16[2 * g + h] : 1;
         t.s[(2 * g + h) * 16 + 2 * r] = t.s[(2 * g + h) * 16 + 2 * r + 1] = sc;
       }
     }
@@ -718,7 +728,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
     parallel_claim(static_cast<int64_t>(items.size()), 1, [&](auto each) {
       std::vector<Decoded> w(std::max<int64_t>(kRowsPerBlock, 8), Decoded(K));
 #if defined(__AVX2__)
-      std::unique_ptr<Tile> tile = M > kFusedRows ? std::make_unique<Tile>(K) : nullptr;
+      std::unique_ptr<Tile> tile = M >= kTileMinRows ? std::make_unique<Tile>(K) : nullptr;
 #endif
       each([&](int64_t i) {
         const Segment& s = segs[items[i].first];
@@ -728,7 +738,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> weights, s
           fused_rows(s.type, s.data, s.row_bytes, items[i].second, r1, a, M, B, s.first, Y, N);
           return;
         }
-        if (M > kFusedRows) {
+        if (M >= kTileMinRows) {
           for (int64_t r = items[i].second; r < r1; r += kTileRows) {
             const int nr = static_cast<int>(std::min<int64_t>(kTileRows, r1 - r));
             for (int j = 0; j < nr; ++j) decode_row(s.type, s.data + (r + j) * s.row_bytes, K, w[j]);
