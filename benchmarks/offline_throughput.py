@@ -163,7 +163,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="inferd's dtype")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"], help="inferd's weight-only quantization")
+    ap.add_argument(
+        "--quantization", default=None, choices=["int8", "int4", "gguf"], help="inferd's weight-only quantization"
+    )
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-kernel", "torch"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--quick", action="store_true", help="16 requests, one run each")
