@@ -36,8 +36,11 @@ LIMITS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}
 # what OpenVINO's process runs: the pipeline over the requests on its stdin, the time of `generate` on stdout
 OPENVINO_RUN = """
 import json, sys, time
+import numpy as np
+import openvino as o
 import openvino_genai as ov
 spec = json.load(sys.stdin)
+prompts = [o.Tensor(np.array([ids], dtype=np.int64)) for ids in spec["prompts"]]
 sched = ov.SchedulerConfig()
 sched.max_num_seqs, sched.max_num_batched_tokens = spec["max_num_seqs"], spec["max_num_batched_tokens"]
 sched.cache_size, sched.enable_prefix_caching, sched.dynamic_split_fuse = 2, False, True
@@ -49,12 +52,11 @@ for n in spec["max_tokens"]:
     configs.append(c)
 warm = ov.GenerationConfig()
 warm.max_new_tokens = 4
-pipe.generate(spec["prompts"][:2], [warm, warm])
+pipe.generate(prompts[:2], [warm, warm])
 start = time.perf_counter()
-results = pipe.generate(spec["prompts"], configs)
+results = pipe.generate(prompts, configs)
 elapsed = time.perf_counter() - start
-tokens = sum(len(r.m_generation_ids[0]) if hasattr(r, "m_generation_ids") else 0 for r in results)
-print(json.dumps({"seconds": elapsed, "text_tokens": tokens}))
+print(json.dumps({"seconds": elapsed, "tokens": [len(r.m_generation_ids[0]) for r in results]}))
 """
 
 
@@ -70,18 +72,20 @@ def setup(hf_folder: Path) -> None:
     subprocess.run([*export, "--weight-format", "int8", str(EXPORT)], check=True)
 
 
-def workload(tokenizer, n: int, seed: int) -> tuple[list[str], list[int]]:
-    """n prompts of ~60-400 tokens (text, so both engines tokenize it themselves) and 64-192 tokens out each."""
+def workload(tokenizer, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """n prompts of ~60-400 tokens, as token ids (BOS first) both engines take as they are, and 64-192 tokens out
+    each."""
     rng = random.Random(seed)
     words = [w for w in tokenizer.convert_ids_to_tokens(range(1000, 6000)) if w.isalpha() and len(w) > 3][:2000]
     prompts, outs = [], []
     for _ in range(n):
-        prompts.append(" ".join(rng.choice(words) for _ in range(rng.randint(50, 320))))
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(50, 320)))
+        prompts.append(tokenizer(text)["input_ids"])
         outs.append(rng.randint(64, 192))
     return prompts, outs
 
 
-def run_openvino(prompts: list[str], outs: list[int], timeout_s: float) -> dict:
+def run_openvino(prompts: list[list[int]], outs: list[int], timeout_s: float) -> dict:
     spec = {"model": str(EXPORT), "prompts": prompts, "max_tokens": outs, **LIMITS}
     done = subprocess.run(
         [str(peer_python("openvino")), "-c", OPENVINO_RUN],
@@ -93,10 +97,10 @@ def run_openvino(prompts: list[str], outs: list[int], timeout_s: float) -> dict:
     if done.returncode:
         raise SystemExit(f"OpenVINO's run failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"seconds": result["seconds"], "output_tokens": sum(outs), "counted_tokens": result["text_tokens"]}
+    return {"seconds": result["seconds"], "output_tokens": sum(result["tokens"])}
 
 
-def run_inferd(llm, prompts: list[str], outs: list[int]) -> dict:
+def run_inferd(llm, prompts: list[list[int]], outs: list[int]) -> dict:
     from inferd import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outs]
@@ -132,6 +136,7 @@ def main() -> None:
     if unknown := [m for m in modes if m not in MODES]:
         raise SystemExit(f"unknown modes {unknown}; known: {', '.join(MODES)}")
     prompts, outs = workload(load_tokenizer(hf_folder), args.requests, args.seed)
+    lengths = sorted(len(p) for p in prompts)
     engines = {f"inferd-{m}": LLM(max_model_len=1024, **LIMITS, **MODES[m]) for m in modes}
     for llm in engines.values():  # warm: kernels built, first steps taken
         run_inferd(llm, prompts[:2], [4, 4])
@@ -142,7 +147,9 @@ def main() -> None:
             rounds[name].append(run_inferd(llm, prompts, outs))
         line = "  ".join(f"{k} {v[-1]['output_tokens'] / v[-1]['seconds']:.1f}" for k, v in rounds.items())
         print(f"round {r + 1}: output tok/s  {line}", flush=True)
-    result = {"machine": machine(), "workload": {"requests": args.requests, "seed": args.seed, **LIMITS}}
+    workload_rec = {"requests": args.requests, "seed": args.seed, "prompt_tokens": [lengths[0], lengths[-1]]}
+    workload_rec |= {"prompt_tokens_total": sum(lengths), "output_tokens_total": sum(outs), **LIMITS}
+    result = {"machine": machine(), "workload": workload_rec}
     result["engines"] = {
         name: {
             "weights": "int8 (optimum-cli --weight-format int8)"

@@ -121,9 +121,10 @@ def int4_kernels():
 
 @functools.cache
 def gguf_module():
-    """The compiled GGUF-block module: `gguf_linear(x, weights, types, bias)` (a few rows),
-    `gguf_linear_dense(x, weights, types, bias, chunk_rows)` (many), `gguf_dequantize(weight, type, K, lo, hi)`,
-    `isa()`. No fused multiply-add outside its intrinsics: `gguf_dequantize` rounds as the `gguf` package does."""
+    """The compiled GGUF module: `gguf_pack(blocks, type, K)` (a segment's rows as tiles: codes, a, b, s),
+    `gguf_linear(x, tiles, types, rows, bias)`, `gguf_dequantize(blocks, type, K, lo, hi)`, `gguf_unpack(tiles,
+    type, K, lo, hi)`, `isa()`. No fused multiply-add outside its intrinsics: the dequantizers round as the `gguf`
+    package does."""
     return _build("inferd_gguf_linear", _GGUF_SOURCE, "CPU GGUF block kernel", ["-ffp-contract=off"])
 
 

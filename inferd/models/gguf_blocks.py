@@ -31,17 +31,19 @@ logger = logging.getLogger(__name__)
 
 #: GGML types the kernel reads, by name -> GGML's type code
 GGUF_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-# activation rows up to which the block kernel (integer products on the blocks) runs; above, chunks of weight
-# rows are dequantized into the activations' dtype for the dense matmul (compute-bound there). On Gemma 3 270M's
-# layers on a Zen 3 in float32 the two cross between 128 and 512 rows (at 128: 15 against 18 ms a layer; at 512:
-# 63 against 38); a bf16 matmul (AVX512_BF16, AMX) is twice as fast, so bf16 rows cross earlier.
-GGUF_FUSED_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 64}
+# activation rows up to which the tile kernel (integer products) runs; above, chunks of weight rows are widened
+# into the activations' dtype for the dense matmul. float32 rows take the kernel at every count, as int8's do
+# (its integer products outrun an fp32 matmul); bf16 rows above 64, the int8 path's bound, take the bf16 matmul.
+GGUF_TILE_MAX_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 64}
 GGUF_CHUNK_ROWS = 2048  # weight rows dequantized at a time
 
 
 class GGUFLinear(nn.Module):
-    """A linear layer on a GGUF's blocks: `segments`, each (GGML type code, uint8 [rows, row bytes]), are its
-    output rows in order (a fused q/k/v layer whose v the file stores in another type has several)."""
+    """A linear layer on a GGUF's blocks: `segments`, each (GGML type code, uint8 [rows, row bytes]) as the file
+    stores them, are its output rows in order (a fused q/k/v layer whose v the file stores in another type has
+    several). They are packed once (`gguf_pack`) into tiles of 8 rows: the codes a byte each, interleaved as the
+    int8 kernel's tiles, with each group's float factor and offset (the file's exact values, ~9-11 bits a
+    weight); the blocks themselves are not kept."""
 
     out_sizes: list[int]
 
@@ -49,27 +51,39 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.types = [int(t) for t, _ in segments]
-        self.out_features = sum(w.shape[0] for _, w in segments)
-        for i, (_, w) in enumerate(segments):
-            self.register_buffer(f"blocks{i}", w.contiguous())
+        self.rows = [int(w.shape[0]) for _, w in segments]
+        self.out_features = sum(self.rows)
+        for i, (kind, w) in enumerate(segments):
+            parts = kernels.gguf_pack(w.contiguous(), kind, in_features)
+            for name, part in zip(("codes", "a", "b", "s"), parts, strict=True):
+                self.register_buffer(f"{name}{i}", part)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.kernels = kernels
 
+    def _segment(self, i: int) -> list[torch.Tensor]:
+        return [getattr(self, f"{name}{i}") for name in ("codes", "a", "b", "s")]
+
     @property
-    def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"blocks{i}") for i in range(len(self.types))]
+    def tiles(self) -> list[torch.Tensor]:
+        return [t for i in range(len(self.types)) for t in self._segment(i)]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_sizes, dim=-1)
 
     def weight_bytes(self) -> int:
-        """What a pass over the layer reads: the file's blocks, as stored."""
-        return sum(w.numel() for w in self.weights)
+        """What a pass over the layer reads: the tiles' codes, factors and offsets."""
+        return sum(t.numel() * t.element_size() for t in self.tiles)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        k, segments = self.in_features, zip(self.types, self.weights, strict=True)
-        rows = [self.kernels.gguf_dequantize(w, t, k, 0, w.shape[0]) for t, w in segments]
-        return torch.cat(rows).to(dtype)
+    def dequantized(self, dtype: torch.dtype = torch.float32, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """The weights, rows [lo, hi) (all by default), exactly as the file's blocks dequantize."""
+        hi = self.out_features if hi is None else hi
+        parts, first = [], 0
+        for i, (kind, rows) in enumerate(zip(self.types, self.rows, strict=True)):
+            a, b = max(lo - first, 0), min(hi - first, rows)
+            if a < b:
+                parts.append(self.kernels.gguf_unpack(self._segment(i), kind, self.in_features, a, b))
+            first += rows
+        return torch.cat(parts).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
@@ -81,16 +95,20 @@ class GGUFLinear(nn.Module):
         dtype = x2.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             return self._forward_rows(x2.float()).to(dtype)
-        if x2.shape[0] <= GGUF_FUSED_MAX_ROWS[dtype]:
+        if x2.shape[0] <= GGUF_TILE_MAX_ROWS[dtype]:
             with named_in_profiles("inferd::gguf_linear"):
-                return self.kernels.gguf_linear(x2, self.weights, self.types, self.bias)
-        with named_in_profiles("inferd::gguf_linear_dense"):
-            return self.kernels.gguf_linear_dense(x2, self.weights, self.types, self.bias, GGUF_CHUNK_ROWS)
+                return self.kernels.gguf_linear(x2, self.tiles, self.types, self.rows, self.bias)
+        with named_in_profiles("inferd::gguf_linear_dense"):  # chunks of rows widened for the dense matmul
+            y = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
+            for lo in range(0, self.out_features, GGUF_CHUNK_ROWS):
+                hi = min(lo + GGUF_CHUNK_ROWS, self.out_features)
+                torch.mm(x2, self.dequantized(dtype, lo, hi).t(), out=y[:, lo:hi])
+            return y if self.bias is None else y + self.bias.to(dtype)
 
     def extra_repr(self) -> str:
         names = {code: name for name, code in GGUF_TYPES.items()}
         kinds = "+".join(names[t] for t in self.types)
-        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {kinds} blocks"
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {kinds} blocks in tiles"
 
 
 def _tensor_name_map(architecture: str, num_layers: int):

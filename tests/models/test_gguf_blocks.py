@@ -65,57 +65,75 @@ def test_blocks_dequantize_exactly_as_the_gguf_package_does(kernels, kind):
     assert torch.equal(part, got[5:9])
 
 
+def packed(kernels, raw: np.ndarray, kind: T, k: int) -> list[torch.Tensor]:
+    return list(kernels.gguf_pack(torch.from_numpy(raw), int(kind), k))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_tiles_hold_exactly_the_files_values(kernels, kind):
+    """37 rows: four full tiles of 8 and one of 5."""
+    raw = random_blocks(kind, 37, 512, seed=1)
+    tiles = packed(kernels, raw, kind, 512)
+    assert tiles[0].shape == (5, 512 // 32 * 256)
+    want = kernels.gguf_dequantize(torch.from_numpy(raw), int(kind), 512, 0, 37)
+    assert torch.equal(kernels.gguf_unpack(tiles, int(kind), 512, 0, 37), want)
+    assert torch.equal(kernels.gguf_unpack(tiles, int(kind), 512, 6, 19), want[6:19])
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13])
 def test_the_kernel_is_the_dot_product_of_rounded_activations_with_the_files_values(kernels, kind, rows):
     """Exact but for float summation order: the file's weights times the activations rounded to int8 per 32.
-    37 output rows leave a tail after blocks of 4 and runs of 16."""
+    37 output rows leave a partial last tile; 5 and 13 activation rows partial blocks of 4."""
     raw = random_blocks(kind, 37, 512, seed=rows)
     w = torch.from_numpy(dequantize(raw, kind).reshape(37, 512).astype(np.float64))
+    tiles = packed(kernels, raw, kind, 512)
     torch.manual_seed(rows)
     x, bias = torch.randn(rows, 512), torch.randn(37)
-    got = kernels.gguf_linear(x, [torch.from_numpy(raw)], [int(kind)], bias)
+    got = kernels.gguf_linear(x, tiles, [int(kind)], [37], bias)
     xq = rounded_activations(x)
     want = xq @ w.T + bias.double()
     scale = xq.abs() @ w.abs().T + bias.double().abs()
     assert got.dtype == torch.float32
     assert ((got.double() - want).abs() / scale).max() < 1e-5
     # bfloat16 rows: rounded to int8 from their bf16 values, the output rounded to bf16
-    got16 = kernels.gguf_linear(x.bfloat16(), [torch.from_numpy(raw)], [int(kind)], bias)
+    got16 = kernels.gguf_linear(x.bfloat16(), tiles, [int(kind)], [37], bias)
     want16 = rounded_activations(x.bfloat16()) @ w.T + bias.double()
     assert got16.dtype == torch.bfloat16
     assert ((got16.double() - want16).abs() / scale).max() < 1e-2
 
 
-def test_segments_of_several_types_are_one_layer_and_many_rows_take_the_dense_path(kernels):
+def test_segments_of_several_types_are_one_layer_and_bf16_rows_above_64_take_the_dense_path(kernels):
     k = 256
     parts = [(T.Q5_0, random_blocks(T.Q5_0, 24, k, 1)), (T.Q8_0, random_blocks(T.Q8_0, 9, k, 2)),
              (T.Q6_K, random_blocks(T.Q6_K, 16, k, 3))]  # fmt: skip
-    weights = [torch.from_numpy(raw) for _, raw in parts]
-    types = [int(kind) for kind, _ in parts]
-    x = torch.randn(6, k)
-    whole = kernels.gguf_linear(x, weights, types, None)
-    alone = torch.cat([kernels.gguf_linear(x, [w], [t], None) for w, t in zip(weights, types, strict=True)], 1)
-    assert torch.equal(whole, alone)
-    # the dense path: the dequantized weights in a matmul with the unrounded activations
-    w = torch.cat([torch.from_numpy(dequantize(raw, kind).reshape(-1, k).astype(np.float32)) for kind, raw in parts])
-    many = torch.randn(130, k)  # above GGUF_FUSED_MAX_ROWS in float32
-    dense = kernels.gguf_linear_dense(many, weights, types, None, 10)
-    torch.testing.assert_close(dense, many @ w.T, rtol=1e-4, atol=1e-3)
-    layer = GGUFLinear(list(zip(types, weights, strict=True)), k, None, kernels)
+    layer = GGUFLinear([(int(kind), torch.from_numpy(raw)) for kind, raw in parts], k, None, kernels)
     layer.out_sizes = [24, 9, 16]
-    torch.testing.assert_close(layer(many), dense, rtol=1e-4, atol=1e-3)
-    assert torch.equal(layer(x), whole) and [t.shape[-1] for t in layer.split(whole)] == [24, 9, 16]
-    assert torch.equal(layer.dequantized(), w)
-    assert layer.weight_bytes() == sum(raw.nbytes for _, raw in parts)
+    x = torch.randn(6, k)
+    whole = layer(x)
+    alone = [
+        kernels.gguf_linear(x, packed(kernels, raw, kind, k), [int(kind)], [len(raw)], None) for kind, raw in parts
+    ]
+    assert torch.equal(whole, torch.cat(alone, 1))
+    assert [t.shape[-1] for t in layer.split(whole)] == [24, 9, 16]
+    w = torch.cat([torch.from_numpy(dequantize(raw, kind).reshape(-1, k).astype(np.float32)) for kind, raw in parts])
+    assert torch.equal(layer.dequantized(), w) and torch.equal(layer.dequantized(lo=20, hi=40), w[20:40])
+    # many bf16 rows: the weights widened to bf16 for the dense matmul, the activations not rounded
+    many = torch.randn(70, k).bfloat16()
+    torch.testing.assert_close(layer(many).float(), (many @ w.bfloat16().T).float(), rtol=2e-2, atol=2e-2)
+    tiles_bytes = sum(t.numel() * t.element_size() for t in layer.tiles)
+    assert layer.weight_bytes() == tiles_bytes
 
 
-def test_the_kernel_refuses_rows_that_do_not_fit(kernels):
+def test_the_kernels_refuse_what_does_not_fit(kernels):
     raw = torch.from_numpy(random_blocks(T.Q5_0, 4, 256))
     with pytest.raises(RuntimeError, match="needs"):
-        kernels.gguf_linear(torch.randn(1, 512), [raw], [int(T.Q5_0)], None)
+        kernels.gguf_pack(raw, int(T.Q5_0), 512)
     with pytest.raises(RuntimeError, match="not supported"):
-        kernels.gguf_linear(torch.randn(1, 256), [raw], [int(T.IQ4_NL)], None)
+        kernels.gguf_pack(raw, int(T.IQ4_NL), 256)
+    tiles = list(kernels.gguf_pack(raw, int(T.Q5_0), 256))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        kernels.gguf_linear(torch.randn(1, 512), tiles, [int(T.Q5_0)], [4], None)
 
 
 # -- a model on a GGUF file's blocks ---------------------------------------------------------------------------
