@@ -42,7 +42,7 @@ class GGUFLinear(nn.Module):
     """A linear layer on a GGUF's blocks: `segments`, each (GGML type code, uint8 [rows, row bytes]) as the file
     stores them, are its output rows in order (a fused q/k/v layer whose v the file stores in another type has
     several). They are packed once (`gguf_pack`) into tiles of 8 rows: the codes a byte each, interleaved as the
-    int8 kernel's tiles, with each group's float factor and offset (the file's exact values, ~9-11 bits a
+    int8 kernel's tiles, with each group's float factor (and a k-quant's offset): the file's exact values, 9-10 bits a
     weight); the blocks themselves are not kept."""
 
     out_sizes: list[int]

@@ -12,12 +12,13 @@
 //   Q6_K  A = d * s16,      u = q (0..63),  B = -32 d * s16     (s16 a signed int8 scale per 16, applied in
 //                                                                 vpmaddwd; B per 16)
 // In a tile the codes are interleaved as the int8 kernel's are (every four k of the 8 rows in one 32-byte
-// vector, one output row an int32 lane), A and B stored as vectors over the 8 rows.
+// vector, one output row an int32 lane), A (and the k-quants' B) stored as vectors over the 8 rows: 9 bits a
+// weight, 10 for the k-quants. The other types' B is an integer multiple of A, taken in the integer sums.
 //
 // gguf_linear: each activation row is quantized to int8 in groups of 32 with one float step (x ~= xq * xd,
 // xd = max|x| / 127, as llama.cpp's Q8_0), and a group's dot product is A * xd * sum(u * xq) + B * xd * sum(xq):
 // the integer sum exact (AVX2's vpmaddubsw + vpmaddwd, Q8_0's sign moved onto the activation), the float work
-// one convert, multiply and FMA per group for 8 output rows. A portable loop serves CPUs without AVX2. A fused
+// one convert, multiply and FMA per group for 8 output rows (and one FMA more for a k-quant's B). A portable loop serves CPUs without AVX2. A fused
 // q/k/v layer whose v rows the file keeps in another type than q and k is several segments in one call.
 //
 // gguf_dequantize gives rows of the blocks as float32 with the `gguf` package's arithmetic, gguf_unpack the same
@@ -247,22 +248,28 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
 }
 
 // The quantized activation rows: q [M, K], d [M, K/32] each group's step, s16 [M, K/16] xd * sum(xq) per 16.
+// The quantized activation rows: q [M, K]; per group of 32 its step d, its sum of xq as one int32 (isum) and as
+// the two int16 sums of its halves (pair: the first in the low half), and xd * isum (xs).
 struct QuantizedRows {
   int64_t K, G;
   std::vector<int8_t> q;
-  std::vector<float> d, s16;
+  std::vector<float> d, xs;
+  std::vector<int32_t> isum, pair;
   const int8_t* qrow(int64_t m) const { return q.data() + m * K; }
-  const float* drow(int64_t m) const { return d.data() + m * G; }
-  const float* srow(int64_t m) const { return s16.data() + m * 2 * G; }
+  float dg(int64_t m, int64_t g) const { return d[m * G + g]; }
+  float xsg(int64_t m, int64_t g) const { return xs[m * G + g]; }
+  int32_t isumg(int64_t m, int64_t g) const { return isum[m * G + g]; }
+  int32_t pairg(int64_t m, int64_t g) const { return pair[m * G + g]; }
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
-  QuantizedRows r{K, K / kGroup, std::vector<int8_t>(M * K), std::vector<float>(M * (K / kGroup)),
-                  std::vector<float>(M * (K / 16))};
+  const int64_t G = K / kGroup;
+  QuantizedRows r{K, G, std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G),
+                  std::vector<int32_t>(M * G), std::vector<int32_t>(M * G)};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t g = 0; g < r.G; ++g) {
+      for (int64_t g = 0; g < G; ++g) {
         float v[kGroup], amax = 0.f;
         for (int j = 0; j < kGroup; ++j) {
           v[j] = static_cast<float>(x[m * K + g * kGroup + j]);
@@ -270,22 +277,25 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f, xd = amax / 127.f;
         int8_t* q = r.q.data() + m * K + g * kGroup;
-        int32_t sums[2] = {0, 0};
+        int32_t sums[2] = {0, 0};  // |each| <= 16 * 127: an int16
         for (int j = 0; j < kGroup; ++j) {
           q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
           sums[j / 16] += q[j];
         }
-        r.d[m * r.G + g] = xd;
-        r.s16[m * 2 * r.G + 2 * g] = xd * static_cast<float>(sums[0]);
-        r.s16[m * 2 * r.G + 2 * g + 1] = xd * static_cast<float>(sums[1]);
+        r.d[m * G + g] = xd;
+        r.isum[m * G + g] = sums[0] + sums[1];
+        r.xs[m * G + g] = xd * static_cast<float>(sums[0] + sums[1]);
+        r.pair[m * G + g] = static_cast<int32_t>((static_cast<uint32_t>(sums[1]) << 16) | (sums[0] & 0xFFFF));
       }
     }
   });
   return r;
 }
 
-
-enum class Codes { Unsigned, Signed, Scaled16 };
+// How a type's offsets are taken: none (Q8_0, signed codes), a constant times each group's sum of xq in int32
+// (Q4_0: 8, Q5_0: 16), -32 times each half's scale times its sum, in int32 (Q6_K), or a float offset per row
+// and group (the k-quants' mins).
+enum class Codes { Signed, Offset, Scaled16, Affine };
 
 
 // ---- Eight weight rows interleaved, one output row a lane: the tiles ----
@@ -295,13 +305,14 @@ enum class Codes { Unsigned, Signed, Scaled16 };
 // float work (convert, scale, offsets) is a few instructions per group for 8 outputs, not per output: with one
 // output row a lane of 32 k, that float work shared the multiply ports with the integer products and halved
 // the kernel's speed from 16 rows up. Tiles are built once, at load (gguf_pack): the file's exact values in 9
-// (Q8_0) to 11 bits a weight, against the blocks' 4.5-8.5, because decoding the blocks at every step (a Q5_0
+// to 10 bits a weight, against the blocks' 4.5-8.5, because decoding the blocks at every step (a Q5_0
 // group's nibbles, its fifth bits spread from a mask, its fp16 step: ~20 instructions) cost more than the
 // bytes it saved: on Gemma 3 270M on a Zen 3, 1.3-1.4x the time of these tiles at 2 to 16 rows, the same at 1.
 constexpr int kTileRows = 8;
 
-// One tile: codes [G][8 steps][32] (Q8_0: its signed codes), a [G][8] factors, b [2G][8] offsets of each half
-// group (unused for Q8_0), s [2G][16] Q6_K's scales, row r's in int16 lanes 2r and 2r + 1 (Q6_K only).
+// One tile: codes [G][8 steps][32] (Q8_0: its signed codes), a [G][8] factors, b [G][8] the k-quants' offsets
+// (-dmin * m; the other types' offsets are integers, taken in the integer sums), s [2G][16] Q6_K's scales, row
+// r's in int16 lanes 2r and 2r + 1 (Q6_K only).
 template <typename U, typename F, typename S>
 struct TileOf {
   U* codes;
@@ -315,7 +326,7 @@ using TileIn = TileOf<const uint8_t, const float, const int16_t>;
 // per-tile sizes in elements
 inline int64_t tile_codes(int64_t G) { return G * 8 * 32; }
 inline int64_t tile_a(int64_t G) { return G * kTileRows; }
-inline int64_t tile_b(int64_t G) { return 2 * G * kTileRows; }
+inline int64_t tile_b(int64_t G) { return G * kTileRows; }
 inline int64_t tile_s(int64_t G) { return 2 * G * 16; }
 
 // rows' decoded groups -> a tile (rows past `nr` are zero: their outputs are not stored)
@@ -323,9 +334,7 @@ void build_tile(int64_t type, const Decoded* w, int nr, int64_t G, TileOut t) {
   for (int64_t g = 0; g < G; ++g) {
     for (int r = 0; r < kTileRows; ++r) {
       t.a[g * kTileRows + r] = r < nr ? w[r].a[g] : 0.f;
-      if (type == Q8_0) continue;  // no offsets
-      t.b[2 * g * kTileRows + r] = r < nr ? w[r].b16[2 * g] : 0.f;
-      t.b[(2 * g + 1) * kTileRows + r] = r < nr ? w[r].b16[2 * g + 1] : 0.f;
+      if (type == Q4_K || type == Q5_K) t.b[g * kTileRows + r] = r < nr ? w[r].b16[2 * g] : 0.f;
       if (type != Q6_K) continue;
       for (int h = 0; h < 2; ++h) {
         const int16_t sc = r < nr ? w[r].s16[2 * g + h] : 1;
@@ -360,9 +369,10 @@ void build_tile(int64_t type, const Decoded* w, int nr, int64_t G, TileOut t) {
   }
 }
 
-// MB activation rows (from m0) against a tile; out[m * 8 + r] the whole dot product of row r
+// MB activation rows (from m0) against a tile; out[m * 8 + r] the whole dot product of row r. `c`: Offset's
+// constant (8 for Q4_0, 16 for Q5_0).
 template <Codes C, int MB>
-inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, float* out) {
+inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, int32_t c, float* out) {
 #if defined(__AVX2__)
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 f[MB];
@@ -371,12 +381,15 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, float* out) {
     __m256i acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
     const uint8_t* wg = t.codes + g * 8 * 32;
+    __m256i s0 = ones, s1 = ones;
+    if constexpr (C == Codes::Scaled16) {
+      s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + 2 * g * 16));
+      s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + (2 * g + 1) * 16));
+    }
     for (int j = 0; j < 8; ++j) {
       const __m256i w = load32(wg + j * 32);
-      __m256i uw = w, scale = ones;
-      if constexpr (C == Codes::Signed) uw = _mm256_abs_epi8(w);
-      if constexpr (C == Codes::Scaled16)
-        scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + (2 * g + j / 4) * 16));
+      const __m256i uw = C == Codes::Signed ? _mm256_abs_epi8(w) : w;
+      const __m256i scale = j < 4 ? s0 : s1;
       for (int m = 0; m < MB; ++m) {
         int32_t quad;
         std::memcpy(&quad, a.qrow(m0 + m) + g * kGroup + 4 * j, 4);
@@ -385,16 +398,21 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, float* out) {
         acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xb), scale));
       }
     }
+    if constexpr (C == Codes::Offset) {  // - c * sum(xq), in the integer sum
+      for (int m = 0; m < MB; ++m) acc[m] = _mm256_sub_epi32(acc[m], _mm256_set1_epi32(c * a.isumg(m0 + m, g)));
+    } else if constexpr (C == Codes::Scaled16) {  // - 32 * (s0 * sum of the first 16 xq + s1 * the last 16's)
+      const __m256i pairs = _mm256_blend_epi16(s0, s1, 0xAA);  // row r's (s0, s1) in int16 lanes 2r, 2r + 1
+      for (int m = 0; m < MB; ++m) {
+        const __m256i off = _mm256_madd_epi16(pairs, _mm256_set1_epi32(a.pairg(m0 + m, g)));
+        acc[m] = _mm256_sub_epi32(acc[m], _mm256_slli_epi32(off, 5));
+      }
+    }
     const __m256 ag = _mm256_loadu_ps(t.a + g * kTileRows);
     for (int m = 0; m < MB; ++m)
-      f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(ag, _mm256_set1_ps(a.drow(m0 + m)[g])), f[m]);
-    if constexpr (C != Codes::Signed) {  // the offsets (Q8_0 has none, and no b)
-      const __m256 b0 = _mm256_loadu_ps(t.b + 2 * g * kTileRows);
-      const __m256 b1 = _mm256_loadu_ps(t.b + (2 * g + 1) * kTileRows);
-      for (int m = 0; m < MB; ++m) {
-        f[m] = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.srow(m0 + m)[2 * g]), f[m]);
-        f[m] = _mm256_fmadd_ps(b1, _mm256_set1_ps(a.srow(m0 + m)[2 * g + 1]), f[m]);
-      }
+      f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(ag, _mm256_set1_ps(a.dg(m0 + m, g))), f[m]);
+    if constexpr (C == Codes::Affine) {  // the k-quants' mins: b * xd * sum(xq)
+      const __m256 b = _mm256_loadu_ps(t.b + g * kTileRows);
+      for (int m = 0; m < MB; ++m) f[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(a.xsg(m0 + m, g)), f[m]);
     }
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * 8, f[m]);
@@ -407,16 +425,20 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, float* out) {
         int32_t sums[2] = {0, 0};
         for (int j = 0; j < 8; ++j)
           for (int kk = 0; kk < 4; ++kk) {
-            const uint8_t c = t.codes[g * 256 + j * 32 + r * 4 + kk];
-            const int32_t code = C == Codes::Signed ? static_cast<int8_t>(c) : c;
+            const uint8_t u = t.codes[g * 256 + j * 32 + r * 4 + kk];
+            const int32_t code = C == Codes::Signed ? static_cast<int8_t>(u) : u;
             sums[j / 4] += code * xq[g * kGroup + 4 * j + kk];
           }
         int32_t dot = sums[0] + sums[1];
-        if (C == Codes::Scaled16) dot = sums[0] * t.s[2 * g * 16 + 2 * r] + sums[1] * t.s[(2 * g + 1) * 16 + 2 * r];
-        total += t.a[g * kTileRows + r] * a.drow(m0 + m)[g] * static_cast<float>(dot);
-        if (C != Codes::Signed)
-          total += t.b[2 * g * kTileRows + r] * a.srow(m0 + m)[2 * g] +
-                   t.b[(2 * g + 1) * kTileRows + r] * a.srow(m0 + m)[2 * g + 1];
+        const int32_t pair = a.pairg(m0 + m, g);
+        const int32_t half0 = static_cast<int16_t>(pair & 0xFFFF), half1 = pair >> 16;
+        if (C == Codes::Offset) dot -= c * a.isumg(m0 + m, g);
+        if (C == Codes::Scaled16) {
+          const int32_t sa = t.s[2 * g * 16 + 2 * r], sb = t.s[(2 * g + 1) * 16 + 2 * r];
+          dot = sums[0] * sa + sums[1] * sb - 32 * (sa * half0 + sb * half1);
+        }
+        total += t.a[g * kTileRows + r] * a.dg(m0 + m, g) * static_cast<float>(dot);
+        if (C == Codes::Affine) total += t.b[g * kTileRows + r] * a.xsg(m0 + m, g);
       }
       out[m * 8 + r] = total;
     }
@@ -425,16 +447,16 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, float* out) {
 }
 
 template <Codes C, typename Out>
-void tile_out(TileIn t, const QuantizedRows& a, int64_t M, const float* bias, int64_t n0, int nr, Out* y,
+void tile_out(TileIn t, const QuantizedRows& a, int64_t M, int32_t c, const float* bias, int64_t n0, int nr, Out* y,
               int64_t N) {
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     float out[4 * kTileRows];
     const int64_t mb = std::min<int64_t>(4, M - m0);
     switch (mb) {
-      case 4: tile_dot<C, 4>(t, a, m0, out); break;
-      case 3: tile_dot<C, 3>(t, a, m0, out); break;
-      case 2: tile_dot<C, 2>(t, a, m0, out); break;
-      default: tile_dot<C, 1>(t, a, m0, out); break;
+      case 4: tile_dot<C, 4>(t, a, m0, c, out); break;
+      case 3: tile_dot<C, 3>(t, a, m0, c, out); break;
+      case 2: tile_dot<C, 2>(t, a, m0, c, out); break;
+      default: tile_dot<C, 1>(t, a, m0, c, out); break;
     }
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < nr; ++r) put(out[m * 8 + r] + (bias ? bias[n0 + r] : 0.f), y + (m0 + m) * N + n0 + r);
@@ -444,9 +466,13 @@ void tile_out(TileIn t, const QuantizedRows& a, int64_t M, const float* bias, in
 template <typename Out>
 void tile_out(int64_t type, TileIn t, const QuantizedRows& a, int64_t M, const float* bias, int64_t n0, int nr,
               Out* y, int64_t N) {
-  if (type == Q8_0) tile_out<Codes::Signed>(t, a, M, bias, n0, nr, y, N);
-  else if (type == Q6_K) tile_out<Codes::Scaled16>(t, a, M, bias, n0, nr, y, N);
-  else tile_out<Codes::Unsigned>(t, a, M, bias, n0, nr, y, N);
+  switch (type) {
+    case Q8_0: tile_out<Codes::Signed>(t, a, M, 0, bias, n0, nr, y, N); break;
+    case Q4_0: tile_out<Codes::Offset>(t, a, M, 8, bias, n0, nr, y, N); break;
+    case Q5_0: tile_out<Codes::Offset>(t, a, M, 16, bias, n0, nr, y, N); break;
+    case Q6_K: tile_out<Codes::Scaled16>(t, a, M, 0, bias, n0, nr, y, N); break;
+    default: tile_out<Codes::Affine>(t, a, M, 0, bias, n0, nr, y, N); break;
+  }
 }
 
 struct Segment {
@@ -518,7 +544,7 @@ std::vector<torch::Tensor> gguf_pack(torch::Tensor weight, int64_t type, int64_t
   const int64_t G = K / kGroup, T = (sg.rows + kTileRows - 1) / kTileRows;
   auto u8 = weight.options(), f32 = weight.options().dtype(torch::kFloat32);
   torch::Tensor codes = torch::empty({T, tile_codes(G)}, u8), a = torch::empty({T, tile_a(G)}, f32),
-                b = torch::empty({T, type == Q8_0 ? 0 : tile_b(G)}, f32),
+                b = torch::empty({T, type == Q4_K || type == Q5_K ? tile_b(G) : 0}, f32),
                 s = torch::ones({T, type == Q6_K ? tile_s(G) : 0}, weight.options().dtype(torch::kInt16));
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     std::vector<Decoded> w(kTileRows, Decoded(K));
@@ -526,7 +552,7 @@ std::vector<torch::Tensor> gguf_pack(torch::Tensor weight, int64_t type, int64_t
       const int nr = static_cast<int>(std::min<int64_t>(kTileRows, sg.rows - t * kTileRows));
       for (int j = 0; j < nr; ++j) decode_row(type, sg.data + (t * kTileRows + j) * sg.row_bytes, K, w[j]);
       TileOut out{codes.data_ptr<uint8_t>() + t * tile_codes(G), a.data_ptr<float>() + t * tile_a(G),
-                  type == Q8_0 ? nullptr : b.data_ptr<float>() + t * tile_b(G),
+                  b.numel() ? b.data_ptr<float>() + t * tile_b(G) : nullptr,
                   type == Q6_K ? s.data_ptr<int16_t>() + t * tile_s(G) : nullptr};
       build_tile(type, w.data(), nr, G, out);  // Q8_0's tile holds its codes signed, as the file does
     }
@@ -569,7 +595,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> tiles, std
         const auto [seg, t] = items[i];
         const torch::Tensor* p = &tiles[4 * seg];
         TileIn in{p[0].data_ptr<uint8_t>() + t * tile_codes(G), p[1].data_ptr<float>() + t * tile_a(G),
-                  types[seg] == Q8_0 ? nullptr : p[2].data_ptr<float>() + t * tile_b(G),
+                  p[2].numel() ? p[2].data_ptr<float>() + t * tile_b(G) : nullptr,
                   types[seg] == Q6_K ? p[3].data_ptr<int16_t>() + t * tile_s(G) : nullptr};
         const int nr = static_cast<int>(std::min<int64_t>(kTileRows, rows[seg] - t * kTileRows));
         __builtin_prefetch(in.codes + tile_codes(G), 0, 3);
@@ -591,7 +617,7 @@ torch::Tensor gguf_unpack(std::vector<torch::Tensor> tile, int64_t type, int64_t
   auto out = torch::empty({hi - lo, K}, tile[1].options());
   const uint8_t* C = tile[0].data_ptr<uint8_t>();
   const float* A = tile[1].data_ptr<float>();
-  const float* Bf = type == Q8_0 ? nullptr : tile[2].data_ptr<float>();
+  const float* Bf = tile[2].numel() ? tile[2].data_ptr<float>() : nullptr;
   const int16_t* S = type == Q6_K ? tile[3].data_ptr<int16_t>() : nullptr;
   float* O = out.data_ptr<float>();
   at::parallel_for(lo, hi, 64, [&](int64_t r0, int64_t r1) {
@@ -603,11 +629,11 @@ torch::Tensor gguf_unpack(std::vector<torch::Tensor> tile, int64_t type, int64_t
           for (int kk = 0; kk < 4; ++kk) {
             const uint8_t c = C[t * tile_codes(G) + g * 256 + j * 32 + r * 4 + kk];
             float& o = O[(row - lo) * K + g * kGroup + 4 * j + kk];
-            const int half = j / 4;
+            const int h = j / 4;
             if (type == Q8_0) o = a * static_cast<float>(static_cast<int8_t>(c));
             else if (type == Q6_K)
-              o = (a * static_cast<float>(S[t * tile_s(G) + (2 * g + half) * 16 + 2 * r])) * static_cast<float>(c - 32);
-            else if (type == Q4_K || type == Q5_K) o = a * static_cast<float>(c) + Bf[t * tile_b(G) + (2 * g + half) * kTileRows + r];
+              o = (a * static_cast<float>(S[t * tile_s(G) + (2 * g + h) * 16 + 2 * r])) * static_cast<float>(c - 32);
+            else if (type == Q4_K || type == Q5_K) o = a * static_cast<float>(c) + Bf[t * tile_b(G) + g * kTileRows + r];
             else o = a * static_cast<float>(static_cast<int>(c) - (type == Q4_0 ? 8 : 16));
           }
       }
