@@ -53,19 +53,16 @@ class GGUFLinear(nn.Module):
         self.types = [int(t) for t, _ in segments]
         self.rows = [int(w.shape[0]) for _, w in segments]
         self.out_features = sum(self.rows)
-        for i, (kind, w) in enumerate(segments):
-            parts = kernels.gguf_pack(w.contiguous(), kind, in_features)
-            for name, part in zip(("codes", "a", "b", "s"), parts, strict=True):
-                self.register_buffer(f"{name}{i}", part)
+        # (codes, a, b, s) of each segment, flat as the kernel takes them; plain attributes, not buffers:
+        # model.to(bfloat16) must not round the float factors and offsets
+        self.tiles: list[torch.Tensor] = []
+        for kind, w in segments:
+            self.tiles += kernels.gguf_pack(w.contiguous(), kind, in_features)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.kernels = kernels
 
     def _segment(self, i: int) -> list[torch.Tensor]:
-        return [getattr(self, f"{name}{i}") for name in ("codes", "a", "b", "s")]
-
-    @property
-    def tiles(self) -> list[torch.Tensor]:
-        return [t for i in range(len(self.types)) for t in self._segment(i)]
+        return self.tiles[4 * i : 4 * i + 4]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_sizes, dim=-1)

@@ -295,8 +295,9 @@ def resolve_quantization(name: str | None, device: torch.device, formats: dict[s
     auto: a checkpoint that stores its weights quantized (a GGUF's Q4_K/Q5_0/Q6_K/Q8_0 blocks, 4.5-8.5 bits a
     weight) runs in int8 on CPU: it has already given up float precision, and a decode step, bound by the bytes
     it reads, reads half of bf16's (int8 is 8 bits a weight against the file's 4.5-8.5: not the file's own
-    blocks, and the rounding to int8 costs a measured perplexity, docs/performance.md). Float checkpoints, and
-    any on a GPU (the int8 kernels are CPU kernels), keep their values in --dtype."""
+    blocks, and the rounding to int8 costs a measured perplexity, docs/performance.md; `gguf` serves the file's
+    own values at about 1.1-1.2x int8's time a step). Float checkpoints, and any on a GPU (the int8 kernels are CPU
+    kernels), keep their values in --dtype."""
     check_quantization(name, device)
     if name == "gguf" and gguf is None:
         raise ConfigError("--quantization gguf serves a GGUF file's own blocks; this checkpoint is not a GGUF")
@@ -314,7 +315,11 @@ def resolve_quantization(name: str | None, device: torch.device, formats: dict[s
 
     if int8_module() is None:
         return QuantChoice(None, f"auto: the checkpoint stores {listing} blocks, but the int8 kernel did not build")
-    return QuantChoice("int8", f"auto: the checkpoint stores {listing} blocks; int8 reads half of bf16's bytes")
+    return QuantChoice(
+        "int8",
+        f"auto: the checkpoint stores {listing} blocks; int8 reads half of bf16's bytes "
+        "(--quantization gguf: the file's own values, a little slower)",
+    )
 
 
 def quantize_model(model: nn.Module, name: str, device: torch.device, gguf=None) -> int:

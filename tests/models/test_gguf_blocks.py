@@ -207,6 +207,13 @@ def test_a_model_on_its_ggufs_blocks_multiplies_by_the_files_values(tiny_models,
     params = SamplingParams(max_tokens=8, temperature=0)
     (out,) = blocks.generate(["the quick brown fox"], params)
     assert len(out.outputs[0].token_ids) == 8
+    # a bf16 model: the tiles' float factors and offsets stay float32 (the kernel reads them so)
+    bf16 = LLM(str(tmp_path / arch), quantization="gguf", **{**kw, "dtype": "bfloat16"})
+    layer = bf16.engine.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, GGUFLinear) and all(t.dtype == torch.float32 for t in layer.tiles[1:3])
+    assert torch.equal(layer.dequantized(), on_blocks["model.layers.0.mlp.down_proj"].dequantized())
+    (out16,) = bf16.generate(["the quick brown fox"], params)
+    assert len(out16.outputs[0].token_ids) == 8
 
 
 def test_a_layer_whose_blocks_do_not_match_stays_int8_and_the_log_says_why(tiny_models, tmp_path, caplog):
