@@ -414,6 +414,21 @@ def render_kernels() -> str:
     return "\n".join(lines)
 
 
+def render_vs_openvino() -> str:
+    lines = []
+    for kind, runs in kinds_of("vs_openvino").items():
+        run = runs[-1]
+        w = run["workload"]
+        rows = [[name, e["weights"], num(e["output_tok_s"]), times(e.get("vs_openvino")) if "vs_openvino" in e else "—"]
+                for name, e in run["engines"].items()]  # fmt: skip
+        lines += [f"**{cpu_label(kind, runs)}**, {run_label(run)}; {w['requests']} requests "
+                  f"({w['prompt_tokens_total']:,} prompt tokens, {w['output_tokens_total']:,} out), "
+                  f"{w['max_num_seqs']} sequences, a {w['max_num_batched_tokens']}-token budget "
+                  f"(`benchmarks/results/vs_openvino-{kind}.json`)", ""]  # fmt: skip
+        lines += [*table(["engine", "weights", "output tok/s (median)", "vs OpenVINO"], rows), ""]
+    return "\n".join(lines)
+
+
 # -- the fleet simulator against real runs --------------------------------------------------------------
 def render_autoscale() -> str:
     from benchmarks.autoscale_validate import headline
@@ -434,6 +449,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "quality": render_quality,
     "server-overhead": render_server_overhead,
     "batch1": render_batch1,
+    "vs-openvino": render_vs_openvino,
     "kernels": render_kernels,
 }
 
