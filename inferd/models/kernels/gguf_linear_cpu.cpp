@@ -155,23 +155,20 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
       }
       return;
     case Q4_0:
+    case Q5_0: {  // d * (q - 8), or d * (q - 16) with q's fifth bits in a 32-bit mask after d
+      const bool five = type == Q5_0;
       for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* blk = row + g * 18;
+        const uint8_t* blk = row + g * (five ? 22 : 18);
         const float dd = half(blk);
         d.a[g] = dd;
-        same_b(g, -8.f * dd);
-        nibbles_split(blk + 2, u + g * kGroup);
-      }
-      break;
-    case Q5_0:
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* blk = row + g * 22;
-        const float dd = half(blk);
-        d.a[g] = dd;
-        same_b(g, -16.f * dd);
+        same_b(g, (five ? -16.f : -8.f) * dd);
+        uint8_t* o = u + g * kGroup;
+        if (!five) {
+          nibbles_split(blk + 2, o);
+          continue;
+        }
         uint32_t qh;
         std::memcpy(&qh, blk + 2, 4);
-        uint8_t* o = u + g * kGroup;
 #if defined(__AVX2__)
         store32(o, _mm256_or_si256(nibbles32(blk + 6), bits32(qh, 0x10)));
 #else
@@ -180,6 +177,7 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
 #endif
       }
       break;
+    }
     case Q4_K:
     case Q5_K: {
       const bool five = type == Q5_K;
