@@ -1,11 +1,13 @@
-"""Serve a GGUF checkpoint from its own quantized blocks (`--quantization gguf`).
+"""Serve a GGUF checkpoint with exactly its own quantized weights (`--quantization gguf`).
 
 A GGUF (the default model is Q4_K_M) stores each weight matrix as blocks of a GGML type: Q5_0, Q8_0, Q4_K, Q6_K
 ... (4.5-8.5 bits a weight). inferd converts the file once to a float folder (loader.py), builds the model from
-it, and with this mode then puts each linear layer back on the file's own bytes: a `GGUFLinear` holds the rows
-as the file stores them and the native kernel (`kernels/gguf_linear_cpu.cpp`) decodes them exactly in
-registers, so the weights a step multiplies by are the file's values, the same values llama.cpp computes with,
-and only the activations are rounded (to int8 in groups of 32, as llama.cpp's Q8_0).
+it, and with this mode then puts each linear layer back on the file's own blocks: a `GGUFLinear` decodes its
+rows once into tiles (a code a byte, in the int8 kernel's layout, with each group's factor) and the native
+kernel (`kernels/gguf_linear_cpu.cpp`) multiplies by them, so the weights a step uses are the file's values, the
+same values llama.cpp computes with, and only the activations are rounded (to int8 in groups of 32, as
+llama.cpp's Q8_0). Decoding the blocks at every step instead cost more than the bytes it saved
+(docs/performance.md).
 
 Each layer's blocks are checked at load against the float weights the model was built from: they must
 dequantize to exactly those values (a row order is found for q/k where the converter permuted them, as
@@ -42,8 +44,8 @@ class GGUFLinear(nn.Module):
     """A linear layer on a GGUF's blocks: `segments`, each (GGML type code, uint8 [rows, row bytes]) as the file
     stores them, are its output rows in order (a fused q/k/v layer whose v the file stores in another type has
     several). They are packed once (`gguf_pack`) into tiles of 8 rows: the codes a byte each, interleaved as the
-    int8 kernel's tiles, with each group's float factor (and a k-quant's offset): the file's exact values, 9-10 bits a
-    weight); the blocks themselves are not kept."""
+    int8 kernel's tiles, with each group's float factor (and a k-quant's offset), the file's exact values in 9-10
+    bits a weight; the blocks themselves are not kept."""
 
     out_sizes: list[int]
 

@@ -27,6 +27,7 @@ NOT_A_COPY = {
     ("benchmarks/report.py", "pct"),  # formats a fraction as a percent
     ("inferd/models/layers.py", "weight_bytes"),  # a layer's own storage, which the library sums
     ("inferd/models/quant.py", "weight_bytes"),
+    ("inferd/models/gguf_blocks.py", "weight_bytes"),
     ("inferd/labs/kserve.py", "weight_bytes"),  # the resident weights, embedding included: another quantity
 }
 
