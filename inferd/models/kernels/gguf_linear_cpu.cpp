@@ -86,8 +86,8 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   }
 }
 
-// One weight row decoded for the integer dot products: codes u [K] (signed for Q8_0), per group of 32 the
-// factor A, per 16 the offset B16 (a group's B repeated) and, for Q6_K, the int16 scale of each 16.
+// One weight row decoded (for gguf_pack's tiles, and gguf_dequantize): codes u [K] (signed for Q8_0), per group
+// of 32 the factor A, per 16 the offset B16 (a group's B repeated) and, for Q6_K, the int16 scale of each 16.
 // Group g's 32 codes are at codes + g * stride: the buffer u (stride 32), or a Q8_0 row's own blocks (stride 34).
 struct Decoded {
   std::vector<uint8_t> u;
@@ -136,8 +136,7 @@ inline void nibbles_split(const uint8_t* q, uint8_t* u) {
 }
 
 void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
-  // the rows are streamed once: ask for the bytes kPrefetchBytes ahead (the hardware prefetcher alone
-  // loses the stream where threads claim runs of rows)
+  // the rows are read once, in order: ask for the bytes kPrefetchBytes ahead
   const int64_t row_bytes = K / layout(type).values * layout(type).bytes;
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + kPrefetchBytes + off, 0, 3);
   uint8_t* u = d.u.data();
