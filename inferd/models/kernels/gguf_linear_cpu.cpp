@@ -31,7 +31,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -86,16 +85,30 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   }
 }
 
+// One weight from its code and its group's values, with the `gguf` package's arithmetic (its order of float
+// operations, so both dequantizers match the package bit for bit): d * q, d * (q - 8), d * (q - 16),
+// (d * sc) * q - dmin * m, (d * s16) * (q - 32). `a` is A (d, or d * sc for a k-quant), `b` a k-quant's B.
+inline float weight_value(int64_t type, uint8_t u, float a, float b, int16_t s16) {
+  switch (type) {
+    case Q8_0: return a * static_cast<float>(static_cast<int8_t>(u));
+    case Q6_K: return (a * static_cast<float>(s16)) * static_cast<float>(u - 32);
+    case Q4_K:
+    case Q5_K: return a * static_cast<float>(u) + b;
+    default: return a * static_cast<float>(static_cast<int>(u) - (type == Q4_0 ? 8 : 16));
+  }
+}
+
 // One weight row decoded (for gguf_pack's tiles, and gguf_dequantize): codes u [K] (signed for Q8_0), per group
-// of 32 the factor A, per 16 the offset B16 (a group's B repeated) and, for Q6_K, the int16 scale of each 16.
-// Group g's 32 codes are at codes + g * stride: the buffer u (stride 32), or a Q8_0 row's own blocks (stride 34).
+// of 32 the factor A and, for a k-quant, its offset B; for Q6_K the int16 scale of each 16 (1 for other types).
+// The other types' offsets follow from A (weight_value). Group g's 32 codes are at codes + g * stride: the
+// buffer u (stride 32), or a Q8_0 row's own blocks (stride 34).
 struct Decoded {
   std::vector<uint8_t> u;
-  std::vector<float> a, b16;
+  std::vector<float> a, b;
   std::vector<int16_t> s16;
   const uint8_t* codes = nullptr;
   int64_t stride = kGroup;
-  explicit Decoded(int64_t K) : u(K), a(K / kGroup), b16(K / 16), s16(K / 16) {}
+  explicit Decoded(int64_t K) : u(K), a(K / kGroup), b(K / kGroup), s16(K / 16, 1) {}
 };
 
 #if defined(__AVX2__)
@@ -143,24 +156,18 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
   d.codes = u;
   d.stride = kGroup;
   const int64_t G = K / kGroup;
-  auto same_b = [&](int64_t g, float b) { d.b16[2 * g] = d.b16[2 * g + 1] = b; };
   switch (type) {
     case Q8_0:  // the codes are read in place
       d.codes = row + 2;
       d.stride = 34;
-      for (int64_t g = 0; g < G; ++g) {
-        d.a[g] = half(row + g * 34);
-        same_b(g, 0.f);
-      }
+      for (int64_t g = 0; g < G; ++g) d.a[g] = half(row + g * 34);
       return;
     case Q4_0:
     case Q5_0: {  // d * (q - 8), or d * (q - 16) with q's fifth bits in a 32-bit mask after d
       const bool five = type == Q5_0;
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* blk = row + g * (five ? 22 : 18);
-        const float dd = half(blk);
-        d.a[g] = dd;
-        same_b(g, (five ? -16.f : -8.f) * dd);
+        d.a[g] = half(blk);
         uint8_t* o = u + g * kGroup;
         if (!five) {
           nibbles_split(blk + 2, o);
@@ -192,7 +199,7 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
           scale_min_k4(j, scales, &sc, &m);
           const int64_t g = s * 8 + j;
           d.a[g] = dd * static_cast<float>(sc);
-          same_b(g, -(dmin * static_cast<float>(m)));
+          d.b[g] = -(dmin * static_cast<float>(m));
           const uint8_t* q = qs + (j / 2) * 32;
           const int shift = (j % 2) * 4;
           uint8_t* o = u + g * kGroup;
@@ -231,11 +238,8 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
             for (int l = 0; l < 32; ++l) o[l] = ((lo[l] >> shift) & 15) | (((hi[l] >> (2 * t)) & 3) << 4);
 #endif
             d.a[g] = dd;
-            for (int half16 = 0; half16 < 2; ++half16) {
-              const int8_t scale = sc[(g - s * 8) * 2 + half16];
-              d.s16[2 * g + half16] = scale;
-              d.b16[2 * g + half16] = -32.f * dd * static_cast<float>(scale);
-            }
+            d.s16[2 * g] = sc[2 * (h * 4 + t)];
+            d.s16[2 * g + 1] = sc[2 * (h * 4 + t) + 1];
           }
         }
       }
@@ -244,7 +248,6 @@ void decode_row(int64_t type, const uint8_t* row, int64_t K, Decoded& d) {
   }
 }
 
-// The quantized activation rows: q [M, K], d [M, K/32] each group's step, s16 [M, K/16] xd * sum(xq) per 16.
 // The quantized activation rows: q [M, K]; per group of 32 its step d, its sum of xq as one int32 (isum) and as
 // the two int16 sums of its halves (pair: the first in the low half), and xd * isum (xs).
 struct QuantizedRows {
@@ -331,7 +334,7 @@ void build_tile(int64_t type, const Decoded* w, int nr, int64_t G, TileOut t) {
   for (int64_t g = 0; g < G; ++g) {
     for (int r = 0; r < kTileRows; ++r) {
       t.a[g * kTileRows + r] = r < nr ? w[r].a[g] : 0.f;
-      if (type == Q4_K || type == Q5_K) t.b[g * kTileRows + r] = r < nr ? w[r].b16[2 * g] : 0.f;
+      if (type == Q4_K || type == Q5_K) t.b[g * kTileRows + r] = r < nr ? w[r].b[g] : 0.f;
       if (type != Q6_K) continue;
       for (int h = 0; h < 2; ++h) {
         const int16_t sc = r < nr ? w[r].s16[2 * g + h] : 1;
@@ -499,7 +502,7 @@ std::vector<Segment> segments(const std::vector<torch::Tensor>& weights, const s
 }  // namespace
 
 // One segment's rows [lo, hi) as float32 [hi - lo, K], computed as the `gguf` package's dequantize does
-// (per type: d * q, d * (q - 8), d * (q - 16), (d * sc) * q - dmin * m, (d * s16) * (q - 32)).
+// (weight_value).
 torch::Tensor gguf_dequantize(torch::Tensor weight, int64_t type, int64_t K, int64_t lo, int64_t hi) {
   const std::vector<Segment> segs = segments({weight}, {type}, K);
   TORCH_CHECK(0 <= lo && lo <= hi && hi <= weight.size(0), "gguf_dequantize: rows out of range");
@@ -513,18 +516,8 @@ torch::Tensor gguf_dequantize(torch::Tensor weight, int64_t type, int64_t K, int
       float* o = O + (r - lo) * K;
       for (int64_t g = 0; g < K / kGroup; ++g) {
         const uint8_t* u = w.codes + g * w.stride;
-        float* og = o + g * kGroup;
-        if (type == Q8_0) {
-          for (int j = 0; j < kGroup; ++j) og[j] = w.a[g] * static_cast<float>(static_cast<int8_t>(u[j]));
-        } else if (type == Q6_K) {
-          for (int j = 0; j < kGroup; ++j)
-            og[j] = (w.a[g] * static_cast<float>(w.s16[2 * g + j / 16])) * static_cast<float>(u[j] - 32);
-        } else if (type == Q4_K || type == Q5_K) {
-          for (int j = 0; j < kGroup; ++j) og[j] = w.a[g] * static_cast<float>(u[j]) + w.b16[2 * g];
-        } else {  // Q4_0 / Q5_0: d * (q - offset), offset = -B / d
-          const int offset = type == Q4_0 ? 8 : 16;
-          for (int j = 0; j < kGroup; ++j) og[j] = w.a[g] * static_cast<float>(static_cast<int>(u[j]) - offset);
-        }
+        for (int j = 0; j < kGroup; ++j)
+          o[g * kGroup + j] = weight_value(type, u[j], w.a[g], w.b[g], w.s16[2 * g + j / 16]);
       }
     }
   });
@@ -533,8 +526,8 @@ torch::Tensor gguf_dequantize(torch::Tensor weight, int64_t type, int64_t K, int
 
 // ---- A layer's tiles built once at load ----
 
-// One segment's rows as tiles: [codes uint8 [T, G*256], a float32 [T, G*8], b float32 [T, 2G*8], s int16
-// [T, 2G*16]] for T = ceil(rows / 8) tiles (the last one's missing rows zero).
+// One segment's rows as tiles: [codes uint8 [T, G*256], a float32 [T, G*8], b float32 [T, G*8] (k-quants; else
+// empty), s int16 [T, 2G*16] (Q6_K; else empty)] for T = ceil(rows / 8) tiles (the last one's missing rows zero).
 std::vector<torch::Tensor> gguf_pack(torch::Tensor weight, int64_t type, int64_t K) {
   const std::vector<Segment> segs = segments({weight}, {type}, K);
   const Segment& sg = segs[0];
@@ -560,7 +553,7 @@ std::vector<torch::Tensor> gguf_pack(torch::Tensor weight, int64_t type, int64_t
 // A few hundred activation rows (float32 or bfloat16) against layers packed by gguf_pack: per segment its
 // type, number of rows and (codes, a, b, s); returns [M, N] in x's dtype.
 torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> tiles, std::vector<int64_t> types,
-                               std::vector<int64_t> rows, c10::optional<torch::Tensor> bias) {
+                          std::vector<int64_t> rows, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "gguf_linear: x is float32 or bfloat16 [M, K]");
   TORCH_CHECK(tiles.size() == 4 * types.size() && rows.size() == types.size() && !types.empty(),
@@ -607,8 +600,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> tiles, std
 
 // Rows [lo, hi) of a packed segment as float32 [hi - lo, K], computed as gguf_dequantize (and the gguf
 // package) computes them from the blocks.
-torch::Tensor gguf_unpack(std::vector<torch::Tensor> tile, int64_t type, int64_t K, int64_t lo,
-                                   int64_t hi) {
+torch::Tensor gguf_unpack(std::vector<torch::Tensor> tile, int64_t type, int64_t K, int64_t lo, int64_t hi) {
   TORCH_CHECK(tile.size() == 4, "gguf_unpack: (codes, a, b, s)");
   const int64_t G = K / kGroup;
   auto out = torch::empty({hi - lo, K}, tile[1].options());
@@ -622,16 +614,12 @@ torch::Tensor gguf_unpack(std::vector<torch::Tensor> tile, int64_t type, int64_t
       const int64_t t = row / kTileRows, r = row % kTileRows;
       for (int64_t g = 0; g < G; ++g) {
         const float a = A[t * tile_a(G) + g * kTileRows + r];
+        const float b = Bf ? Bf[t * tile_b(G) + g * kTileRows + r] : 0.f;
         for (int j = 0; j < 8; ++j)
           for (int kk = 0; kk < 4; ++kk) {
             const uint8_t c = C[t * tile_codes(G) + g * 256 + j * 32 + r * 4 + kk];
-            float& o = O[(row - lo) * K + g * kGroup + 4 * j + kk];
-            const int h = j / 4;
-            if (type == Q8_0) o = a * static_cast<float>(static_cast<int8_t>(c));
-            else if (type == Q6_K)
-              o = (a * static_cast<float>(S[t * tile_s(G) + (2 * g + h) * 16 + 2 * r])) * static_cast<float>(c - 32);
-            else if (type == Q4_K || type == Q5_K) o = a * static_cast<float>(c) + Bf[t * tile_b(G) + g * kTileRows + r];
-            else o = a * static_cast<float>(static_cast<int>(c) - (type == Q4_0 ? 8 : 16));
+            const int16_t s16 = S ? S[t * tile_s(G) + (2 * g + j / 4) * 16 + 2 * r] : 1;
+            O[(row - lo) * K + g * kGroup + 4 * j + kk] = weight_value(type, c, a, b, s16);
           }
       }
     }
