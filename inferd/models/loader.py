@@ -102,7 +102,7 @@ def convert_gguf(gguf: Path) -> Path:
     if (out / "model.safetensors").exists():
         if not (out / FORMATS_FILE).exists():  # a folder converted before the formats were recorded
             _write_formats(gguf, out)
-        if not (out / SOURCE_FILE).exists() or "tensors" not in json.loads((out / SOURCE_FILE).read_text()):
+        if not (out / SOURCE_FILE).exists():  # nor where its blocks lie
             _write_source(gguf, out)
         return out
     from rich.console import Console
@@ -204,7 +204,7 @@ def gguf_source(folder: Path) -> GGUFSource | None:
         st = gguf.stat()
     except OSError:
         return None
-    if (st.st_size, st.st_mtime_ns) != (source["size"], source["mtime_ns"]) or "tensors" not in source:
+    if (st.st_size, st.st_mtime_ns) != (source["size"], source["mtime_ns"]):
         return None
     return GGUFSource(gguf, source["architecture"], source["tensors"])
 
