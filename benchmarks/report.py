@@ -151,13 +151,7 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
 # -- inferd against its peers (vs_peers) ---------------------------------------------------------------
 def level_figures(run: dict) -> dict[str, dict[int, dict]]:
     """server -> concurrency -> median figures, for the servers of a run that finished."""
-    out = {}
-    for name, entry in run.get("servers", {}).items():
-        if entry.get("error"):
-            continue
-        figs = peers.figures(entry, peers.workload_name(entry))
-        out[name] = {peers.concurrency(k): v for k, v in figs.items()}
-    return out
+    return peers.level_figures(run.get("servers", {}))
 
 
 def peer_configs(run: dict) -> list[int]:
@@ -227,28 +221,12 @@ def ratio_lines(run: dict, levels: list[int], compact: bool = False) -> list[str
 
 
 def target_line(run: dict, levels: list[int]) -> str | None:
-    """inferd's targets, within this run: 1.5x vLLM's output throughput with a lower mean TTFT at c=16
-    and 32 (bf16 vLLM where the CPU has native bf16, fp32 elsewhere); 1.2x llama-server's at c=1."""
-    figs = level_figures(run)
-    best = {c: max((n for n in figs if n.startswith("inferd") and c in figs[n]), default=None,
-                   key=lambda n, c=c: figs[n][c]["output_throughput"]) for c in levels}  # fmt: skip
+    """inferd's targets within this run (`inferd.bench.peers.targets`), at the levels shown."""
+    figs = {name: {c: f for c, f in by.items() if c in levels} for name, by in level_figures(run).items()}
     out = []
-    vllm = column_server(run, ("vllm", "vllm-fp32"))
-    for c in (c for c in levels if c in (16, 32)):
-        if vllm is None or best[c] is None or c not in figs[vllm]:
-            continue
-        mine, theirs = figs[best[c]][c], figs[vllm][c]
-        r = mine["output_throughput"] / theirs["output_throughput"]
-        ttft = (mine.get("mean_ttft_ms") or 0) / theirs["mean_ttft_ms"] if theirs.get("mean_ttft_ms") else None
-        if r < 1.5 or (ttft is not None and ttft >= 1.0):
-            verdict = "not met"
-        else:
-            verdict = "met" if ttft is not None else "throughput met, TTFT not recorded"
-        ttft_text = f", mean TTFT {times(ttft)}" if ttft is not None else ""
-        out.append(f"c={c} {times(r)}{ttft_text}: {verdict}")
-    if 1 in levels and "llama-server" in figs and best[1] is not None and 1 in figs["llama-server"]:
-        r = figs[best[1]][1]["output_throughput"] / figs["llama-server"][1]["output_throughput"]
-        out.append(f"c=1 {times(r)} llama-server: {'met' if r >= 1.2 else 'not met'}")
+    for t in peers.targets(figs):
+        ttft = f", mean TTFT {times(t.ttft_ratio)}" if t.ttft_ratio is not None else ""
+        out.append(f"{t.name} {times(t.ratio)}{ttft}, goal {times(t.goal)}: {'met' if t.met else 'not met'}")
     return "; ".join(out) or None
 
 

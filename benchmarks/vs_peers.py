@@ -38,16 +38,17 @@ Peers, each in its own virtual environment under ~/.cache/inferd-peers (override
 level to every server in turn, so a drift of the machine's speed over minutes is shared by all of them rather
 than read as a difference between servers.
 
-Results: benchmarks/results/vs_peers-<kind>.json, the kind of this CPU (`inferd.cpu.cpu_kind`: xeon-amx,
-zen5, zen3, ...), or `--out NAME` for NAME.json (a path ending in .json is taken as it is). Each invocation
-appends one run to the file's `runs` (`--fresh`: the file holds this run alone), and never merges its
-servers into an earlier run's, so every ratio compares servers measured together (`inferd.bench.peers`):
-per run its date, commit, CPU model and flags, command line and machine; per server its command, dtype and
-quantization, per workload and level the runs and their medians; the ratios of inferd's best mode over each
-peer in that run, and whether it meets inferd's targets (concurrency 16 and 32: 1.5x vLLM bf16's output
-throughput with a lower mean TTFT; concurrency 1: 1.2x llama-server). `python -m benchmarks.report` renders
-the documents' figures from these files. A file from before runs were kept apart reads as one run marked
-`converted`.
+Results: benchmarks/results/vs_peers-<kind>.json, the kind of this CPU (`inferd.cpu.cpu_kind`: xeon-amx, zen5,
+zen3, ...), or `--out NAME` for NAME.json (a path ending in .json is taken as it is). Each invocation appends
+one run to the file's `runs` (`--fresh`: the file holds this run alone), and never merges its servers into an
+earlier run's, so every ratio compares servers measured together (`inferd.bench.peers`): per run its date,
+commit, CPU model and flags, command line and machine; per server its command, dtype and quantization, per
+workload and level the runs and their medians; the ratios of inferd's best mode over each peer in that run,
+and whether it meets inferd's targets (`inferd.bench.peers.targets`: with no flags, 1.5x vLLM's output
+throughput in its faster dtype with a lower mean TTFT at concurrency 16 and 32, and 1.3x llama-server's at
+concurrency 1; its fastest mode ahead of the fastest peer at every level). `python -m benchmarks.report`
+renders the documents' figures from these files. A file from before runs were kept apart reads as one run
+marked `converted`.
 """
 
 from __future__ import annotations
@@ -612,27 +613,16 @@ def ratios(run: dict) -> dict:
     return out
 
 
-def target(ratio: dict) -> dict:
-    """inferd's targets, per workload: concurrency 16 and 32 at 1.5x vLLM bf16's output throughput
-    with a lower mean TTFT; concurrency 1 at 1.2x llama-server's."""
+def target(servers: dict) -> dict:
+    """inferd's speed targets (`inferd.bench.peers.targets`), per workload: each one's ratios and whether met."""
     out = {}
-    for workload, peers in ratio.items():
-        checks = {}
-        for level in ("concurrency=16", "concurrency=32"):
-            r = peers.get("vllm", {}).get(level)
-            if r and r.get("output_throughput") and r.get("mean_ttft_ms"):
-                checks[f"vllm bf16, {level}"] = {
-                    "throughput_ratio": r["output_throughput"],
-                    "ttft_ratio": r["mean_ttft_ms"],
-                    "met": r["output_throughput"] >= 1.5 and r["mean_ttft_ms"] < 1.0,
-                }
-        r = peers.get("llama-server", {}).get("concurrency=1")
-        if r and r.get("output_throughput"):
-            checks["llama-server, concurrency=1"] = {
-                "throughput_ratio": r["output_throughput"],
-                "met": r["output_throughput"] >= 1.2,
+    for workload in WORKLOADS:
+        checks = peer_runs.targets(peer_runs.level_figures(servers, workload))
+        if checks:
+            out[workload] = {
+                t.name: {"throughput_ratio": t.ratio, "goal": t.goal, "ttft_ratio": t.ttft_ratio, "met": t.met}
+                for t in checks
             }
-        out[workload] = checks
     return out
 
 
@@ -657,7 +647,7 @@ def new_run(entries: dict[str, dict], args: argparse.Namespace, started: float, 
         "servers": entries,
     }  # fmt: skip
     run["ratios_best_inferd_over_peer"] = ratios(run)
-    run["targets"] = target(run["ratios_best_inferd_over_peer"])
+    run["targets"] = target(run["servers"])
     return run
 
 

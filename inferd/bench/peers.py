@@ -10,8 +10,9 @@ have merged their servers, dated by its last write. It reads as a single run mar
 what the file says of itself (its date, machine and note) and leaving unknown what it does not (commit,
 CPU flags, command line); the next invocation that writes the file appends its own run after it.
 
-`newest_pair_file` picks the file to show a pair of servers from; `peer_python` and `importable` find a peer's
-own environment and whether it runs; `run_side_by_side` runs the script with a deadline and returns its run.
+`targets` checks inferd's speed targets within one run. `newest_pair_file` picks the file to show a pair of
+servers from; `peer_python` and `importable` find a peer's own environment and whether it runs;
+`run_side_by_side` runs the script with a deadline and returns its run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from inferd import cpu, procs
@@ -91,6 +93,64 @@ def figures(entry: dict, workload: str | None) -> dict[str, dict]:
     if workload is None:
         return entry.get("levels", {})
     return {level: v["median"] for level, v in entry.get("workloads", {}).get(workload, {}).items()}
+
+
+def level_figures(servers: dict, workload: str | None = None) -> dict[str, dict[int, dict]]:
+    """server -> concurrency -> median figures, for a run's servers that have no error: of `workload`, or
+    where None of each server's own (`workload_name`)."""
+    return {
+        name: {concurrency(k): v for k, v in figures(entry, workload or workload_name(entry)).items()}
+        for name, entry in servers.items()
+        if not entry.get("error")
+    }
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of inferd's speed targets, checked within one run: output throughput over the peer's (`ratio`),
+    mean TTFT over the peer's where the target bounds it."""
+
+    name: str
+    ratio: float
+    goal: float
+    ttft_ratio: float | None = None
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.goal and (self.ttft_ratio is None or self.ttft_ratio < 1.0)
+
+
+def _fastest(figs: dict[str, dict[int, dict]], level: int, names) -> str | None:
+    found = [n for n in names if level in figs.get(n, {})]
+    return max(found, key=lambda n: figs[n][level]["output_throughput"], default=None)
+
+
+def targets(figs: dict[str, dict[int, dict]]) -> list[Target]:
+    """inferd's speed targets in one run (`figs`: `level_figures`), those its servers and levels allow:
+    - concurrency 16 and 32: `inferd serve` with no flags (server "inferd") at 1.5x the output throughput of
+      vLLM in its faster dtype of the run (bf16 where the CPU has it, fp32 on AVX2), with a lower mean TTFT;
+    - concurrency 1: the same server at 1.3x llama-server's;
+    - every level: inferd's fastest mode ahead of the fastest peer."""
+    out = []
+    levels = sorted({c for f in figs.values() for c in f})
+    vllm = [n for n in figs if n.startswith("vllm")]
+    for c in (16, 32):
+        peer = _fastest(figs, c, vllm)
+        if peer and c in figs.get("inferd", {}):
+            mine, theirs = figs["inferd"][c], figs[peer][c]
+            ttft = mine.get("mean_ttft_ms"), theirs.get("mean_ttft_ms")
+            r = mine["output_throughput"] / theirs["output_throughput"]
+            out.append(Target(f"c={c}, no flags over {peer}", r, 1.5, ttft[0] / ttft[1] if all(ttft) else None))
+    if 1 in figs.get("inferd", {}) and 1 in figs.get("llama-server", {}):
+        r = figs["inferd"][1]["output_throughput"] / figs["llama-server"][1]["output_throughput"]
+        out.append(Target("c=1, no flags over llama-server", r, 1.3))
+    for c in levels:
+        mine = _fastest(figs, c, [n for n in figs if n.startswith("inferd")])
+        theirs = _fastest(figs, c, [n for n in figs if not n.startswith("inferd")])
+        if mine and theirs:
+            r = figs[mine][c]["output_throughput"] / figs[theirs][c]["output_throughput"]
+            out.append(Target(f"c={c}, fastest ({mine}) over fastest peer ({theirs})", r, 1.0))
+    return out
 
 
 def pair(run: dict, a: str, b: str) -> tuple[str | None, list[str]]:

@@ -126,3 +126,35 @@ def test_out_takes_a_name_or_a_path_and_defaults_to_this_cpu_kinds_file(tmp_path
 def test_a_stored_file_holds_one_kind_of_cpu_named_in_its_name(path):
     assert path.name.startswith("vs_peers-") and path.stem.removeprefix("vs_peers-") in KINDS
     assert {runs.run_kind(r) for r in peers.load(path)["runs"]} == {path.stem.removeprefix("vs_peers-")}
+
+
+def _ttft(entry: dict, level: int, ms: float) -> dict:
+    entry["workloads"]["mixed"][f"concurrency={level}"]["median"]["mean_ttft_ms"] = ms
+    return entry
+
+
+def test_targets_take_the_no_flags_server_against_vllms_faster_dtype_and_the_fastest_of_each_side():
+    servers = {
+        "inferd": _ttft(_entry({1: 40.0, 16: 160.0, 32: 200.0}), 16, 90.0),
+        "inferd-int8": _entry({1: 45.0, 16: 170.0}),
+        "vllm": _entry({16: 20.0, 32: 25.0}),  # bf16 on an AVX2 CPU: the slow dtype there
+        "vllm-fp32": _entry({16: 100.0, 32: 140.0}),
+        "llama-server": _entry({1: 35.0}),
+    }
+    got = {t.name: t for t in peers.targets(peers.level_figures(servers))}
+    c16 = got["c=16, no flags over vllm-fp32"]
+    assert c16.ratio == 1.6 and c16.ttft_ratio == 0.9 and c16.met
+    c32 = got["c=32, no flags over vllm-fp32"]
+    assert c32.ratio == 200 / 140 and not c32.met  # 1.43x: short of 1.5x
+    c1 = got["c=1, no flags over llama-server"]
+    assert c1.ratio == 40 / 35 and not c1.met  # 1.14x: short of 1.3x, though ahead
+    assert got["c=1, fastest (inferd-int8) over fastest peer (llama-server)"].met
+    assert got["c=16, fastest (inferd-int8) over fastest peer (vllm-fp32)"].ratio == 1.7
+    # a slower TTFT fails a throughput target that is met
+    servers["inferd"] = _ttft(servers["inferd"], 16, 101.0)
+    assert not {t.name: t for t in peers.targets(peers.level_figures(servers))}[c16.name].met
+    # a server that failed takes part in no target
+    servers["vllm-fp32"]["error"] = "did not start"
+    assert "c=16, no flags over vllm" in {t.name for t in peers.targets(peers.level_figures(servers))}
+    summary = vs_peers.target(servers)["mixed"]
+    assert summary["c=1, no flags over llama-server"]["met"] is False
