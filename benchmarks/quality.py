@@ -92,10 +92,13 @@ def agreement(got: list[list[int]], ref: list[list[int]]) -> dict:
     }
 
 
-def _window_nll(llm: LLM, ids: list[int], rows: int | None = None, rows_per_slice: int = 64) -> tuple[float, int]:
-    """Sum of -log p(next token) over one window, through the engine's model and LM head: one prefill, or
-    with `rows` a prefill in chunks of that many tokens (each layer then sees as few rows as a small decode
-    batch does, so the kernels for a few rows are the ones scored)."""
+def window_nll(
+    llm: LLM, ids: list[int], rows: int | None = None, score_from: int = 0, rows_per_slice: int = 64
+) -> tuple[float, int]:
+    """Sum of -log p(next token) over one window, and how many tokens it scored, through the engine's model
+    and LM head: one prefill, or with `rows` a prefill in chunks of that many tokens (each layer then sees as
+    few rows as a small decode batch does, so the kernels for a few rows are the ones scored). Only the
+    tokens after position `score_from` are scored (each then has that much context at least)."""
     engine = llm.engine
     runner, bs = engine.runner, engine.kv.block_size
     blocks = list(range(-(-len(ids) // bs)))  # the engine is idle: any blocks will do
@@ -114,7 +117,8 @@ def _window_nll(llm: LLM, ids: list[int], rows: int | None = None, rows_per_slic
             step = runner.prepare(sched)
             with torch.inference_mode():
                 hidden = engine.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
-                for lo in range(0, len(part), rows_per_slice):  # full-vocab logits a slice of rows at a time
+                # full-vocab logits a slice of rows at a time
+                for lo in range(max(0, score_from - start), len(part), rows_per_slice):
                     hi = min(lo + rows_per_slice, len(part), len(ids) - 1 - start)
                     if hi <= lo:
                         break
@@ -122,7 +126,7 @@ def _window_nll(llm: LLM, ids: list[int], rows: int | None = None, rows_per_slic
                     nll -= logits.log_softmax(-1).gather(1, targets[start + lo : start + hi, None]).sum().item()
     finally:
         runner.update_states(SchedulerOutput(finished_ids=["ppl"]))
-    return nll, len(ids) - 1
+    return nll, len(ids) - 1 - score_from
 
 
 def perplexity(llm: LLM, text_ids: list[int], window: int, rows: int | None = None) -> dict:
@@ -132,7 +136,7 @@ def perplexity(llm: LLM, text_ids: list[int], window: int, rows: int | None = No
         part = bos + text_ids[lo : lo + window - len(bos)]
         if len(part) < 2:
             continue
-        n, c = _window_nll(llm, part, rows)
+        n, c = window_nll(llm, part, rows)
         nll, count = nll + n, count + c
     return {"perplexity": math.exp(nll / count), "scored_tokens": count, "window": window, "rows": rows}
 

@@ -347,7 +347,8 @@ def setup_commands(peer: str) -> list[str]:
             f"cmake -S $(ls -dt {src}/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1) -B {src}/build "
             "-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF "
             + " ".join(ggml_cpu_options()),
-            f"cmake --build {src}/build --target llama-server -j 2",
+            # llama-perplexity and llama-tokenize: the file's own perplexity (benchmarks/perplexity_vs_llama_cpp.py)
+            f"cmake --build {src}/build --target llama-server llama-perplexity llama-tokenize -j 2",
             # built for this CPU's features: on another CPU it may die with SIGILL, so note which CPU it was
             f"grep -m1 '^flags' /proc/cpuinfo > {src}/build/{CPU_FLAGS_FILE}",
         ]
