@@ -331,6 +331,26 @@ def render_quality() -> str:
     return "\n".join(lines)
 
 
+def render_llama_perplexity() -> str:
+    lines = []
+    for kind, runs in kinds_of("perplexity_vs_llama_cpp").items():
+        run = runs[-1]
+        w, ref = run["workload"], run["llama_cpp"]
+        rows = [["llama.cpp `llama-perplexity`", "the GGUF's blocks (its defaults: f16 KV cache)",
+                 f"{ref['perplexity']:.3f} ± {ref['plus_minus']:.3f}", "1.000"]]  # fmt: skip
+        for name, m in run["modes"].items():
+            q = m["quantization"]
+            weights = {"gguf": "the GGUF's blocks", None: "the GGUF dequantized"}.get(q, f"{q}, from the GGUF")
+            rounded = ", rounded to int8 in the kernel" if q in ("gguf", "int8", "int4") else ""
+            what = f"{weights}, {m['dtype']} activations{rounded}"
+            rows.append([f"inferd `{name}`", what, f"{m['perplexity']:.3f}", f"{m['over_llama_cpp']:.3f}"])
+        lines += [f"**{cpu_label(kind, runs)}**, {run_label(run)}; {w['chunks']} chunks of {w['ctx']} tokens, "
+                  f"{w['chunks'] * w['scored_tokens_per_chunk']:,} tokens scored; ids: {w['ids']} "
+                  f"(`benchmarks/results/perplexity_vs_llama_cpp-{kind}.json`)", ""]  # fmt: skip
+        lines += [*table(["engine", "weights", "perplexity", "over llama.cpp's"], rows), ""]
+    return "\n".join(lines)
+
+
 # -- the server against offline ------------------------------------------------------------------------
 def server_configs(run: dict) -> list[tuple]:
     return [(run.get("concurrency"), run.get("quantization") or "-")] if "ratio" in run else []
@@ -425,6 +445,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "vs-peers": render_vs_peers,
     "offline": render_offline,
     "quality": render_quality,
+    "llama-perplexity": render_llama_perplexity,
     "server-overhead": render_server_overhead,
     "batch1": render_batch1,
     "vs-openvino": render_vs_openvino,
