@@ -35,11 +35,13 @@ DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
 # the kinds README's table shows: this project's machines of today
 README_KINDS = ("avx512-bf16", "xeon-amx")
-LEVELS = (1, 16, 32)
+LEVELS = (1, 4, 16, 32)
+README_LEVELS = (1, 16, 32)  # README stays short: single stream, and the two loads the targets name
 # the columns of the side-by-side tables: inferd's default and best modes, then the peers
 INFERD_COLUMNS = (
     (("inferd",), "inferd default"),  # its mode beside each figure: int8 for the GGUF where auto picks it
-    (("inferd-float", "inferd-int8"), "inferd other mode"),  # dequantized floats, or int8 where bf16 was default
+    # dequantized floats, or int8 where bf16 was default, or the GGUF's own blocks
+    (("inferd-float", "inferd-int8", "inferd-gguf"), "inferd other mode"),
 )
 PEER_COLUMNS = (
     (("vllm", "vllm-fp32"), "vLLM CPU 0.32"),
@@ -95,7 +97,7 @@ def short_dtype(dtype: str | None) -> str:
 
 def mode_label(server: dict) -> str:
     """'bf16', or 'int8, bf16' for a server whose weights ran quantized (its default's `auto` included)."""
-    quant = next((q for q in ("int8", "int4") if q in (server.get("quantization") or "")), None)
+    quant = next((q for q in ("int8", "int4", "gguf") if q in (server.get("quantization") or "")), None)
     dtype = short_dtype(server.get("dtype"))
     return f"{quant}, {dtype}" if quant else dtype
 
@@ -141,6 +143,8 @@ def how_measured(run: dict) -> str:
     text = f"`{cmd}`" if cmd else "command not recorded"
     if isinstance(run.get("workload"), str):
         text += f"; workload {run['workload']}"
+    if run.get("note") and not run.get("converted"):
+        text += f"; {run['note']}"
     return text
 
 
@@ -154,7 +158,7 @@ def level_figures(run: dict) -> dict[str, dict[int, dict]]:
     return peers.level_figures(run.get("servers", {}))
 
 
-def peer_configs(run: dict) -> list[int]:
+def peer_configs(run: dict, levels: tuple[int, ...] = LEVELS) -> list[int]:
     """The levels at which a run measured an inferd mode beside a peer (none in a converted record, whose
     servers may come from different invocations)."""
     if run.get("converted"):
@@ -162,13 +166,13 @@ def peer_configs(run: dict) -> list[int]:
     figs = level_figures(run)
     mine = {c for name, f in figs.items() if name.startswith("inferd") for c in f}
     theirs = {c for name, f in figs.items() if not name.startswith("inferd") for c in f}
-    return sorted(c for c in mine & theirs if c in LEVELS)
+    return sorted(c for c in mine & theirs if c in levels)
 
 
-def current_peer_runs(runs: list[dict]) -> list[tuple[dict, list[int]]]:
+def current_peer_runs(runs: list[dict], levels: tuple[int, ...] = LEVELS) -> list[tuple[dict, list[int]]]:
     """The newest run at each level, with the levels it is shown for, oldest run first."""
     chosen: dict[int, list[int]] = {}
-    for level, run in newest(runs, peer_configs).items():
+    for level, run in newest(runs, lambda r: peer_configs(r, levels)).items():
         chosen.setdefault(runs.index(run), []).append(level)
     return [(runs[i], sorted(levels)) for i, levels in sorted(chosen.items())]
 
@@ -230,9 +234,9 @@ def target_line(run: dict, levels: list[int]) -> str | None:
     return "; ".join(out) or None
 
 
-def peers_table(kind: str, runs: list[dict], detail: bool) -> list[str]:
+def peers_table(kind: str, runs: list[dict], detail: bool, shown: tuple[int, ...] = LEVELS) -> list[str]:
     rows = []
-    for run, levels in current_peer_runs(runs):
+    for run, levels in current_peer_runs(runs, shown):
         for level in levels:
             rows.append([run.get("date") or "undated", str(level), *(cell(run, n, level, detail) for n, _ in COLUMNS)])
     return table(["run", "c", *(label for _, label in COLUMNS)], rows)
@@ -244,8 +248,8 @@ def render_how_fast() -> str:
     for kind in README_KINDS:
         if kind not in data:
             continue
-        lines += [f"**{cpu_label(kind, data[kind])}**", "", *peers_table(kind, data[kind], detail=False), ""]
-        for run, levels in current_peer_runs(data[kind]):
+        lines += [f"**{cpu_label(kind, data[kind])}**", "", *peers_table(kind, data[kind], False, README_LEVELS), ""]
+        for run, levels in current_peer_runs(data[kind], README_LEVELS):
             ratios = ratio_lines(run, levels, compact=True)
             lines.append(f"- {run_label(run)}: " + "; ".join(ratios) + ".")
         lines.append("")
