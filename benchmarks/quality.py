@@ -43,6 +43,7 @@ MODES: dict[str, dict] = {
     "gguf": dict(dtype="auto", quantization="gguf"),  # the GGUF file's own blocks, activations int8 in groups of 32
     "int4": dict(dtype="auto", quantization="int4"),  # int4 weights (groups of 32), bf16 activations where native
     "int4-fp32": dict(dtype="float32", quantization="int4"),
+    "int8-kv-bf16": dict(dtype="auto", quantization="int8", kv_cache_dtype="bfloat16"),  # a bf16 KV cache (under fp32)
     "int8-kv-fp8": dict(dtype="auto", quantization="int8", kv_cache_dtype="fp8"),  # and an fp8 (e4m3) KV cache
     "int8-kv-fp8_e5m2": dict(dtype="auto", quantization="int8", kv_cache_dtype="fp8_e5m2"),
     "bf16-kv-fp8": dict(dtype="bfloat16", quantization="none", kv_cache_dtype="fp8"),

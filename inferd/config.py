@@ -73,9 +73,10 @@ class CacheConfig:
     num_blocks: int | None = setting(None, "number of KV blocks; overrides --kv-cache-memory", minimum=1)
     kv_cache_dtype: str = setting(
         "auto",
-        "KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, half a bf16 cache's bytes: "
-        "twice the tokens in the same memory and half the bytes a decode step's attention reads",
-        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        "KV cache storage: auto (the model's dtype; bfloat16 under a float32 that --dtype auto chose on a CPU), "
+        "bfloat16 (half a float32 cache's bytes) or fp8 (= fp8_e4m3) / fp8_e5m2, half a bf16 cache's bytes: twice "
+        "the tokens in the same memory and half the bytes a decode step's attention reads",
+        choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
     )
     enable_prefix_caching: bool = setting(True, "automatic prefix caching: reuse the KV blocks of shared prefixes")
     kv_offload_memory: int = setting(

@@ -112,7 +112,10 @@ class Engine:
         self.dtype_choice = resolve_dtype(config.dtype, self.device)
         self.dtype = self.dtype_choice.dtype
         logger.info("dtype: %s (%s)", self.dtype_choice.name, self.dtype_choice.reason)
-        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        auto_dtype = config.dtype == "auto"
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, auto_dtype, self.device.type)
+        if self.kv_dtype != self.dtype and config.cache.kv_cache_dtype == "auto":
+            logger.info("KV cache: bfloat16 (auto: under float32 activations, half the bytes, widened as read)")
         check_quantization(config.quantization, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)

@@ -106,21 +106,21 @@ class AttentionMetadata:
         return self._prefill_masks[key]
 
 
-FP8 = frozenset(KV_CACHE_DTYPES.values())  # the cache dtypes that are not a model dtype
+FP8 = frozenset(d for d in KV_CACHE_DTYPES.values() if d.itemsize == 1)  # the one-byte cache dtypes
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """New K or V in the cache's dtype: fp8 rounds to nearest, clamped to the format's finite range (a cast
-    alone turns e4m3's overflow into NaN)."""
+    """New K or V in the cache's dtype, rounded to nearest: fp8 clamped to the format's finite range first (a
+    cast alone turns e4m3's overflow into NaN); float32 K/V into a bf16 cache (`--kv-cache-dtype bfloat16`)."""
     if dtype in FP8:
         top = torch.finfo(dtype).max
         return x.clamp(-top, top).to(dtype)
-    return x
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as attention sees it once cached: rounded through an fp8 cache and back, unchanged otherwise."""
-    return to_cache(x, cache_dtype).to(x.dtype) if cache_dtype in FP8 else x
+    """x as attention sees it once cached: rounded through a cache of another dtype and back."""
+    return x if cache_dtype == x.dtype else to_cache(x, cache_dtype).to(x.dtype)
 
 
 def _indexable(t: torch.Tensor) -> torch.Tensor:

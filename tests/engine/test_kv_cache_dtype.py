@@ -1,4 +1,5 @@
-"""An fp8 KV cache (--kv-cache-dtype): what is stored, what every attention path reads back, what it holds."""
+"""An fp8 KV cache, or a bf16 one under float32 activations (--kv-cache-dtype): what is stored, what every
+attention path reads back, what it holds."""
 
 from __future__ import annotations
 
@@ -132,6 +133,26 @@ def test_decode_kernel_on_fp8_matches_the_reference_on_the_same_values(fp8, dtyp
     assert torch.allclose(got.float(), ref, **tol)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("threads", [0, 8])
+def test_float32_queries_on_a_bf16_cache_equal_a_float32_cache_of_the_same_values(window, threads):
+    """--kv-cache-dtype bfloat16 under a float32 model: the new K/V are rounded to bf16 as they are written, and
+    the kernel, widening the rows as it reads them, gives what a float32 cache holding those values gives, to
+    float32's rounding (a sum's order may differ with the vector width; bf16's own error is ~1e-3 here); the
+    PyTorch path agrees too."""
+    case = _decode_case(5, torch.bfloat16)
+    k_new, v_new = (t.bfloat16().float() for t in case[1:3])  # what the cache will hold of the new K/V
+    kernel = functools.partial(cpu_kernels.paged_decode_kernel(), threads=threads)
+    got, cache = _decode(kernel, case, torch.float32, window, 20.0)
+    assert got.dtype == torch.float32 and cache.dtype == torch.bfloat16
+    as_float = [case[0], k_new, v_new, case[3].float(), case[4].float(), *case[5:]]
+    same, float_cache = _decode(kernel, as_float, torch.float32, window, 20.0)
+    assert torch.equal(cache.float(), float_cache)  # written rounded to nearest, as torch casts
+    assert torch.allclose(got, same, atol=1e-6, rtol=1e-6)
+    ref, _ = _decode(None, case, torch.float32, window, 20.0)
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-5)
+
+
 def _prefill_case(seed, fp8):
     """test_prefill_attention's chunks (bf16 queries and new K/V), with and without context, caches in fp8."""
     tensors, prefills, slots = prefill_case(seed, 4, 1, 256, 16, [(70, 0), (17, 37), (16, 100)])
@@ -198,6 +219,42 @@ def test_an_fp8_engine_holds_more_tokens_and_both_backends_agree(tiny_models, dt
     assert outputs["auto"] == outputs["torch"]
 
 
+def test_a_float32_engine_on_a_bf16_cache_holds_twice_the_tokens_and_both_backends_agree(tiny_models):
+    """Gemma 3 (sliding windows) in float32 with --kv-cache-dtype bfloat16: twice the blocks in the same memory;
+    chunked prefills after a cached prefix decode the same greedy tokens under either attention backend."""
+    prefix = list(range(5, 45))
+    prompts = [prefix + [50 + i, 60 + 2 * i, 70 + 3 * i] * (i + 2) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = dict(dtype="float32", max_num_batched_tokens=16, kv_cache_memory=8 * 2**20)
+    fp32 = LLM(str(tiny_models["gemma3"]), **base)
+    assert fp32.engine.runner.kv_caches[0][0].dtype == torch.float32  # an asked-for float32 keeps its cache
+    outputs = {}
+    for backend in ("torch", "auto"):
+        llm = LLM(str(tiny_models["gemma3"]), kv_cache_dtype="bfloat16", attention_backend=backend, **base)
+        assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16 and llm.engine.dtype == torch.float32
+        assert llm.engine.kv.num_blocks == 2 * fp32.engine.kv.num_blocks
+        llm.generate(prompts[:1], params)
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert_idle(llm)
+    assert outputs["auto"] == outputs["torch"]
+
+
 def test_an_unknown_kv_cache_dtype_is_refused(tiny_models):
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8"):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, bfloat16, fp8"):
         LLM(str(tiny_models["llama"]), kv_cache_dtype="int4")
+
+
+def test_auto_keeps_the_model_dtype_except_bf16_under_an_auto_chosen_float32_on_cpu(tiny_models):
+    """--kv-cache-dtype auto: a float32 that --dtype auto chose on a CPU (no native bf16) gets a bf16 cache;
+    an asked-for float32 keeps its float32 reference, and a GPU or a bf16 model keeps the model's dtype."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert dtypes.resolve_kv_cache_dtype("auto", f32, auto_dtype=True, device_type="cpu") == bf16
+    assert dtypes.resolve_kv_cache_dtype("auto", f32, auto_dtype=False, device_type="cpu") == f32
+    assert dtypes.resolve_kv_cache_dtype("auto", f32, auto_dtype=True, device_type="cuda") == f32
+    assert dtypes.resolve_kv_cache_dtype("auto", bf16, auto_dtype=True, device_type="cpu") == bf16
+    assert dtypes.resolve_kv_cache_dtype("fp8", f32, auto_dtype=True) == torch.float8_e4m3fn
+    small = dict(max_model_len=64, kv_cache_memory=4 * 2**20, num_threads=1)
+    auto = LLM(str(tiny_models["llama"]), **small)  # float32 here without native bf16, bf16 with it
+    assert auto.engine.runner.kv_caches[0][0].dtype == bf16 == auto.engine.kv_dtype
+    asked = LLM(str(tiny_models["llama"]), dtype="float32", **small)
+    assert asked.engine.runner.kv_caches[0][0].dtype == f32

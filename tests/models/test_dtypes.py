@@ -73,7 +73,9 @@ def test_engine_runs_in_the_auto_dtype(tiny_models, flags, caplog, found, expect
     engine = llm.engine
     assert engine.dtype == expected
     assert f"dtype: {str(expected).removeprefix('torch.')} (auto: " in caplog.text
-    assert engine.runner.kv_caches[0][0].dtype == expected
+    # the cache is bf16 either way: the model's, or half the bytes of the float32 that auto chose
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert ("KV cache: bfloat16 (auto: under float32" in caplog.text) == (expected == torch.float32)
     assert engine.model.model.embed_tokens.weight.dtype == expected
     out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8

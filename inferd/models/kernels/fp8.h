@@ -59,6 +59,8 @@ inline void with_cache_type(c10::ScalarType kv, Own own, F&& f) {
     f(E4M3{});
   } else if (kv == c10::ScalarType::Float8_e5m2) {
     f(E5M2{});
+  } else if (kv == c10::ScalarType::BFloat16) {  // bf16 bits, whatever q's dtype (float32 q: widened as read)
+    f(uint16_t{0});
   } else {
     f(own);
   }

@@ -12,7 +12,8 @@
 // exp is a polynomial that vectorises (fast_exp.h; within 2 ulp of std::exp): at batch 32 these two took a
 // step's attention from 20.3 to 16.6 ms here, and what remains is mostly moving the cache's rows into L1.
 // The cache may also be fp8 (e4m3 or e5m2, with q and the output in float32 or bf16): its rows are widened
-// to float32 like bf16's (fp8.h), for half the bytes read.
+// to float32 like bf16's (fp8.h), for half the bytes read. A bf16 cache may serve float32 queries too (a
+// float32 model on a CPU without native bf16): its rows are widened as read, for half a float32 cache's bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -475,8 +476,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const auto dtype = q.scalar_type(), kv = k_cache.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "paged_decode runs on float32 or bfloat16");
   const bool fp8 = inferd::is_fp8_type(kv);
-  TORCH_CHECK(v_cache.scalar_type() == kv && (kv == dtype || fp8),
-              "paged_decode: the KV cache is q's dtype or fp8 (e4m3fn, e5m2), the same for K and V");
+  TORCH_CHECK(v_cache.scalar_type() == kv && (kv == dtype || kv == torch::kBFloat16 || fp8),
+              "paged_decode: the KV cache is q's dtype, bfloat16 or fp8 (e4m3fn, e5m2), the same for K and V");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
@@ -519,7 +520,7 @@ int64_t parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads the work split reaches");
-  m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32 or bfloat16; the cache in that or fp8)",
+  m.def("paged_decode", &paged_decode, "paged attention for decode tokens (CPU, float32 or bfloat16; the cache in that, bfloat16 or fp8)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("threads") = 0);
 }
