@@ -86,6 +86,7 @@ def inferd_perplexity(name: str, model: str, ids: list[int], ctx: int, chunks: i
         "settings": MODES[name],
         "dtype": engine.dtype_choice.name,
         "quantization": engine.quantization,
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
         "perplexity": math.exp(nll / count),
         "scored_tokens": count,
         "seconds": time.perf_counter() - t,

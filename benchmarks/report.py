@@ -346,7 +346,8 @@ def render_llama_perplexity() -> str:
             q = m["quantization"]
             weights = {"gguf": "the GGUF's blocks", None: "the GGUF dequantized"}.get(q, f"{q}, from the GGUF")
             rounded = ", rounded to int8 in the kernel" if q in ("gguf", "int8", "int4") else ""
-            what = f"{weights}, {m['dtype']} activations{rounded}"
+            kv = f"; {m['kv_cache_dtype']} KV cache" if "kv_cache_dtype" in m else ""
+            what = f"{weights}, {m['dtype']} activations{rounded}{kv}"
             rows.append([f"inferd `{name}`", what, f"{m['perplexity']:.3f}", f"{m['over_llama_cpp']:.3f}"])
         lines += [f"**{cpu_label(kind, runs)}**, {run_label(run)}; {w['chunks']} chunks of {w['ctx']} tokens, "
                   f"{w['chunks'] * w['scored_tokens_per_chunk']:,} tokens scored; ids: {w['ids']} "
