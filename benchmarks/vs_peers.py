@@ -84,7 +84,7 @@ from benchmarks.common import (  # noqa: E402
 from inferd.bench import peers as peer_runs  # noqa: E402
 from inferd.bench import runs as run_files  # noqa: E402
 from inferd.cpu import cpu_flags  # noqa: E402
-from inferd.procs import free_port  # noqa: E402
+from inferd.procs import exit_on_sigterm, free_port  # noqa: E402
 
 RESULTS_DIR = ROOT / "results" / "vs_peers"  # raw bench JSON, paths made portable (not committed)
 # the servers' own logs name this machine's paths, so they stay out of benchmarks/results
@@ -684,6 +684,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     started = time.time()
+    exit_on_sigterm()  # a stopped run stops its servers too (`running`'s finally)
     if args.setup:
         for peer in args.setup:
             run_setup(peer, args.dry_run)

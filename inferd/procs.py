@@ -38,6 +38,16 @@ _HANDED_OUT: set[int] = set()
 _PORTS_LOCK = threading.Lock()
 
 
+def exit_on_sigterm() -> None:
+    """End this process on SIGTERM with SystemExit (exit status 143, as a shell reports a SIGTERM) rather
+    than at once, so its `finally` blocks run: the servers it started are stopped, its shared memory closed."""
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now, and never one this process handed out before: a server started on an
     earlier one may not have bound it yet (it loads a model first), and the OS may offer it again, which once

@@ -132,3 +132,16 @@ def test_scrape_gives_each_servers_rise_and_their_sum(monkeypatch):
         pass
     assert scraped.rises("x") == [3.0, 0.5] and scraped.rise("x") == 3.5
     assert scraped.rises("y") == [1.0, 0.0]  # a sample a server lacks counts as 0
+
+
+def test_exit_on_sigterm_runs_finally_blocks_and_exits_143():
+    """A benchmark or server stopped by SIGTERM stops what it started: its `finally` blocks run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal\nfrom inferd.procs import exit_on_sigterm\nexit_on_sigterm()\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGTERM)\n    signal.pause()\nfinally:\n    print('stopped')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143 and done.stdout.strip() == "stopped"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 
 import uvicorn
@@ -165,6 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from inferd.engine.engine import Engine
     from inferd.engine.kv_connector import attach_disagg
+    from inferd.procs import exit_on_sigterm
     from inferd.server.app import create_app
     from inferd.server.state import ServerSettings
 
@@ -201,7 +201,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # uvicorn drains, puts the default SIGTERM handler back and raises the signal again, which would end
     # the process before the `finally` below: end it with SystemExit instead (exit status 143, as a shell
     # reports a SIGTERM), so the KV connector's shared memory and channel are closed.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     try:
         server.run()
     finally:
@@ -209,7 +209,3 @@ def run_serve(args: argparse.Namespace) -> int:
             connector.close()
         logger.info("stopped")
     return 0
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
