@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT.parent))  # run as a script: make `benchmarks.*` imp
 from benchmarks.common import bench_serve, record_run  # noqa: E402
 from benchmarks.vs_peers import (  # noqa: E402
     LOG_DIR,
-    PEERS_DIR,
     Server,
     chosen_servers,
     default_model,
@@ -56,6 +55,7 @@ from benchmarks.vs_peers import (  # noqa: E402
     server_entry,
     vllm_server,
 )
+from inferd.bench.peers import peer_python  # noqa: E402
 from inferd.procs import free_port  # noqa: E402
 
 RAW_DIR = ROOT / "results" / "lora" / "raw"  # each bench run's JSON (not committed)
@@ -94,7 +94,7 @@ def server_table(model, adapters: list[tuple[str, Path]], rank: int) -> tuple[di
     ports = {name: free_port() for name in SERVERS}
     modules = [f"{name}={path}" for name, path in adapters]
     limits = ["--max-loras", str(len(adapters)), "--max-lora-rank", str(rank)]
-    vllm = vllm_server(PEERS_DIR / "vllm" / "bin" / "python", model, str(ports["vllm-lora"]), "bfloat16")
+    vllm = vllm_server(peer_python("vllm"), model, str(ports["vllm-lora"]), "bfloat16")
     vllm = dataclasses.replace(
         vllm, name="vllm-lora", command=[*vllm.command, "--enable-lora", "--lora-modules", *modules, *limits]
     )

@@ -34,14 +34,14 @@ from pathlib import Path
 from benchmarks.common import OUT_HELP, machine, record_run
 from benchmarks.quality import MODES, english_text, window_nll
 from inferd import LLM
-from inferd.bench.peers import home_path, peers_dir
+from inferd.bench.peers import home_path, llama_cpp_bin
 from inferd.config import DEFAULT_MODEL
 
 FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
 def llama_tool(name: str) -> Path:
-    path = peers_dir() / "llama.cpp" / "build" / "bin" / name
+    path = llama_cpp_bin(name)
     if not path.exists():
         raise SystemExit(f"{home_path(path)} is missing: run `python benchmarks/vs_peers.py --setup llama-server`")
     return path
@@ -113,15 +113,16 @@ def main() -> None:
     from inferd.models.loader import default_gguf_path, load_tokenizer, resolve_model
 
     gguf = default_gguf_path()
+    text = english_text().rstrip("\n")  # llama.cpp drops a file's last newline
     with tempfile.TemporaryDirectory() as tmp:
         text_file = Path(tmp) / "text.txt"
-        text_file.write_text(english_text().rstrip("\n"))  # llama.cpp drops a file's last newline
+        text_file.write_text(text)
         ids = llama_ids(gguf, text_file)
         if len(ids) < args.chunks * args.ctx:
             raise SystemExit(f"the text has {len(ids)} tokens, fewer than {args.chunks} chunks of {args.ctx}")
         llama = llama_perplexity(gguf, text_file, args.ctx, args.chunks, args.threads)
     print(f"llama.cpp   ppl {llama['perplexity']:.4f} +/- {llama['plus_minus']:.4f}", flush=True)
-    ours = load_tokenizer(resolve_model(DEFAULT_MODEL)).encode(english_text().rstrip("\n"))
+    ours = load_tokenizer(resolve_model(DEFAULT_MODEL)).encode(text)
     used = args.chunks * args.ctx
     same = sum(a == b for a, b in zip(ids[:used], ours[:used], strict=False))
     results = {}

@@ -232,9 +232,8 @@ def vllm_server(vllm_py: Path, model: Model, port: str, dtype: str) -> Server:
 
 def servers(model: Model, port: int) -> dict[str, Server]:
     p = str(port)
-    vllm_py = PEERS_DIR / "vllm" / "bin" / "python"
-    lcp_py = PEERS_DIR / "llama-cpp-python" / "bin" / "python"
-    llama_server = PEERS_DIR / "llama.cpp" / "build" / "bin" / "llama-server"
+    vllm_py, lcp_py = peer_runs.peer_python("vllm"), peer_runs.peer_python("llama-cpp-python")
+    llama_server = peer_runs.llama_cpp_bin("llama-server")
     table = {name: inferd_server(name, flags, p) for name, flags in INFERD_MODES.items()}
     for dtype in ("bfloat16", "float32"):
         table["vllm" if dtype == "bfloat16" else "vllm-fp32"] = vllm_server(vllm_py, model, p, dtype)

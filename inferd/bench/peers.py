@@ -204,6 +204,12 @@ def peer_python(peer: str) -> Path:
     return peers_dir() / peer / "bin" / "python"
 
 
+def llama_cpp_bin(tool: str) -> Path:
+    """A llama.cpp program (llama-server, llama-perplexity, llama-tokenize) as `vs_peers.py --setup
+    llama-server` builds it."""
+    return peers_dir() / "llama.cpp" / "build" / "bin" / tool
+
+
 def importable(python: Path, module: str, name: str, timeout_s: float) -> str | None:
     """None when `python` imports `module` (`name` in the text); else why not, in a sentence."""
     try:
