@@ -115,7 +115,7 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype in FP8:
         top = torch.finfo(dtype).max
         return x.clamp(-top, top).to(dtype)
-    return x if x.dtype == dtype else x.to(dtype)
+    return x.to(dtype)  # x itself where it is in the cache's dtype already
 
 
 def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
