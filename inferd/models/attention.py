@@ -188,9 +188,12 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for the new tokens -> attention output [T, H * D]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    """q [T, H, D], k/v [T, KVH, D] for the new tokens -> attention output [T, H * D]. `kv_written`: k and v
+    are in the cache already (the native q/k kernel wrote them)."""
+    if not kv_written:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     groups = meta.decode_groups
     native = meta.decode_kernel is not None
     if native and not meta.prefills and len(groups) == 1 and groups[0].count == q.shape[0]:

@@ -146,7 +146,8 @@ def rms_norm_kernel() -> Callable | None:
 
 def qk_norm_rope_kernel() -> Callable | None:
     """The compiled `qk_norm_rope(qkv, heads, kv_heads, head_dim, cos, sin, q_weight, k_weight, unit_offset,
-    eps) -> [q, k]` (weights empty for no norm; everything in qkv's dtype)."""
+    eps[, k_cache, v_cache, slots]) -> [q, k]` (weights empty for no norm; everything in qkv's dtype): given
+    the caches (in qkv's dtype or bfloat16) and the tokens' slots, k and v are also written there."""
     module = _norm_rope_module()
     return None if module is None else module.qk_norm_rope
 

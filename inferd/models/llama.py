@@ -42,8 +42,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        written = False  # K/V already in the cache
         if self.qk_rope is not None and qkv.dtype == cos.dtype and qkv.dim() == 2 and qkv.device.type == "cpu":
-            q, k = self._native_qk(qkv, cos, sin)
+            written = kv_cache[0].dtype in (qkv.dtype, torch.bfloat16) and kv_cache[0].is_contiguous()
+            q, k = self._native_qk(qkv, cos, sin, (*kv_cache, meta.slot_mapping) if written else ())
             v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim :]
             v = v.view(-1, self.num_kv_heads, self.head_dim)
         else:
@@ -54,15 +56,17 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
+        o = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap, kv_written=written
+        )
         return self.o_proj(o)
 
-    def _native_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _native_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: tuple = ()) -> list:
+        """q and k, normed and rotated in one call; `write`: (k_cache, v_cache, slots) to store k and v in too."""
         norm = self.q_norm
         qw, kw = (norm.weight, self.k_norm.weight) if norm is not None else (_NO_WEIGHT, _NO_WEIGHT)
         eps, unit = (norm.eps, norm.unit_offset) if norm is not None else (0.0, False)
-        q, k = self.qk_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, unit, eps)
-        return q, k
+        return self.qk_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, qw, kw, unit, eps, *write)
 
 
 _NO_WEIGHT = torch.empty(0)

@@ -7,6 +7,7 @@ import platform
 import pytest
 import torch
 
+from inferd.models.attention import write_kv
 from inferd.models.cpu_kernels import gated_act_kernel, qk_norm_rope_kernel, rms_norm_kernel
 from inferd.models.layers import ACTIVATIONS, RMSNorm, apply_rotary
 from inferd.models.loader import load_model
@@ -110,6 +111,33 @@ def test_native_qk_norm_rope_refuses_what_it_cannot_do():
         qk_norm_rope_kernel()(qkv, 4, 2, 16, cos, sin, torch.empty(0), torch.empty(0), False, 0.0)
     with pytest.raises(RuntimeError, match="dtype"):
         qk_norm_rope_kernel()(qkv, 2, 1, 16, cos.to(torch.bfloat16), sin, torch.empty(0), torch.empty(0), False, 0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],
+)
+def test_native_qk_norm_rope_writes_k_and_v_as_write_kv_does(dtype, cache_dtype):
+    heads, kv_heads, d, tokens = 4, 2, 32, 5
+    torch.manual_seed(3)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d + 8).to(dtype)[:, 8:]  # strided rows
+    cos = sin = torch.full((tokens, 1, d), 0.5, dtype=dtype)
+    norm = _pair(d, True, dtype)
+    args = (qkv, heads, kv_heads, d, cos, sin, norm.weight, norm.weight, True, norm.eps)
+    slots = torch.tensor([9, 0, 31, 4, 17])
+    got_k, got_v = (torch.zeros(4, 8, kv_heads, d, dtype=cache_dtype) for _ in range(2))
+    q, k = qk_norm_rope_kernel()(*args, got_k, got_v, slots)
+    ref_q, ref_k = qk_norm_rope_kernel()(*args)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    ref_kc, ref_vc = (torch.zeros(4, 8, kv_heads, d, dtype=cache_dtype) for _ in range(2))
+    v = qkv[:, (heads + kv_heads) * d :].reshape(tokens, kv_heads, d)
+    write_kv(ref_k, v, ref_kc, ref_vc, slots)
+    assert torch.equal(got_k, ref_kc) and torch.equal(got_v, ref_vc)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        qk_norm_rope_kernel()(*args, got_k, got_v, torch.tensor([0, 1, 2, 3, 32]))
+    with pytest.raises(RuntimeError, match="come together"):
+        qk_norm_rope_kernel()(*args, got_k, None, slots)
 
 
 @needs_kernel

@@ -18,6 +18,9 @@
 //   out = to_dtype(to_dtype(n * c) + to_dtype(rotate_half(n) * s))   over the first `rot` dims
 //   out = n                                                          over the rest (partial rotary)
 // with c, s the cos/sin tables already in the dtype. In float32 every to_dtype is exact.
+// Given the layer's K/V caches and the tokens' slots, it also writes each token's k and v (the projection's v
+// columns) into its slot, rounded to the cache's dtype (qkv's, or bfloat16 under float32) as `write_kv`'s
+// cast and index_copy_ do: a decode step's K/V write was four more ops per layer.
 //
 // gated_act: act(gate) * up from the fused gate/up projection's rows, in one pass (the reference is a split,
 // the activation and a multiply: torch's vectorised GELU-tanh takes ~1.6 ms for 512 x 2048 here, most of a
@@ -40,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "fast_exp.h"
@@ -125,6 +129,27 @@ void run(const torch::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t d, c
   });
 }
 
+// src's d values into dst in the cache's type C (a copy, or float32 rounded to nearest even bfloat16)
+template <typename C, typename T>
+inline void put_row(C* dst, const T* src, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<C>(f(src[i]));
+}
+
+// token t's k heads (from k) and v heads (qkv's columns after q and k) into the caches' row slots[t]
+template <typename C, typename T>
+void write_cache(const torch::Tensor& qkv, const torch::Tensor& k, int64_t heads, int64_t kv_heads, int64_t d,
+                 const int64_t* slots, torch::Tensor& k_cache, torch::Tensor& v_cache) {
+  const int64_t tokens = qkv.size(0), stride = qkv.stride(0), row = kv_heads * d;
+  const T* src = reinterpret_cast<const T*>(qkv.data_ptr());
+  const T* ko = reinterpret_cast<const T*>(k.data_ptr());
+  C* kc = reinterpret_cast<C*>(k_cache.data_ptr());
+  C* vc = reinterpret_cast<C*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    put_row(kc + slots[t] * row, ko + t * row, row);
+    put_row(vc + slots[t] * row, src + t * stride + (heads + kv_heads) * d, row);
+  }
+}
+
 }  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool unit_offset) {
@@ -150,13 +175,21 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool u
   return out;
 }
 
-// qkv: [tokens, >= (heads + kv_heads) * d] (rows may be strided); cos, sin: [tokens, rot] in qkv's dtype;
+// qkv: [tokens, >= (heads + 2 kv_heads) * d] (rows may be strided); cos, sin: [tokens, rot] in qkv's dtype;
 // q_weight, k_weight: [d] or empty (no norm). Returns q [tokens, heads, d], k [tokens, kv_heads, d].
+// k_cache, v_cache: empty, or contiguous [blocks, block_size, kv_heads, d] in qkv's dtype or bfloat16, with
+// slots: [tokens] int64, each token's row (block * block_size + offset), where its k and v are written.
 std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, int64_t heads, int64_t kv_heads, int64_t d,
                                         torch::Tensor cos, torch::Tensor sin, torch::Tensor q_weight,
-                                        torch::Tensor k_weight, bool unit_offset, double eps) {
+                                        torch::Tensor k_weight, bool unit_offset, double eps,
+                                        std::optional<torch::Tensor> k_cache_opt,
+                                        std::optional<torch::Tensor> v_cache_opt,
+                                        std::optional<torch::Tensor> slots_opt) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qk_norm_rope: CPU [tokens, n] rows");
-  TORCH_CHECK(qkv.size(1) >= (heads + kv_heads) * d, "qk_norm_rope: qkv is narrower than its heads");
+  const bool write = k_cache_opt.has_value();
+  TORCH_CHECK(write == v_cache_opt.has_value() && write == slots_opt.has_value(),
+              "qk_norm_rope: k_cache, v_cache and slots come together");
+  TORCH_CHECK(qkv.size(1) >= (heads + (write ? 2 : 1) * kv_heads) * d, "qk_norm_rope: qkv is narrower than its heads");
   const int64_t tokens = qkv.size(0);
   auto c = cos.reshape({tokens, -1}).contiguous(), s = sin.reshape({tokens, -1}).contiguous();
   TORCH_CHECK(c.sizes() == s.sizes() && c.size(1) <= d && c.size(1) % 2 == 0, "qk_norm_rope: bad cos/sin");
@@ -178,6 +211,29 @@ std::vector<torch::Tensor> qk_norm_rope(torch::Tensor qkv, int64_t heads, int64_
            norm ? reinterpret_cast<const B*>(kw.data_ptr()) : nullptr, unit_offset, e, q, k);
   } else {
     TORCH_CHECK(false, "qk_norm_rope: float32 or bfloat16 only, not ", qkv.scalar_type());
+  }
+  if (!write) return {q, k};
+  torch::Tensor k_cache = *k_cache_opt, v_cache = *v_cache_opt, slots = *slots_opt;
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4 && k_cache.size(2) == kv_heads &&
+                  k_cache.size(3) == d,
+              "qk_norm_rope: caches must be contiguous [blocks, block_size, kv_heads, d], alike");
+  TORCH_CHECK(cache_type == qkv.scalar_type() || cache_type == torch::kBFloat16,
+              "qk_norm_rope: the cache's dtype must be qkv's or bfloat16");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == tokens,
+              "qk_norm_rope: slots must be [tokens] int64");
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t rows = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < rows, "qk_norm_rope: slot out of range");
+  using B = c10::BFloat16;
+  if (qkv.scalar_type() == torch::kFloat32 && cache_type == torch::kFloat32) {
+    write_cache<float, float>(qkv, k, heads, kv_heads, d, sp, k_cache, v_cache);
+  } else if (qkv.scalar_type() == torch::kFloat32) {
+    write_cache<B, float>(qkv, k, heads, kv_heads, d, sp, k_cache, v_cache);
+  } else {
+    write_cache<B, B>(qkv, k, heads, kv_heads, d, sp, k_cache, v_cache);
   }
   return {q, k};
 }
@@ -369,5 +425,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "token bitmask (CPU)", py::arg("logits"), py::arg("best_val"), py::arg("best_idx"), py::arg("offset"),
         py::arg("mask") = torch::Tensor());
   m.def("rms_norm", &rms_norm, "RMS norm over the last dimension (CPU, float32 or bfloat16)");
-  m.def("qk_norm_rope", &qk_norm_rope, "q and k from the qkv projection: per-head RMS norm and rotary (CPU)");
+  m.def("qk_norm_rope", &qk_norm_rope,
+        "q and k from the qkv projection: per-head RMS norm and rotary, k and v written to the caches if given (CPU)",
+        py::arg("qkv"), py::arg("heads"), py::arg("kv_heads"), py::arg("d"), py::arg("cos"), py::arg("sin"),
+        py::arg("q_weight"), py::arg("k_weight"), py::arg("unit_offset"), py::arg("eps"),
+        py::arg("k_cache") = py::none(), py::arg("v_cache") = py::none(), py::arg("slots") = py::none());
 }
