@@ -144,6 +144,13 @@ def rms_norm_kernel() -> Callable | None:
     return None if module is None else module.rms_norm
 
 
+def add_rms_norm_kernel() -> Callable | None:
+    """The compiled `add_rms_norm(x, h, norm1, norm2, eps, unit_offset) -> [x + norm1(h), norm2(that)]` (weights
+    in x's dtype; an empty norm1 adds h as is, an empty norm2 gives an empty second tensor)."""
+    module = _norm_rope_module()
+    return None if module is None else module.add_rms_norm
+
+
 def qk_norm_rope_kernel() -> Callable | None:
     """The compiled `qk_norm_rope(qkv, heads, kv_heads, head_dim, cos, sin, q_weight, k_weight, unit_offset,
     eps[, k_cache, v_cache, slots]) -> [q, k]` (weights empty for no norm; everything in qkv's dtype): given

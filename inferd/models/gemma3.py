@@ -8,7 +8,7 @@ from torch import nn
 
 from inferd.models.attention import AttentionMetadata
 from inferd.models.base import CausalLM, KVCache
-from inferd.models.layers import Linear, RMSNorm, build_rotary
+from inferd.models.layers import Linear, RMSNorm, build_rotary, residual_norm
 from inferd.models.llama import Attention, GatedMLP, layer_windows
 
 
@@ -28,9 +28,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta):
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+        x, h = residual_norm(x, h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return residual_norm(x, self.mlp(h), self.post_feedforward_layernorm, None)[0]
 
 
 class Gemma3Body(nn.Module):

@@ -12,7 +12,8 @@ from inferd.cpu import cpu_flags
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32. Gemma scales by (1 + weight); Llama-style models by weight.
 
-    `native` is the one-call CPU kernel (`use_native_kernels`), the same arithmetic as the ops below."""
+    `native` is the one-call CPU kernel (`use_native_kernels`), the same arithmetic as the ops below;
+    `native_add` the one that adds a residual between two norms (`residual_norm`)."""
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
@@ -20,6 +21,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.native = None
+        self.native_add = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.is_cpu:
@@ -32,6 +34,32 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+_EMPTY = torch.empty(0)
+
+
+def residual_norm(
+    x: torch.Tensor, h: torch.Tensor, norm1: RMSNorm | None, norm2: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + norm1(h) (h itself without norm1), and norm2 of that (None without norm2): the residual stream and
+    the next block's input. One native call where the norms have it (the same rounding as the ops they replace),
+    up to three small ops otherwise."""
+    norms = [n for n in (norm1, norm2) if n is not None]
+    native = norms[0].native_add
+    if (
+        native is not None
+        and x.is_cpu
+        and x.dtype == h.dtype
+        and all(
+            n.weight.dtype == x.dtype and (n.eps, n.unit_offset) == (norms[0].eps, norms[0].unit_offset) for n in norms
+        )
+    ):
+        w1, w2 = (_EMPTY if n is None else n.weight for n in (norm1, norm2))
+        x, out = native(x, h, w1, w2, norms[0].eps, norms[0].unit_offset)
+        return x, out if norm2 is not None else None
+    x = x + (h if norm1 is None else norm1(h))
+    return x, None if norm2 is None else norm2(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -137,20 +165,27 @@ def _gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> t
 
 def use_native_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
     """Give a CPU float32/bfloat16 model the native fused small ops, if they build: every RMSNorm its
-    one-call kernel, every attention with a `qk_rope` slot the q/k norm + rotary kernel, every gated MLP
-    act(gate) * up in one call (SiLU, GELU-tanh), a tiled LM head its argmax fold.
+    one-call kernel (and its residual add between norms), every attention with a `qk_rope` slot the q/k
+    norm + rotary kernel, every gated MLP act(gate) * up in one call (SiLU, GELU-tanh), a tiled LM head its
+    argmax fold.
 
     At small batches a step is mostly the fixed cost of small ops: the reference norm is ten of them, six
     times a layer in Gemma 3, and q/k's split, norms and rotary some thirty a layer
     (inferd/models/kernels/norm_rope_cpu.cpp). The kernels do the same arithmetic."""
-    from inferd.models.cpu_kernels import argmax_update_kernel, gated_act_kernel, qk_norm_rope_kernel, rms_norm_kernel
+    from inferd.models.cpu_kernels import (
+        add_rms_norm_kernel,
+        argmax_update_kernel,
+        gated_act_kernel,
+        qk_norm_rope_kernel,
+        rms_norm_kernel,
+    )
 
     if dtype not in (torch.float32, torch.bfloat16):
         return False
     norm, rope = rms_norm_kernel(), qk_norm_rope_kernel()
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.native = norm
+            m.native, m.native_add = norm, add_rms_norm_kernel()
         elif hasattr(m, "qk_rope"):
             m.qk_rope = rope
         elif hasattr(m, "gated_act"):

@@ -10,7 +10,7 @@ from torch import nn
 
 from inferd.models.attention import AttentionMetadata, paged_attention
 from inferd.models.base import CausalLM, KVCache
-from inferd.models.layers import ACTIVATIONS, FusedLinear, Linear, RMSNorm, apply_rotary, build_rotary
+from inferd.models.layers import ACTIVATIONS, FusedLinear, Linear, RMSNorm, apply_rotary, build_rotary, residual_norm
 
 
 def layer_windows(config) -> list[int | None]:
@@ -100,8 +100,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x, h = residual_norm(x, h, None, self.post_attention_layernorm)
+        return x + self.mlp(h)
 
 
 class DecoderBody(nn.Module):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from inferd.models.attention import write_kv
-from inferd.models.cpu_kernels import gated_act_kernel, qk_norm_rope_kernel, rms_norm_kernel
-from inferd.models.layers import ACTIVATIONS, RMSNorm, apply_rotary
+from inferd.models.cpu_kernels import add_rms_norm_kernel, gated_act_kernel, qk_norm_rope_kernel, rms_norm_kernel
+from inferd.models.layers import ACTIVATIONS, RMSNorm, apply_rotary, residual_norm
 from inferd.models.loader import load_model
 from tests.conftest import build_tiny_model
 
@@ -111,6 +111,29 @@ def test_native_qk_norm_rope_refuses_what_it_cannot_do():
         qk_norm_rope_kernel()(qkv, 4, 2, 16, cos, sin, torch.empty(0), torch.empty(0), False, 0.0)
     with pytest.raises(RuntimeError, match="dtype"):
         qk_norm_rope_kernel()(qkv, 2, 1, 16, cos.to(torch.bfloat16), sin, torch.empty(0), torch.empty(0), False, 0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first_norm", [True, False])
+def test_native_residual_norm_is_the_add_between_its_norms(unit_offset, dtype, first_norm):
+    torch.manual_seed(5)
+    x, h = (torch.randn(7, 640).to(dtype) for _ in range(2))
+    norm1, norm2 = _pair(640, unit_offset, dtype), _pair(640, unit_offset, dtype)
+    norm2.weight.data.mul_(0.5)
+    norm1 = norm1 if first_norm else None
+    plain = residual_norm(x, h, norm1, norm2)  # no native kernels yet: the reference ops
+    for n in (norm1, norm2):
+        if n is not None:
+            n.native, n.native_add = rms_norm_kernel(), add_rms_norm_kernel()
+    fused = residual_norm(x, h, norm1, norm2)
+    by_parts = x + (h if norm1 is None else norm1(h))  # the native norm alone, and torch's add
+    assert torch.equal(fused[0], by_parts) and torch.equal(fused[1], norm2(by_parts))
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(fused[0].float(), plain[0].float(), atol=tol * 4, rtol=tol)
+    x_only, none = residual_norm(x, h, norm2, None)
+    assert none is None and torch.equal(x_only, x + norm2(h))
 
 
 @needs_kernel

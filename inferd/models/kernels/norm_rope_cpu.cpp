@@ -22,6 +22,11 @@
 // columns) into its slot, rounded to the cache's dtype (qkv's, or bfloat16 under float32) as `write_kv`'s
 // cast and index_copy_ do: a decode step's K/V write was four more ops per layer.
 //
+// add_rms_norm: a residual add between norms, x + norm1(h) and norm2 of that, in one call (a Gemma 3 layer's
+// post-attention norm, add and pre-feedforward norm; its post-feedforward norm and add), or x + h and its norm
+// (a Llama layer's add and post-attention norm). Rounded as the reference rounds: x' = to_dtype(x + n1), with
+// n1 the norm's output in the dtype, then norm2(x') as rms_norm computes it.
+//
 // gated_act: act(gate) * up from the fused gate/up projection's rows, in one pass (the reference is a split,
 // the activation and a multiply: torch's vectorised GELU-tanh takes ~1.6 ms for 512 x 2048 here, most of a
 // prefill step's non-matmul time). Rounding as the reference's ops round: out = to_dtype(to_dtype(act(g)) * u).
@@ -150,7 +155,57 @@ void write_cache(const torch::Tensor& qkv, const torch::Tensor& k, int64_t heads
   }
 }
 
+template <typename T>
+void add_norm_rows(const T* x, const T* h, const T* w1, const T* w2, T* xo, T* no, int64_t rows, int64_t d,
+                   float eps, bool unit_offset) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> n(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* hr = h + r * d;
+      if (w1 != nullptr) {
+        norm_row(hr, w1, n.data(), d, eps, unit_offset);
+      } else {
+        for (int64_t i = 0; i < d; ++i) n[i] = f(hr[i]);
+      }
+      T* out = xo + r * d;
+      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(f(x[r * d + i]) + n[i]);
+      if (w2 == nullptr) continue;
+      norm_row(static_cast<const T*>(out), w2, n.data(), d, eps, unit_offset);
+      for (int64_t i = 0; i < d; ++i) no[r * d + i] = static_cast<T>(n[i]);
+    }
+  });
+}
+
 }  // namespace
+
+// x, h: [..., d] alike; norm1, norm2: [d] in their dtype, or empty (h added as is; no second norm). Returns
+// [x + norm1(h), norm2 of it] (the second empty without norm2).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor h, torch::Tensor norm1, torch::Tensor norm2,
+                                        double eps, bool unit_offset) {
+  TORCH_CHECK(x.device().is_cpu() && h.device().is_cpu(), "add_rms_norm: CPU tensors only");
+  TORCH_CHECK(x.sizes() == h.sizes() && x.scalar_type() == h.scalar_type(), "add_rms_norm: x and h must be alike");
+  const int64_t d = x.size(-1);
+  for (const auto& w : {norm1, norm2})
+    TORCH_CHECK(w.numel() == 0 || (w.dim() == 1 && w.size(0) == d && w.scalar_type() == x.scalar_type()),
+                "add_rms_norm: norm weights must be [", d, "] in x's dtype, or empty");
+  auto xc = x.contiguous(), hc = h.contiguous(), w1 = norm1.contiguous(), w2 = norm2.contiguous();
+  auto xo = torch::empty_like(xc);
+  auto no = w2.numel() > 0 ? torch::empty_like(xc) : torch::empty({0}, xc.options());
+  const int64_t rows = d == 0 ? 0 : xc.numel() / d;
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32) {
+    auto p = [](const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; };
+    add_norm_rows<float>(p(xc), p(hc), p(w1), p(w2), p(xo), p(no), rows, d, e, unit_offset);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    using B = c10::BFloat16;
+    auto p = [](const torch::Tensor& t) { return t.numel() ? reinterpret_cast<B*>(t.data_ptr()) : nullptr; };
+    add_norm_rows<B>(p(xc), p(hc), p(w1), p(w2), p(xo), p(no), rows, d, e, unit_offset);
+  } else {
+    TORCH_CHECK(false, "add_rms_norm: float32 or bfloat16 only, not ", x.scalar_type());
+  }
+  return {xo, no};
+}
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool unit_offset) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm: CPU tensors only");
@@ -425,6 +480,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "token bitmask (CPU)", py::arg("logits"), py::arg("best_val"), py::arg("best_idx"), py::arg("offset"),
         py::arg("mask") = torch::Tensor());
   m.def("rms_norm", &rms_norm, "RMS norm over the last dimension (CPU, float32 or bfloat16)");
+  m.def("add_rms_norm", &add_rms_norm, "x + norm1(h) and norm2 of it, a residual add between norms (CPU)");
   m.def("qk_norm_rope", &qk_norm_rope,
         "q and k from the qkv projection: per-head RMS norm and rotary, k and v written to the caches if given (CPU)",
         py::arg("qkv"), py::arg("heads"), py::arg("kv_heads"), py::arg("d"), py::arg("cos"), py::arg("sin"),
