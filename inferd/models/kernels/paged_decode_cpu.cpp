@@ -7,8 +7,10 @@
 // which is what a decode step is bound by); the arithmetic is float32 either way. Each pair first walks its
 // block table into row pointers (a division per block rather than two per token: a quarter of the kernel's
 // time at batch 32 went to them). With AVX-512 the weighted values are summed in registers (4 heads x 64 of
-// D) over runs of 16 tokens; elsewhere four rows at a time, each accumulator loaded and stored once per four
-// tokens. The sums keep their order either way, so results are bitwise those of one row at a time. The softmax's
+// D) over runs of 16 tokens, with AVX2 the same in 8 lanes (4 heads x 16 of D), its scores two heads x four
+// keys in registers (a bf16 cache widened as loaded); elsewhere four rows at a time, each accumulator loaded and
+// stored once per four tokens. The values' sums keep their order every way, so they are bitwise those of one row
+// at a time. The softmax's
 // exp is a polynomial that vectorises (fast_exp.h; within 2 ulp of std::exp): at batch 32 these two took a
 // step's attention from 20.3 to 16.6 ms here, and what remains is mostly moving the cache's rows into L1.
 // The cache may also be fp8 (e4m3 or e5m2, with q and the output in float32 or bf16): its rows are widened
@@ -25,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -271,6 +273,96 @@ void values_avx512(const float* p, int64_t n, const T* const* vrows, int64_t G, 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 (Zen 3 and other CPUs without AVX-512): float32 or bf16 caches in registers, 8 lanes. The generic loops
+// widen each row into memory and load it back once per head; these widen in registers as they read.
+#define INFERD_ATTEND_AVX2 1
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Scores of one query group (float32, [G, D]) against four keys, two heads at a time: 8 sums in registers, each
+// key chunk loaded and widened once per two heads. D % 8 == 0.
+template <typename T>
+inline void scores4_avx2(const float* query, const T* const* keys, int64_t G, int64_t D, float* out, int64_t n) {
+  for (int64_t g0 = 0; g0 < G; g0 += 2) {
+    const bool two = g0 + 1 < G;
+    const float* qa = query + g0 * D;
+    const float* qb = two ? qa + D : qa;
+    __m256 a[2][4];
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 k0 = load8(keys[0] + i), k1 = load8(keys[1] + i), k2 = load8(keys[2] + i),
+                   k3 = load8(keys[3] + i);
+      const __m256 x = _mm256_loadu_ps(qa + i), y = _mm256_loadu_ps(qb + i);
+      a[0][0] = _mm256_fmadd_ps(x, k0, a[0][0]);
+      a[0][1] = _mm256_fmadd_ps(x, k1, a[0][1]);
+      a[0][2] = _mm256_fmadd_ps(x, k2, a[0][2]);
+      a[0][3] = _mm256_fmadd_ps(x, k3, a[0][3]);
+      a[1][0] = _mm256_fmadd_ps(y, k0, a[1][0]);
+      a[1][1] = _mm256_fmadd_ps(y, k1, a[1][1]);
+      a[1][2] = _mm256_fmadd_ps(y, k2, a[1][2]);
+      a[1][3] = _mm256_fmadd_ps(y, k3, a[1][3]);
+    }
+    for (int h = 0; h < (two ? 2 : 1); ++h)
+      for (int j = 0; j < 4; ++j) out[(g0 + h) * n + j] = hsum8(a[h][j]);
+  }
+}
+
+// acc[g, d0 .. d0+15] += p[g, t] * v_t[d0 .. d0+15] for GN heads and the tokens [t0, t1), as values_chunk does
+// with 16 lanes: the same sums in the same order (token after token, one FMA each), so the same bits.
+template <int GN, typename T>
+inline void values_chunk8(const float* p, int64_t n, const T* const* vrows, int64_t t0, int64_t t1, int64_t d0,
+                          int64_t D, float* acc) {
+  __m256 a[GN][2];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 2; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d0 + 8 * j);
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* v = vrows[t] + d0;
+    const __m256 v0 = load8(v), v1 = load8(v + 8);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 pg = _mm256_broadcast_ss(p + g * n + t);
+      a[g][0] = _mm256_fmadd_ps(pg, v0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(pg, v1, a[g][1]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(acc + g * D + d0 + 8 * j, a[g][j]);
+}
+
+// values_avx512's loop with 8 lanes: runs of 16 tokens, D's chunks of 16, heads four at a time. D % 16 == 0.
+template <typename T>
+void values_avx2(const float* p, int64_t n, const T* const* vrows, int64_t G, int64_t D, float* acc) {
+  constexpr int64_t kRun = 16;
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += kRun) {
+    const int64_t t1 = std::min(n, t0 + kRun);
+    for (int64_t t = t1; t < std::min(n, t1 + kRun); ++t) prefetch_row(vrows[t], D);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* pg = p + g0 * n;
+      float* ag = acc + g0 * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 4: values_chunk8<4>(pg, n, vrows, t0, t1, d0, D, ag); break;
+          case 3: values_chunk8<3>(pg, n, vrows, t0, t1, d0, D, ag); break;
+          case 2: values_chunk8<2>(pg, n, vrows, t0, t1, d0, D, ag); break;
+          default: values_chunk8<1>(pg, n, vrows, t0, t1, d0, D, ag); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
 // A thread's buffers, reused across the pairs (or parts of a pair) it attends.
 template <typename T>
 struct Workspace {
@@ -326,6 +418,14 @@ void attend(const TQ* q_in, const T* kp, const T* vp, const int64_t* table, int6
       }
     }
 #endif
+#if defined(INFERD_ATTEND_AVX2)
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+      if (D % 8 == 0) {
+        scores4_avx2(w.query.data(), keys, G, D, scores + t, n);
+        continue;
+      }
+    }
+#endif
     scores4(w.query.data(), keys, G, D, w.buf.data(), scores + t, n);
   }
   for (; t < n; ++t)
@@ -355,6 +455,14 @@ void attend(const TQ* q_in, const T* kp, const T* vp, const int64_t* table, int6
   if (D % 64 == 0) {
     values_avx512(scores, n, w.vrows.data(), G, D, acc);
     return;
+  }
+#endif
+#if defined(INFERD_ATTEND_AVX2)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+    if (D % 16 == 0) {
+      values_avx2(scores, n, w.vrows.data(), G, D, acc);
+      return;
+    }
   }
 #endif
   std::fill(acc, acc + G * D, 0.f);
