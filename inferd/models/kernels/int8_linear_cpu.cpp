@@ -45,6 +45,15 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;                     // output rows per tile
 constexpr int64_t kQuadsPerGroup = kGroup / 4;    // 64-byte loads per group
 
+// What int8_pack adds to each weight: 128 where the integer products take unsigned weights (vpdpbusd, AMX), none on
+// AVX2 without VNNI, whose vpmaddubsw takes a weight's absolute value and moves its sign onto the activation:
+// stored signed, a load needs no xor to undo the offset (one of the six vector ops per 32 weight bytes at batch 1).
+#if defined(INFERD_AVX2) && !defined(__AVXVNNI__)
+constexpr int kWeightOffset = 0;
+#else
+constexpr int kWeightOffset = 128;
+#endif
+
 // The quantized activation rows, K padded with zeros to whole groups.
 struct QuantizedRows {
   int64_t M, Kp, groups;
@@ -379,8 +388,7 @@ struct Weights {
 #else
 struct Weights {
   __m256i sw, aw;
-  explicit Weights(__m256i v)
-      : sw(_mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)))), aw(_mm256_abs_epi8(sw)) {}
+  explicit Weights(__m256i v) : sw(v), aw(_mm256_abs_epi8(v)) {}  // stored signed (kWeightOffset 0)
   __m256i dot(__m256i acc, __m256i xb) const { return dot_u8s8(acc, aw, _mm256_sign_epi8(xb, sw)); }
 };
 #endif
@@ -396,7 +404,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 #if defined(__AVXVNNI__)
       const __m256i start = _mm256_set1_epi32(a.init[(m0 + m) * a.groups + g]);
 #else
-      const __m256i start = _mm256_setzero_si256();  // the weights are made signed again: no +128 to take off
+      const __m256i start = _mm256_setzero_si256();  // the weights are signed: no +128 to take off
 #endif
       for (int h = 0; h < 2 * NT; ++h) acc[m][h] = start;
     }
@@ -433,7 +441,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
         for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j)
           for (int i = 0; i < kTile; ++i)
             for (int b = 0; b < 4; ++b)
-              dot[i] += (static_cast<int32_t>(tile[j * 64 + i * 4 + b]) - 128) * a.qrow(m0 + m)[4 * j + b];
+              dot[i] += (static_cast<int32_t>(tile[j * 64 + i * 4 + b]) - kWeightOffset) * a.qrow(m0 + m)[4 * j + b];
         for (int i = 0; i < kTile; ++i) v[i] += a.d[(m0 + m) * a.groups + g] * static_cast<float>(dot[i]);
       }
       put_row(v, (t0 + t) * kTile, o, Y + (m0 + m) * o.N);
@@ -503,8 +511,8 @@ QuantizedRows quantize_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_
 }
 #endif
 
-// q [N, K] int8 in -127..127 (as quantize_int8 makes it) -> [ceil(N / 16), Kp / 4, 16, 4] uint8, q + 128, with
-// Kp = K rounded up to whole groups of 32; padding holds 128 (a zero weight).
+// q [N, K] int8 in -127..127 (as quantize_int8 makes it) -> [ceil(N / 16), Kp / 4, 16, 4] uint8, q + kWeightOffset
+// (its bits, where that is 0), with Kp = K rounded up to whole groups of 32; padding holds a zero weight.
 torch::Tensor int8_pack(torch::Tensor q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "int8_pack: q must be int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1), Kp = (K + kGroup - 1) / kGroup * kGroup;
@@ -513,7 +521,7 @@ torch::Tensor int8_pack(torch::Tensor q) {
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(q);
   // [tiles, 16, Kp / 4, 4] -> [tiles, Kp / 4, 16, 4]
   auto packed = padded.view({tiles, kTile, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
-  return (packed.to(torch::kInt16) + 128).to(torch::kUInt8);
+  return kWeightOffset ? (packed.to(torch::kInt16) + kWeightOffset).to(torch::kUInt8) : packed.view(torch::kUInt8);
 }
 
 // One output row's weights from its tile (src: its first quad; quads 64 bytes apart) as K values q * s, rounded
@@ -532,7 +540,11 @@ void unpack_row(const uint8_t* src, int64_t K, float s, Out* row) {
     }
   }
 #endif
-  for (; k < K; ++k) put(static_cast<float>(static_cast<int>(src[(k / 4) * 64 + k % 4]) - 128) * s, row + k);
+  for (; k < K; ++k) {
+    const uint8_t b = src[(k / 4) * 64 + k % 4];
+    const int q = kWeightOffset ? static_cast<int>(b) - kWeightOffset : static_cast<int8_t>(b);
+    put(static_cast<float>(q) * s, row + k);
+  }
 }
 
 // The int8 weights back out of int8_pack's layout as [N, K] float32 or bfloat16, for the dense matmul that many
