@@ -95,14 +95,17 @@ class GGUFLinear(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             return self._forward_rows(x2.float()).to(dtype)
         if x2.shape[0] <= GGUF_TILE_MAX_ROWS[dtype]:
-            with named_in_profiles("inferd::gguf_linear"):
-                return self.kernels.gguf_linear(x2, self.tiles, self.types, self.rows, self.bias)
-        with named_in_profiles("inferd::gguf_linear_dense"):  # chunks of rows widened for the dense matmul
-            y = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
-            for lo in range(0, self.out_features, GGUF_CHUNK_ROWS):
-                hi = min(lo + GGUF_CHUNK_ROWS, self.out_features)
-                torch.mm(x2, self.dequantized(dtype, lo, hi).t(), out=y[:, lo:hi])
-            return y if self.bias is None else y + self.bias.to(dtype)
+            kernel = self.kernels.gguf_linear
+            return named_in_profiles("inferd::gguf_linear", kernel, x2, self.tiles, self.types, self.rows, self.bias)
+        return named_in_profiles("inferd::gguf_linear_dense", self._dense, x2)
+
+    def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+        """Many rows: chunks of the weights' rows widened for the dense matmul."""
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)
+        for lo in range(0, self.out_features, GGUF_CHUNK_ROWS):
+            hi = min(lo + GGUF_CHUNK_ROWS, self.out_features)
+            torch.mm(x2, self.dequantized(x2.dtype, lo, hi).t(), out=y[:, lo:hi])
+        return y if self.bias is None else y + self.bias.to(x2.dtype)
 
     def extra_repr(self) -> str:
         names = {code: name for name, code in GGUF_TYPES.items()}

@@ -153,19 +153,20 @@ class Int8Linear(QuantizedLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
-        rows, dtype = x2.shape[0], x2.dtype
-        native_bf16 = dtype == torch.bfloat16 and (self.amx or rows <= NATIVE_MAX_ROWS)
-        if self.native is not None and (dtype == torch.float32 or native_bf16):
-            with named_in_profiles("inferd::int8_linear"):
-                return self.native.int8_linear(x2, self.packed, self.scale, self.bias)  # in x's dtype
+        dtype = x2.dtype
+        if self.native is not None and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and (self.amx or x2.shape[0] <= NATIVE_MAX_ROWS))
+        ):  # in x's dtype
+            return named_in_profiles(
+                "inferd::int8_linear", self.native.int8_linear, x2, self.packed, self.scale, self.bias
+            )
         bias = None if self.bias is None else self.bias.to(dtype)  # the kernels take the float32 bias as it is
-        if dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS and self.int8pack_ok and self.native is None:
+        if dtype == torch.bfloat16 and x2.shape[0] <= INT8PACK_MAX_ROWS and self.int8pack_ok and self.native is None:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self._scale(dtype))
             if bias is not None:
                 y = y + bias
         elif self.native is not None:  # the weights widened with their scales folded in, for the dense matmul
-            with named_in_profiles("inferd::int8_unpack"):
-                w = self._widened(dtype, scaled=True)
+            w = named_in_profiles("inferd::int8_unpack", self._widened, dtype, scaled=True)
             y = F.linear(x2, w, bias)
         else:  # widened exactly; the outputs scaled
             y = F.linear(x2, self._widened(dtype)) * self._scale(dtype)
