@@ -45,21 +45,25 @@ def residual_norm(
     """x + norm1(h) (h itself without norm1), and norm2 of that (None without norm2): the residual stream and
     the next block's input. One native call where the norms have it (the same rounding as the ops they replace),
     up to three small ops otherwise."""
-    norms = [n for n in (norm1, norm2) if n is not None]
-    native = norms[0].native_add
+    lead = norm1 if norm2 is None else norm2
+    native = lead.native_add
+    w1 = _EMPTY if norm1 is None else norm1.weight
+    w2 = _EMPTY if norm2 is None else norm2.weight
     if (
         native is not None
         and x.is_cpu
-        and x.dtype == h.dtype
-        and all(
-            n.weight.dtype == x.dtype and (n.eps, n.unit_offset) == (norms[0].eps, norms[0].unit_offset) for n in norms
-        )
+        and x.dtype == h.dtype == lead.weight.dtype
+        and (norm1 is None or norm2 is None or _alike(norm1, norm2))
     ):
-        w1, w2 = (_EMPTY if n is None else n.weight for n in (norm1, norm2))
-        x, out = native(x, h, w1, w2, norms[0].eps, norms[0].unit_offset)
+        x, out = native(x, h, w1, w2, lead.eps, lead.unit_offset)
         return x, out if norm2 is not None else None
     x = x + (h if norm1 is None else norm1(h))
     return x, None if norm2 is None else norm2(x)
+
+
+def _alike(a: RMSNorm, b: RMSNorm) -> bool:
+    """Two norms the one native call can compute: the same dtype, eps and offset."""
+    return a.weight.dtype == b.weight.dtype and a.eps == b.eps and a.unit_offset == b.unit_offset
 
 
 class RotaryEmbedding(nn.Module):
