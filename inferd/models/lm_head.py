@@ -23,7 +23,7 @@ from inferd.models.attention import named_in_profiles
 from inferd.models.layers import Linear
 
 LM_HEAD_TILE_ROWS = 16384  # 262,144 rows -> 16 tiles; [32 x 16384] fp32 logits are 2 MiB
-#: rows up to which joined int8 tiles (`join_int8_tiles`) take the whole head in one kernel call: at 4 rows the
+#: rows up to which joined int8 tiles (`quant.join_int8_tiles`) take the whole head in one kernel call: at 4 rows the
 #: logits of Gemma 3 270M's 262,144 tokens are 4 MiB
 JOINED_MAX_ROWS = 4
 
@@ -46,30 +46,8 @@ class LMHead(nn.Module):
             self.tiles.append(tile)
         #: the native fold of a tile into the running argmax (`use_native_kernels`), or None for torch ops
         self.native_argmax = None
-        #: (kernel, packed, scale) of the whole head where its int8 tiles view one buffer (`join_int8_tiles`)
+        #: (kernel, packed, scale) of the whole head where its int8 tiles view one buffer (`quant.join_int8_tiles`)
         self.joined: tuple | None = None
-
-    def join_int8_tiles(self) -> bool:
-        """Native int8 tiles (`Int8Linear` in `int8_pack`'s layout) as views of one buffer, so that a few rows
-        take the whole head in one kernel call rather than one per tile (at batch 1 on the Zen 3, 16 calls
-        streamed Gemma 3 270M's 168 MB head at 33.4 GB/s, one at 34.8, before the calls' own costs). The layout
-        is tile-major and every tile but the last holds whole tiles of 16 rows, so the tiles' buffers end to end
-        are the packing of the whole weight. Returns whether they were joined."""
-        from inferd.models.quant import Int8Linear
-
-        self.joined = None
-        tiles = list(self.tiles)
-        if not all(isinstance(t, Int8Linear) and t.native is not None and t.bias is None for t in tiles):
-            return False
-        if any(t.out_features % 16 for t in tiles[:-1]):  # a padded tile inside would shift the rest
-            return False
-        packed = torch.cat([t.packed for t in tiles])
-        at = 0
-        for t in tiles:
-            t.packed = packed[at : at + t.packed.shape[0]]
-            at += t.packed.shape[0]
-        self.joined = (tiles[0].native.int8_linear, packed, torch.cat([t.scale for t in tiles]))
-        return True
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor | None:
         """All the logits in one kernel call, where the tiles are joined and x is a few CPU rows; else None."""

@@ -178,6 +178,27 @@ class Int8Linear(QuantizedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
 
 
+def join_int8_tiles(head: LMHead) -> bool:
+    """An LM head's native int8 tiles as views of one buffer, so that a few rows take the whole head in one kernel
+    call rather than one per tile (`LMHead.joined`; at batch 1 on the Zen 3, 16 calls streamed Gemma 3 270M's
+    168 MB head at 33.4 GB/s, one at 34.8, before the calls' own costs). `int8_pack`'s layout is tile-major and
+    every tile but the last holds whole tiles of 16 rows, so the tiles' buffers end to end are the packing of the
+    whole weight. Returns whether they were joined."""
+    head.joined = None
+    tiles = list(head.tiles)
+    if not all(isinstance(t, Int8Linear) and t.native is not None and t.bias is None for t in tiles):
+        return False
+    if any(t.out_features % 16 for t in tiles[:-1]):  # a padded tile inside would shift the rest
+        return False
+    packed = torch.cat([t.packed for t in tiles])
+    at = 0
+    for t in tiles:
+        t.packed = packed[at : at + t.packed.shape[0]]
+        at += t.packed.shape[0]
+    head.joined = (tiles[0].native.int8_linear, packed, torch.cat([t.scale for t in tiles]))
+    return True
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group-wise asymmetric int4 (groups of 32 along K): (packed [N, K/2] uint8, step [N, K/32], low
     [N, K/32]) with w ~= q * step + low, q in 0..15; byte j of a group holds q[j] | q[j + 16] << 4.

@@ -121,12 +121,12 @@ def test_tiles_view_the_weight_without_copying():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_joined_int8_tiles_give_the_tiles_logits_in_one_call(vocab, dtype):
     from inferd.models.cpu_kernels import int8_module
-    from inferd.models.quant import quantize_model
+    from inferd.models.quant import join_int8_tiles, quantize_model
 
     head, _ = _head(vocab, 64, 32)
     quantize_model(head, "int8", torch.device("cpu"))
     _fold(head, True)
-    assert int8_module() is not None and head.join_int8_tiles()
+    assert int8_module() is not None and join_int8_tiles(head)
     kernel, packed, _ = head.joined
     assert all(  # the tiles view the joined buffer: nothing is held twice
         t.packed.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr() for t in head.tiles
@@ -140,7 +140,7 @@ def test_joined_int8_tiles_give_the_tiles_logits_in_one_call(vocab, dtype):
         assert torch.equal(head(x), tiled_logits) and torch.equal(head.argmax(x), tiled_argmax)
         assert torch.equal(tiled_argmax, tiled_logits.argmax(dim=-1))
     head.tiles[0].bias = torch.nn.Parameter(torch.zeros(32), requires_grad=False)
-    assert not head.join_int8_tiles()  # the joined call takes no bias
+    assert not join_int8_tiles(head) and head.joined is None  # the joined call takes no bias
 
 
 def test_greedy_rows_skip_full_logits_and_agree_with_the_full_path(tiny_models, monkeypatch):
