@@ -181,14 +181,15 @@ class Int8Linear(QuantizedLinear):
 def join_int8_tiles(head: LMHead) -> bool:
     """An LM head's native int8 tiles as views of one buffer, so that a few rows take the whole head in one kernel
     call rather than one per tile (`LMHead.joined`; at batch 1 on the Zen 3, 16 calls streamed Gemma 3 270M's
-    168 MB head at 33.4 GB/s, one at 34.8, before the calls' own costs). `int8_pack`'s layout is tile-major and
-    every tile but the last holds whole tiles of 16 rows, so the tiles' buffers end to end are the packing of the
-    whole weight. Returns whether they were joined."""
+    168 MB head at 33.4 GB/s, one at 34.8, before the calls' own costs). `int8_pack`'s layout is
+    tile-major and every tile but the last holds whole kernel tiles (of 16 rows), so the tiles' buffers end to end
+    are the packing of the whole weight. Returns whether they were joined."""
     head.joined = None
     tiles = list(head.tiles)
     if not all(isinstance(t, Int8Linear) and t.native is not None and t.bias is None for t in tiles):
         return False
-    if any(t.out_features % 16 for t in tiles[:-1]):  # a padded tile inside would shift the rest
+    # packed: [kernel tiles, Kp / 4, rows a tile, 4]; a padded kernel tile inside would shift the rest
+    if any(t.packed.shape[0] * t.packed.shape[2] != t.out_features for t in tiles[:-1]):
         return False
     packed = torch.cat([t.packed for t in tiles])
     at = 0
