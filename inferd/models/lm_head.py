@@ -78,16 +78,13 @@ class LMHead(nn.Module):
     ) -> torch.Tensor:
         """argmax over the vocabulary of transform(logits), tile by tile; first maximal index on ties. `mask`:
         int32 token bitmask words [rows, ceil(vocab / 32)] (xgrammar's layout), only set bits compete."""
-        if mask is None and (whole := self._whole(x)) is not None:
-            return (whole if transform is None else transform(whole)).argmax(dim=-1)  # ties: the first index
         native = self.native_argmax is not None and x.device.type == "cpu" and x.dim() == 2
+        if mask is None and (whole := self._whole(x)) is not None:
+            logits = whole if transform is None else transform(whole)
+            # torch's argmax along a row is a scalar loop: 264 us over 262,144 logits on the Zen 3, the fold ~20
+            return self._native_fold([(0, logits)], x.shape[0], None) if native else logits.argmax(dim=-1)
         if native and (mask is None or all(lo % 32 == 0 for lo in self.offsets)):  # the kernel reads whole words
-            best_val = torch.full((x.shape[0],), float("-inf"))
-            best_idx = torch.zeros(x.shape[0], dtype=torch.long)
-            words = torch.empty(0, dtype=torch.int32) if mask is None else mask.contiguous()
-            for lo, logits in self._tile_logits(x, transform):
-                self.native_argmax(logits.contiguous(), best_val, best_idx, lo, words)
-            return best_idx
+            return self._native_fold(self._tile_logits(x, transform), x.shape[0], mask)
         best_val = best_idx = None
         for lo, logits in self._tile_logits(x, transform):
             if mask is not None:
@@ -100,6 +97,15 @@ class LMHead(nn.Module):
             best_val = torch.where(better, val, best_val)
             best_idx = torch.where(better, idx + lo, best_idx)
         assert best_idx is not None
+        return best_idx
+
+    def _native_fold(self, pieces, rows: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The argmax of (first vocabulary row, logits) pieces, folded in order by the native kernel."""
+        best_val = torch.full((rows,), float("-inf"))
+        best_idx = torch.zeros(rows, dtype=torch.long)
+        words = torch.empty(0, dtype=torch.int32) if mask is None else mask.contiguous()
+        for lo, logits in pieces:
+            self.native_argmax(logits.contiguous(), best_val, best_idx, lo, words)
         return best_idx
 
     def _tile_logits(self, x: torch.Tensor, transform: Transform | None):

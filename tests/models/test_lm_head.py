@@ -111,6 +111,29 @@ def test_argmax_under_a_bitmask_equals_masking_the_full_row(tile, dtype, native)
     assert head.argmax(best.to(dtype).expand(2, hidden).contiguous(), mask=_bitmask(only)).tolist() == [9, 600]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_fold_over_many_chunks_finds_the_first_maximal_index(dtype):
+    """The kernel maxes a row in chunks of 4,096 in parallel, then searches one chunk: rows long enough for
+    several chunks and a partial last one, with ties inside a chunk and across chunks."""
+    fold = argmax_update_kernel()
+    assert fold is not None, "the native kernels build on Linux"
+    n = 3 * 4096 + 17
+    logits = torch.randn(5, n).to(dtype)
+    logits[1, [5000, 4097, 12000]] = 9  # ties across two chunks: the first is 4097
+    logits[2, [8191, 8192]] = 9  # at a chunk's last and the next chunk's first index
+    logits[3, n - 1] = 9  # in the partial last chunk
+    logits[4] = 0  # all equal: index 0
+    best_val = torch.full((5,), float("-inf"))
+    best_idx = torch.zeros(5, dtype=torch.long)
+    fold(logits, best_val, best_idx, 100, torch.empty(0, dtype=torch.int32))
+    assert torch.equal(best_idx, logits.argmax(dim=-1) + 100)
+    assert best_idx[1:4].tolist() == [4197, 8291, n + 99]
+    # an earlier tile's best that ties or beats this one stays
+    kept_val, kept_idx = torch.full((5,), 9.0), torch.full((5,), 7, dtype=torch.long)
+    fold(logits, kept_val, kept_idx, 100, torch.empty(0, dtype=torch.int32))
+    assert kept_idx.tolist() == [7] * 5
+
+
 def test_tiles_view_the_weight_without_copying():
     weight = torch.randn(30, 4)
     head = LMHead(weight, 8)
