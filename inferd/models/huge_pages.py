@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -63,6 +65,26 @@ def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
     out = empty_bytes(math.prod(shape) * first.element_size()).view(first.dtype).view(shape)
     return torch.cat(list(tensors), out=out)
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page setting (always, madvise or never); None where it has none."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    found = re.search(r"\[(\w+)\]", text)
+    return found.group(1) if found else None
+
+
+def describe(t: torch.Tensor) -> str:
+    """How the pages under `t` came out, for the log: '2 MiB pages', or 4 KiB ones and why."""
+    if in_huge_pages(t):
+        return "2 MiB pages"
+    mode = thp_mode()
+    if mode is None:
+        return "ordinary pages (no transparent huge pages here)"
+    return f"4 KiB pages ({'transparent huge pages: never' if mode == 'never' else 'the kernel granted none'})"
 
 
 def in_huge_pages(t: torch.Tensor) -> bool:

@@ -225,12 +225,21 @@ def weights_to_huge_pages(model: nn.Module) -> int:
     tensors = [t for t in tensors if t.device.type == "cpu"]
     if len(tensors) != len(owners) or not tensors:
         return 0
-    for (module, where), view in zip(owners, huge_pages.pack([t.contiguous() for t in tensors]), strict=True):
+    views = huge_pages.pack([t.contiguous() for t in tensors])
+    for (module, where), view in zip(owners, views, strict=True):
         if isinstance(where, int):
             module.tiles[where] = view
         else:
             setattr(module, where, view)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    moved = sum(t.numel() * t.element_size() for t in tensors)
+    head = [m.joined[1] for m in model.modules() if getattr(m, "joined", None)]
+    logger.info(
+        "quantized weights: %.0f MB in %s%s",
+        moved / 1e6,
+        huge_pages.describe(views[0]),
+        "".join(f"; the joined LM head, {t.numel() / 1e6:.0f} MB, in {huge_pages.describe(t)}" for t in head),
+    )
+    return moved
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

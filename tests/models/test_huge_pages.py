@@ -3,9 +3,7 @@ view of one mapping, and the same tokens from the model."""
 
 from __future__ import annotations
 
-import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +11,6 @@ import torch
 from inferd import LLM, SamplingParams
 from inferd.models import huge_pages, loader
 from inferd.models.quant import Int4Linear, Int8Linear
-
-
-def _thp_mode() -> str | None:
-    """The kernel's transparent_hugepage setting (always, madvise, never), or None where there is none."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return None
-    found = re.search(r"\[(\w+)\]", text)
-    return found.group(1) if found else None
 
 
 def test_pack_copies_every_tensor_into_one_aligned_mapping():
@@ -50,14 +38,17 @@ def test_cat_is_torch_cat():
 
 
 @pytest.mark.skipif(
-    _thp_mode() not in ("always", "madvise"),
-    reason=f"transparent huge pages are {_thp_mode() or 'absent'} here: only madvise or always grants them",
+    huge_pages.thp_mode() not in ("always", "madvise"),
+    reason=f"transparent huge pages are {huge_pages.thp_mode() or 'absent'} here: only madvise or always grants them",
 )
 def test_a_mapping_gets_huge_pages_where_the_kernel_grants_them():
     buf = huge_pages.empty_bytes(4 * huge_pages.HUGE_PAGE)
     buf.fill_(1)  # the pages exist once written
     assert huge_pages.in_huge_pages(buf)
-    assert not huge_pages.in_huge_pages(torch.ones(4 * huge_pages.HUGE_PAGE // 4))  # malloc'd: 4 KiB pages
+    assert huge_pages.describe(buf) == "2 MiB pages"
+    if huge_pages.thp_mode() == "madvise":  # malloc'd memory, not advised: 4 KiB pages (under always it may not be)
+        plain = torch.ones(4 * huge_pages.HUGE_PAGE // 4)
+        assert not huge_pages.in_huge_pages(plain) and huge_pages.describe(plain).startswith("4 KiB pages")
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])  # gguf: test_gguf_blocks.py loads through the same path
