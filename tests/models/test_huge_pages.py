@@ -76,3 +76,11 @@ def test_loaded_quantized_weights_are_views_of_one_mapping_with_the_same_values(
     prompts = ["The quick brown fox", "def add(a, b):"]
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens == [o.outputs[0].token_ids for o in kept.generate(prompts, params)]
+
+
+def test_doctor_says_which_pages_quantized_weights_get():
+    from inferd import doctor
+
+    line = doctor.report()["paths"]["quantized weights' pages"]
+    mode = huge_pages.thp_mode()
+    assert line.startswith("2 MiB pages" if mode in ("always", "madvise") else ("4 KiB" if mode else "ordinary"))
