@@ -209,7 +209,7 @@ def weights_to_huge_pages(model: nn.Module) -> int:
     from inferd.models.gguf_blocks import GGUFLinear
 
     joined = {id(t) for m in model.modules() if getattr(m, "joined", None) for t in m.tiles}
-    owners: list[tuple[nn.Module, str]] = []  # (module, buffer name) or (GGUFLinear, index into its tiles)
+    owners: list[tuple[nn.Module, str | int]] = []  # (module, buffer name) or (GGUFLinear, index into its tiles)
     tensors: list[torch.Tensor] = []
     for m in model.modules():
         if isinstance(m, Int8Linear) and m.native is not None and id(m) not in joined:
