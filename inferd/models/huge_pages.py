@@ -10,6 +10,7 @@ pages; under `never`, or on another system, the copies sit in ordinary pages and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import re
@@ -28,9 +29,13 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
     ordinary memory where the system has no such mappings."""
     if not sys.platform.startswith("linux") or nbytes == 0:
         return torch.empty(nbytes, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no such mapping allowed here (a sandbox, a limit): ordinary memory serves
+        return torch.empty(nbytes, dtype=torch.uint8)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel built without transparent huge pages refuses the advice
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until its last view is gone
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + nbytes]

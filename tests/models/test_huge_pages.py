@@ -31,6 +31,29 @@ def test_pack_copies_every_tensor_into_one_aligned_mapping():
         assert storage <= views[0].data_ptr() and views[0].data_ptr() % huge_pages.HUGE_PAGE == 0
 
 
+def test_where_no_mapping_or_advice_is_allowed_ordinary_memory_serves(monkeypatch):
+    import mmap
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise OSError(12, "Cannot allocate memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(mmap, "mmap", Refused)
+        buf = huge_pages.empty_bytes(1000)
+        assert buf.numel() == 1000 and buf.dtype == torch.uint8
+
+    real = mmap.mmap
+
+    class NoAdvice(real):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")  # a kernel without transparent huge pages
+
+    monkeypatch.setattr(mmap, "mmap", NoAdvice)
+    tensors = [torch.arange(300, dtype=torch.int32), torch.randn(7)]
+    assert all(torch.equal(v, t) for v, t in zip(huge_pages.pack(tensors), tensors, strict=True))
+
+
 def test_cat_is_torch_cat():
     parts = [torch.randint(0, 255, (n, 4, 64), dtype=torch.uint8) for n in (3, 1, 5)]
     joined = huge_pages.cat(parts)
