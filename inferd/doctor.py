@@ -27,7 +27,7 @@ def report() -> dict:
     import torch
 
     from inferd import cpu
-    from inferd.models import cpu_kernels, dtypes, quant
+    from inferd.models import cpu_kernels, dtypes, huge_pages, quant
 
     flags = cpu.cpu_flags()
     built = cpu_kernels.build_all()
@@ -60,7 +60,7 @@ def report() -> dict:
         "GGUF blocks (--quantization gguf)": f"native kernel ({gguf})" if gguf else "unavailable (needs its kernel)",
         "RMS norm, rotary, gated activations": "native kernels" if built["norm_rope"] else "PyTorch reference",
         "LoRA adapters' products": "native kernel" if built["lora"] else "PyTorch matmuls",
-        "quantized weights' pages": _weight_pages(),
+        "quantized weights' pages": huge_pages.describe(),
     }
     if device.type == "cuda":
         paths = {
@@ -118,13 +118,3 @@ def register(sub) -> None:
     p = sub.add_parser("doctor", help="which native kernels built on this CPU, which paths run, and why")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_run)
-
-
-def _weight_pages() -> str:
-    """Where the loader puts quantized weights (`inferd.models.huge_pages`), by this kernel's setting."""
-    from inferd.models import huge_pages
-
-    mode = huge_pages.thp_mode()
-    if mode in ("always", "madvise"):
-        return f"2 MiB pages (transparent huge pages: {mode})"
-    return "4 KiB pages (transparent huge pages: never)" if mode == "never" else "ordinary pages (no huge pages here)"

@@ -45,8 +45,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return raw.view(like.dtype).view(like.shape)
+def _typed(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    return raw.view(dtype).view(shape)
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,7 +58,7 @@ def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     arena = empty_bytes(at)
     views = []
     for t, offset in zip(tensors, offsets, strict=True):
-        view = _typed(arena[offset : offset + _nbytes(t)], t)
+        view = _typed(arena[offset : offset + _nbytes(t)], t.dtype, t.shape)
         view.copy_(t)
         views.append(view)
     return views
@@ -68,7 +68,7 @@ def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """`torch.cat(tensors)` (along dim 0) in a mapping of its own."""
     first = tensors[0]
     shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
-    out = empty_bytes(math.prod(shape) * first.element_size()).view(first.dtype).view(shape)
+    out = _typed(empty_bytes(math.prod(shape) * first.element_size()), first.dtype, shape)
     return torch.cat(list(tensors), out=out)
 
 
@@ -82,14 +82,17 @@ def thp_mode() -> str | None:
     return found.group(1) if found else None
 
 
-def describe(t: torch.Tensor) -> str:
-    """How the pages under `t` came out, for the log: '2 MiB pages', or 4 KiB ones and why."""
-    if in_huge_pages(t):
-        return "2 MiB pages"
+def describe(t: torch.Tensor | None = None) -> str:
+    """For the log and `inferd doctor`: how the pages under `t` came out ('2 MiB pages', or 4 KiB ones and why),
+    or without `t` what this kernel's setting gives such a mapping."""
     mode = thp_mode()
     if mode is None:
         return "ordinary pages (no transparent huge pages here)"
-    return f"4 KiB pages ({'transparent huge pages: never' if mode == 'never' else 'the kernel granted none'})"
+    if mode == "never":
+        return "4 KiB pages (transparent huge pages: never)"
+    if t is None:
+        return f"2 MiB pages (transparent huge pages: {mode})"
+    return "2 MiB pages" if in_huge_pages(t) else "4 KiB pages (the kernel granted none)"
 
 
 def in_huge_pages(t: torch.Tensor) -> bool:
