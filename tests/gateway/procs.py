@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 
-REPLICA_FLAGS = ("--max-model-len", "512", "--attention-backend", "torch")
+# float32: a replica's tokens are then the same on every CPU, and a resumed stream's recomputed rows take the
+# arithmetic its decode steps took (with bf16 on AMX one row and many take different kernels: docs/gateway.md)
+REPLICA_FLAGS = ("--max-model-len", "512", "--attention-backend", "torch", "--dtype", "float32")
 
 
 def start_replica(model_dir: Path, log_dir: Path, *extra: str) -> Proc:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from inferd import LLM, SamplingParams
 from inferd.errors import ConfigError
+from inferd.models import cpu_kernels as ck
 from inferd.models import loader
 from inferd.models.cpu_kernels import gguf_module
 from inferd.models.gguf_blocks import GGUF_TYPES, GGUFLinear
@@ -101,6 +102,27 @@ def test_the_kernel_is_the_dot_product_of_rounded_activations_with_the_files_val
     want16 = rounded_activations(x.bfloat16()) @ w.T + bias.double()
     assert got16.dtype == torch.bfloat16
     assert ((got16.double() - want16).abs() / scale).max() < 1e-2
+
+
+@pytest.mark.slow
+def test_the_vnni_kernel_gives_the_avx2_kernels_bits(kernels):
+    """Where the CPU has VNNI the integer sums are vpdpbusd's (Q6_K's halves scaled after): the same integers as
+    AVX2's vpmaddubsw + vpmaddwd, the same float work after, so the same output bits. A build forced to plain
+    AVX2 here is the reference."""
+    if kernels.isa() != "avx2-vnni":
+        pytest.skip(f"the GGUF kernel was built for {kernels.isa()} here: no VNNI path to compare")
+    plain = ck._build("inferd_test_gguf_avx2", ck._GGUF_SOURCE, "GGUF kernel (avx2)",
+                      ["-ffp-contract=off", "-mno-avx512f", "-mno-avxvnni"])  # fmt: skip
+    assert plain is not None and plain.isa() == "avx2"
+    for kind in KINDS:
+        raw = random_blocks(kind, 37, 512, seed=7)
+        tiles = packed(kernels, raw, kind, 512)
+        for rows in (1, 4, 7):
+            x = torch.randn(rows, 512) * 3
+            for dtype in (torch.float32, torch.bfloat16):
+                got = kernels.gguf_linear(x.to(dtype), tiles, [int(kind)], [37], None)
+                want = plain.gguf_linear(x.to(dtype), tiles, [int(kind)], [37], None)
+                assert torch.equal(got, want), (kind.name, rows, dtype)
 
 
 def test_segments_of_several_types_are_one_layer_and_bf16_rows_above_64_take_the_dense_path(kernels):

@@ -17,7 +17,8 @@
 //
 // gguf_linear: each activation row is quantized to int8 in groups of 32 with one float step (x ~= xq * xd,
 // xd = max|x| / 127, as llama.cpp's Q8_0), and a group's dot product is A * xd * sum(u * xq) + B * xd * sum(xq):
-// the integer sum exact (AVX2's vpmaddubsw + vpmaddwd, Q8_0's sign moved onto the activation), the float work
+// the integer sum exact (VNNI's vpdpbusd where the CPU has it, else AVX2's vpmaddubsw + vpmaddwd; Q8_0's sign
+// moved onto the activation), the float work
 // one convert, multiply and FMA per group for 8 output rows (and one FMA more for a k-quant's B). A portable loop serves CPUs without AVX2. A fused
 // q/k/v layer whose v rows the file keeps in another type than q and k is several segments in one call.
 //
@@ -369,6 +370,27 @@ void build_tile(int64_t type, const Decoded* w, int nr, int64_t G, TileOut t) {
   }
 }
 
+#if defined(__AVX2__)
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define INFERD_GGUF_VNNI 1
+// 32 unsigned bytes times 32 signed bytes, summed in fours into acc's 8 int32 lanes
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+}
+#endif
+
+// activation row m's quad j (four int8s) of group g, as one int32 to broadcast
+inline int32_t quad_of(const QuantizedRows& a, int64_t m, int64_t g, int j) {
+  int32_t quad;
+  std::memcpy(&quad, a.qrow(m) + g * kGroup + 4 * j, 4);
+  return quad;
+}
+#endif
+
 // MB activation rows (from m0) against a tile; out[m * 8 + r] the whole dot product of row r. `c`: Offset's
 // constant (8 for Q4_0, 16 for Q5_0).
 template <Codes C, int MB>
@@ -386,18 +408,38 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, int32_t c, fl
       s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + 2 * g * 16));
       s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + (2 * g + 1) * 16));
     }
+#if defined(INFERD_GGUF_VNNI)
+    // vpdpbusd sums the four products in int32 (the same integers as vpmaddubsw + vpmaddwd, which never
+    // saturate on these codes); Q6_K's halves are summed apart and scaled once per group
+    __m256i half1[MB];
+    for (int m = 0; m < MB; ++m) half1[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = load32(wg + j * 32);
+      const __m256i uw = C == Codes::Signed ? _mm256_abs_epi8(w) : w;
+      for (int m = 0; m < MB; ++m) {
+        __m256i xb = _mm256_set1_epi32(quad_of(a, m0 + m, g, j));
+        if constexpr (C == Codes::Signed) xb = _mm256_sign_epi8(xb, w);
+        if (C == Codes::Scaled16 && j >= 4) half1[m] = dpbusd256(half1[m], uw, xb);
+        else acc[m] = dpbusd256(acc[m], uw, xb);
+      }
+    }
+    if constexpr (C == Codes::Scaled16) {  // row r's scales, int16 lanes 2r and 2r + 1, as int32 lane r
+      const __m256i c0 = _mm256_srai_epi32(s0, 16), c1 = _mm256_srai_epi32(s1, 16);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm256_add_epi32(_mm256_mullo_epi32(acc[m], c0), _mm256_mullo_epi32(half1[m], c1));
+    }
+#else
     for (int j = 0; j < 8; ++j) {
       const __m256i w = load32(wg + j * 32);
       const __m256i uw = C == Codes::Signed ? _mm256_abs_epi8(w) : w;
       const __m256i scale = j < 4 ? s0 : s1;
       for (int m = 0; m < MB; ++m) {
-        int32_t quad;
-        std::memcpy(&quad, a.qrow(m0 + m) + g * kGroup + 4 * j, 4);
-        __m256i xb = _mm256_set1_epi32(quad);
+        __m256i xb = _mm256_set1_epi32(quad_of(a, m0 + m, g, j));
         if constexpr (C == Codes::Signed) xb = _mm256_sign_epi8(xb, w);
         acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xb), scale));
       }
     }
+#endif
     if constexpr (C == Codes::Offset) {  // - c * sum(xq), in the integer sum
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_sub_epi32(acc[m], _mm256_set1_epi32(c * a.isumg(m0 + m, g)));
     } else if constexpr (C == Codes::Scaled16) {  // - 32 * (s0 * sum of the first 16 xq + s1 * the last 16's)
@@ -632,5 +674,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_pack", &gguf_pack, "a segment's blocks as tiles of 8 rows: (codes, a, b, s)");
   m.def("gguf_linear", &gguf_linear, "a linear layer on packed tiles, float32/bfloat16 rows (CPU)");
   m.def("gguf_unpack", &gguf_unpack, "a packed segment's rows as float32");
-  m.def("isa", [] { return std::string(kIsa); }, "the instruction set gguf_linear was built for");
+  m.def("isa", [] {
+#if defined(INFERD_GGUF_VNNI)
+    return std::string("avx2-vnni");  // the tiles are 8 rows wide: 256-bit vpdpbusd on any VNNI CPU
+#elif defined(__AVX2__)
+    return std::string("avx2");
+#else
+    return std::string("portable");
+#endif
+  }, "the instruction set gguf_linear was built for");
 }
