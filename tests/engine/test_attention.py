@@ -8,6 +8,8 @@ import platform
 import pytest
 import torch
 
+from inferd.cpu import cpu_flags
+from inferd.models import cpu_kernels as ck
 from inferd.models.attention import AttentionMetadata, DecodeGroup, paged_attention
 from inferd.models.cpu_kernels import paged_decode_kernel, paged_decode_threads
 
@@ -102,3 +104,32 @@ def test_reference_decode_groups_trim_the_window():
     tables, mask = DecodeGroup(0, 7, case[5], case[6], 4).view(8)
     assert tables.shape[1] <= 8 // 4 + 1  # only the blocks inside the window are gathered
     assert int(mask.sum(-1).max()) <= 8
+
+
+@functools.cache
+def _decode_build(isa: str):
+    """The decode kernel as built here (`native`), or forced down to AVX2 (no AVX-512) on a CPU with more."""
+    if isa == "native":
+        return paged_decode_kernel()
+    module = ck._build("inferd_test_paged_decode_avx2", ck._SOURCE, "paged decode kernel (avx2)", ["-mno-avx512f"])
+    return None if module is None else module.paged_decode
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "isa", ["native", pytest.param("avx2", marks=pytest.mark.slow)]
+)  # avx2 on an AVX-512 CPU: the 8-lane loops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_in_registers_match_the_reference_at_a_head_dim_of_64(isa, dtype):
+    """D = 64: the weighted sum of values runs in registers (16 lanes with AVX-512, 8 with AVX2), over runs of
+    16 tokens and heads four at a time (6 heads: a group of 4 and one of 2)."""
+    if isa == "avx2" and not {"avx2", "avx512f"} <= cpu_flags():
+        pytest.skip("the forced AVX2 build is another path only on a CPU with AVX2 and AVX-512")
+    kernel = _decode_build(isa)
+    assert kernel is not None, f"the decode kernel must build for {isa}"
+    case = _case(11, 6, 1, head_dim=64, block_size=16, longest=90)
+    case = [t.to(dtype) if t.is_floating_point() else t for t in case]
+    ref = _run(None, [t.float() if t.is_floating_point() else t for t in case], None, None)
+    got = _run(kernel, case, None, None)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    assert torch.allclose(got.float(), ref, **tol)

@@ -214,6 +214,32 @@ inline void accumulate4(const float* p, int64_t n, const T* const* v, int64_t G,
   }
 }
 
+// acc [G, D] = sum over tokens of p[g, t] * v_t, token after token (the sums of `accumulate4`, in the same
+// order: the same bits). Tokens go in runs of 16, whose value rows stay in L1 while D's chunks pass, heads four at
+// a time; L's `add<GN>` adds one chunk of L::kWidth values for GN heads in registers (16 lanes: Lanes16, 8:
+// Lanes8). D % L::kWidth == 0.
+template <typename L, typename T>
+void values_runs(const float* p, int64_t n, const T* const* vrows, int64_t G, int64_t D, float* acc) {
+  constexpr int64_t kRun = 16;
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += kRun) {
+    const int64_t t1 = std::min(n, t0 + kRun);
+    for (int64_t t = t1; t < std::min(n, t1 + kRun); ++t) prefetch_row(vrows[t], D);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* pg = p + g0 * n;
+      float* ag = acc + g0 * D;
+      for (int64_t d0 = 0; d0 < D; d0 += L::kWidth) {
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 4: L::template add<4>(pg, n, vrows, t0, t1, d0, D, ag); break;
+          case 3: L::template add<3>(pg, n, vrows, t0, t1, d0, D, ag); break;
+          case 2: L::template add<2>(pg, n, vrows, t0, t1, d0, D, ag); break;
+          default: L::template add<1>(pg, n, vrows, t0, t1, d0, D, ag); break;
+        }
+      }
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 #define INFERD_VALUES_AVX512 1
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -226,51 +252,29 @@ inline __m512 load16(const inferd::E5M2* p) { return inferd::widen16(p); }
 
 // acc[g, d0 .. d0+63] += p[g, t] * v_t[d0 .. d0+63] for GN heads and the tokens [t0, t1): 4 x GN sums held in
 // registers across the tokens, each value chunk loaded (and widened) once for all the heads.
-template <int GN, typename T>
-inline void values_chunk(const float* p, int64_t n, const T* const* vrows, int64_t t0, int64_t t1, int64_t d0,
-                         int64_t D, float* acc) {
-  __m512 a[GN][4];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
-  for (int64_t t = t0; t < t1; ++t) {
-    const T* v = vrows[t] + d0;
-    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-    for (int g = 0; g < GN; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * n + t]);
-      a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
-      a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
-      a[g][2] = _mm512_fmadd_ps(pg, v2, a[g][2]);
-      a[g][3] = _mm512_fmadd_ps(pg, v3, a[g][3]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
-}
-
-// acc [G, D] = sum over tokens of p[g, t] * v_t, token after token (the sums of `accumulate4`, in the same
-// order: the same bits). Tokens go in runs of 16, whose value rows stay in L1 while D's chunks of 64 pass.
-// D % 64 == 0.
-template <typename T>
-void values_avx512(const float* p, int64_t n, const T* const* vrows, int64_t G, int64_t D, float* acc) {
-  constexpr int64_t kRun = 16;
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t0 = 0; t0 < n; t0 += kRun) {
-    const int64_t t1 = std::min(n, t0 + kRun);
-    for (int64_t t = t1; t < std::min(n, t1 + kRun); ++t) prefetch_row(vrows[t], D);
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const float* pg = p + g0 * n;
-      float* ag = acc + g0 * D;
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        switch (std::min<int64_t>(4, G - g0)) {
-          case 4: values_chunk<4>(pg, n, vrows, t0, t1, d0, D, ag); break;
-          case 3: values_chunk<3>(pg, n, vrows, t0, t1, d0, D, ag); break;
-          case 2: values_chunk<2>(pg, n, vrows, t0, t1, d0, D, ag); break;
-          default: values_chunk<1>(pg, n, vrows, t0, t1, d0, D, ag); break;
-        }
+struct Lanes16 {
+  static constexpr int64_t kWidth = 64;
+  template <int GN, typename T>
+  static void add(const float* p, int64_t n, const T* const* vrows, int64_t t0, int64_t t1, int64_t d0, int64_t D,
+                  float* acc) {
+    __m512 a[GN][4];
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* v = vrows[t] + d0;
+      const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+      for (int g = 0; g < GN; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * n + t]);
+        a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
+        a[g][2] = _mm512_fmadd_ps(pg, v2, a[g][2]);
+        a[g][3] = _mm512_fmadd_ps(pg, v3, a[g][3]);
       }
     }
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
   }
-}
+};
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -318,49 +322,29 @@ inline void scores4_avx2(const float* query, const T* const* keys, int64_t G, in
   }
 }
 
-// acc[g, d0 .. d0+15] += p[g, t] * v_t[d0 .. d0+15] for GN heads and the tokens [t0, t1), as values_chunk does
-// with 16 lanes: the same sums in the same order (token after token, one FMA each), so the same bits.
-template <int GN, typename T>
-inline void values_chunk8(const float* p, int64_t n, const T* const* vrows, int64_t t0, int64_t t1, int64_t d0,
-                          int64_t D, float* acc) {
-  __m256 a[GN][2];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 2; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d0 + 8 * j);
-  for (int64_t t = t0; t < t1; ++t) {
-    const T* v = vrows[t] + d0;
-    const __m256 v0 = load8(v), v1 = load8(v + 8);
-    for (int g = 0; g < GN; ++g) {
-      const __m256 pg = _mm256_broadcast_ss(p + g * n + t);
-      a[g][0] = _mm256_fmadd_ps(pg, v0, a[g][0]);
-      a[g][1] = _mm256_fmadd_ps(pg, v1, a[g][1]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(acc + g * D + d0 + 8 * j, a[g][j]);
-}
-
-// values_avx512's loop with 8 lanes: runs of 16 tokens, D's chunks of 16, heads four at a time. D % 16 == 0.
-template <typename T>
-void values_avx2(const float* p, int64_t n, const T* const* vrows, int64_t G, int64_t D, float* acc) {
-  constexpr int64_t kRun = 16;
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t0 = 0; t0 < n; t0 += kRun) {
-    const int64_t t1 = std::min(n, t0 + kRun);
-    for (int64_t t = t1; t < std::min(n, t1 + kRun); ++t) prefetch_row(vrows[t], D);
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const float* pg = p + g0 * n;
-      float* ag = acc + g0 * D;
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        switch (std::min<int64_t>(4, G - g0)) {
-          case 4: values_chunk8<4>(pg, n, vrows, t0, t1, d0, D, ag); break;
-          case 3: values_chunk8<3>(pg, n, vrows, t0, t1, d0, D, ag); break;
-          case 2: values_chunk8<2>(pg, n, vrows, t0, t1, d0, D, ag); break;
-          default: values_chunk8<1>(pg, n, vrows, t0, t1, d0, D, ag); break;
-        }
+// acc[g, d0 .. d0+15] += p[g, t] * v_t[d0 .. d0+15] for GN heads and the tokens [t0, t1), as Lanes16 does with
+// 16 lanes: the same sums in the same order (token after token, one FMA each), so the same bits.
+struct Lanes8 {
+  static constexpr int64_t kWidth = 16;
+  template <int GN, typename T>
+  static void add(const float* p, int64_t n, const T* const* vrows, int64_t t0, int64_t t1, int64_t d0, int64_t D,
+                  float* acc) {
+    __m256 a[GN][2];
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < 2; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d0 + 8 * j);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* v = vrows[t] + d0;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 pg = _mm256_broadcast_ss(p + g * n + t);
+        a[g][0] = _mm256_fmadd_ps(pg, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(pg, v1, a[g][1]);
       }
     }
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < 2; ++j) _mm256_storeu_ps(acc + g * D + d0 + 8 * j, a[g][j]);
   }
-}
+};
 #endif
 
 // A thread's buffers, reused across the pairs (or parts of a pair) it attends.
@@ -452,15 +436,15 @@ void attend(const TQ* q_in, const T* kp, const T* vp, const int64_t* table, int6
     }
   }
 #if defined(INFERD_VALUES_AVX512)
-  if (D % 64 == 0) {
-    values_avx512(scores, n, w.vrows.data(), G, D, acc);
+  if (D % Lanes16::kWidth == 0) {
+    values_runs<Lanes16>(scores, n, w.vrows.data(), G, D, acc);
     return;
   }
 #endif
 #if defined(INFERD_ATTEND_AVX2)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
-    if (D % 16 == 0) {
-      values_avx2(scores, n, w.vrows.data(), G, D, acc);
+    if (D % Lanes8::kWidth == 0) {
+      values_runs<Lanes8>(scores, n, w.vrows.data(), G, D, acc);
       return;
     }
   }
