@@ -109,7 +109,7 @@ def test_the_vnni_kernel_gives_the_avx2_kernels_bits(kernels):
     """Where the CPU has VNNI the integer sums are vpdpbusd's (Q6_K's halves scaled after): the same integers as
     AVX2's vpmaddubsw + vpmaddwd, the same float work after, so the same output bits. A build forced to plain
     AVX2 here is the reference."""
-    if kernels.isa() != "avx2-vnni":
+    if not kernels.isa().startswith("avx2-vnni"):
         pytest.skip(f"the GGUF kernel was built for {kernels.isa()} here: no VNNI path to compare")
     plain = ck._build("inferd_test_gguf_avx2", ck._GGUF_SOURCE, "GGUF kernel (avx2)",
                       ["-ffp-contract=off", "-mno-avx512f", "-mno-avxvnni"])  # fmt: skip
@@ -123,6 +123,28 @@ def test_the_vnni_kernel_gives_the_avx2_kernels_bits(kernels):
                 got = kernels.gguf_linear(x.to(dtype), tiles, [int(kind)], [37], None)
                 want = plain.gguf_linear(x.to(dtype), tiles, [int(kind)], [37], None)
                 assert torch.equal(got, want), (kind.name, rows, dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_a_rows_outputs_are_the_same_bits_alone_and_among_many(kernels, kind):
+    """Each row's outputs take the same integer sums and float steps at any row count: alone (one row), in blocks
+    of four, or (from 8 rows on a CPU with AMX) in AMX's tiles of 16. 21 rows: a partial row tile."""
+    raw = random_blocks(kind, 37, 512, seed=11)
+    tiles = packed(kernels, raw, kind, 512)
+    x = torch.randn(21, 512) * 2
+    for dtype in (torch.float32, torch.bfloat16):
+        many = kernels.gguf_linear(x.to(dtype), tiles, [int(kind)], [37], None)
+        alone = torch.cat(
+            [kernels.gguf_linear(x[i : i + 1].to(dtype), tiles, [int(kind)], [37], None) for i in range(21)]
+        )
+        assert torch.equal(many, alone), dtype
+    if hasattr(kernels, "set_amx"):  # the AMX path against the vpdpbusd path at the same row count
+        kernels.set_amx(False)
+        try:
+            plain = kernels.gguf_linear(x, tiles, [int(kind)], [37], None)
+        finally:
+            kernels.set_amx(True)
+        assert torch.equal(kernels.gguf_linear(x, tiles, [int(kind)], [37], None), plain)
 
 
 def test_segments_of_several_types_are_one_layer_and_bf16_rows_above_64_take_the_dense_path(kernels):
