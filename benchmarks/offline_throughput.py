@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.common import OUT_HELP, machine, median_time, record_run
 from inferd import LLM, SamplingParams
-from inferd.config import DEFAULT_MODEL
+from inferd.config import DEFAULT_MODEL, engine_default
 from inferd.measure.hardware import matmul_peak, memory_bandwidth
 from inferd.measure.model import ModelFacts, model_facts
 
@@ -164,7 +164,10 @@ def main() -> None:
     ap.add_argument("--cpu-linear", default="onednn", choices=["onednn", "dense"])
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="inferd's dtype")
     ap.add_argument(
-        "--quantization", default=None, choices=["int8", "int4", "gguf"], help="inferd's weight-only quantization"
+        "--quantization",
+        default=engine_default("quantization"),
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        help="inferd's weight-only quantization (default: the engine's)",
     )
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-kernel", "torch"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
@@ -205,6 +208,7 @@ def main() -> None:
             "dtype": args.dtype,
             "dtype_chosen": llm.engine.dtype_choice.name,
             "quantization": args.quantization,
+            "quantization_chosen": llm.engine.quantization or "none",
             "attention_backend": args.attention_backend,
             "kv_cache_dtype": str(llm.engine.kv_dtype).removeprefix("torch."),
             "cpu_linear": args.cpu_linear,

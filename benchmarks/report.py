@@ -284,7 +284,8 @@ def offline_mode(run: dict) -> list[tuple] | None:
     if w.get("attention_backend") not in (None, "auto") or w.get("kv_cache_dtype") not in (None, "bfloat16", "float32"):
         return None
     dtype = w.get("dtype_chosen") or w.get("dtype")
-    return [(short_dtype(dtype), w.get("quantization") or "-", w.get("num_requests"))]
+    quant = w.get("quantization_chosen", w.get("quantization"))  # what ran, where recorded, else what was asked
+    return [(short_dtype(dtype), "-" if quant in (None, "none") else quant, w.get("num_requests"))]
 
 
 def render_offline() -> str:
