@@ -151,45 +151,28 @@ inline void store_scores4(__m512 (*acc)[4], int64_t gn, float* out, int64_t n) {
     for (int j = 0; j < 4; ++j) out[g * n + j] = s[4 * g + j];
 }
 
-// bfloat16 on a CPU with AVX512_BF16: `vdpbf16ps` multiplies 32 bf16 pairs and accumulates in float32,
-// straight from the cache's bits (no widening); the query is bf16 already (the model computed it so). Heads four
-// at a time, d outer: each 32 of d of the four keys is loaded once for the four heads, and their 16 sums are
-// reduced together (reduce16).
-inline void scores4_bf16(const uint16_t* qbits, const uint16_t* const* keys, int64_t G, int64_t D, float* out,
-                         int64_t n) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t gn = std::min<int64_t>(4, G - g0);
-    __m512 acc[4][4];
-    for (auto& a : acc)
-      for (auto& v : a) v = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 32) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys[0] + i), k1 = (__m512bh)_mm512_loadu_si512(keys[1] + i),
-                     k2 = (__m512bh)_mm512_loadu_si512(keys[2] + i), k3 = (__m512bh)_mm512_loadu_si512(keys[3] + i);
-      for (int64_t g = 0; g < gn; ++g) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qbits + (g0 + g) * D + i);
-        acc[g][0] = _mm512_dpbf16_ps(acc[g][0], qv, k0);
-        acc[g][1] = _mm512_dpbf16_ps(acc[g][1], qv, k1);
-        acc[g][2] = _mm512_dpbf16_ps(acc[g][2], qv, k2);
-        acc[g][3] = _mm512_dpbf16_ps(acc[g][3], qv, k3);
-      }
-    }
-    store_scores4(acc, gn, out + g0 * n, n);
-  }
+// 32 of d of a key as bf16: a bf16 cache's own bits, or an fp8 cache's widened exactly in registers (fp8.h)
+inline __m512i key32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+template <typename F>
+inline __m512i key32(const F* p) {
+  return inferd::widen32_bf16(p);
 }
 
-// The same for an fp8 cache: each 32 of d of the four keys widened to bf16 in registers once (exact, fp8.h),
-// then `vdpbf16ps` for every head, d outer: widening the rows to float32 in memory and four FMAs per 16
-// of d took a step's attention here from 12.3 ms (bf16 cache) to 14.6.
-template <typename F>
-inline void scores4_fp8(const uint16_t* qbits, const F* const* keys, int64_t G, int64_t D, float* out, int64_t n) {
+// A bf16 or fp8 cache on a CPU with AVX512_BF16: `vdpbf16ps` multiplies 32 bf16 pairs and accumulates in float32,
+// straight from the cache's bits (fp8: widened to bf16 once per 32 of d of a key); the query is bf16 already (the
+// model computed it so). Heads four at a time, d outer: each 32 of d of the four keys is loaded once for the four
+// heads, and their 16 sums are reduced together (reduce16). For fp8, widening the rows to float32 in memory and
+// four FMAs per 16 of d had taken a step's attention from 12.3 ms (bf16 cache) to 14.6.
+template <typename T>
+inline void scores4_bf16(const uint16_t* qbits, const T* const* keys, int64_t G, int64_t D, float* out, int64_t n) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
     __m512 acc[4][4];
     for (auto& a : acc)
       for (auto& v : a) v = _mm512_setzero_ps();
     for (int64_t i = 0; i < D; i += 32) {
-      const __m512bh k0 = (__m512bh)inferd::widen32_bf16(keys[0] + i), k1 = (__m512bh)inferd::widen32_bf16(keys[1] + i),
-                     k2 = (__m512bh)inferd::widen32_bf16(keys[2] + i), k3 = (__m512bh)inferd::widen32_bf16(keys[3] + i);
+      const __m512bh k0 = (__m512bh)key32(keys[0] + i), k1 = (__m512bh)key32(keys[1] + i),
+                     k2 = (__m512bh)key32(keys[2] + i), k3 = (__m512bh)key32(keys[3] + i);
       for (int64_t g = 0; g < gn; ++g) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(qbits + (g0 + g) * D + i);
         acc[g][0] = _mm512_dpbf16_ps(acc[g][0], qv, k0);
@@ -281,30 +264,16 @@ inline __m512 load16(const uint16_t* p) {
 inline __m512 load16(const inferd::E4M3* p) { return inferd::widen16(p); }
 inline __m512 load16(const inferd::E5M2* p) { return inferd::widen16(p); }
 
-// acc[g, d0 .. d0+63] += p[g, t] * v_t[d0 .. d0+63] for GN heads and the tokens [t0, t1): 4 x GN sums held in
-// registers across the tokens, each value chunk loaded (and widened) once for all the heads.
-struct Lanes16 {
-  static constexpr int64_t kWidth = 64;
-  template <int GN, typename T>
-  static void add(const float* p, int64_t n, const T* const* vrows, int64_t t0, int64_t t1, int64_t d0, int64_t D,
-                  float* acc) {
-    __m512 a[GN][4];
-    for (int g = 0; g < GN; ++g)
-      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* v = vrows[t] + d0;
-      const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-      for (int g = 0; g < GN; ++g) {
-        const __m512 pg = _mm512_set1_ps(p[g * n + t]);
-        a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
-        a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
-        a[g][2] = _mm512_fmadd_ps(pg, v2, a[g][2]);
-        a[g][3] = _mm512_fmadd_ps(pg, v3, a[g][3]);
-      }
-    }
-    for (int g = 0; g < GN; ++g)
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
-  }
+// 16 float32 lanes: Lanes16 (below) holds 4 x GN of them for a chunk of 64 of D
+struct Avx512 {
+  using V = __m512;
+  static constexpr int kLanes = 16, kVecs = 4;
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, V v) { _mm512_storeu_ps(p, v); }
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 };
 #endif
 
@@ -353,29 +322,51 @@ inline void scores4_avx2(const float* query, const T* const* keys, int64_t G, in
   }
 }
 
-// acc[g, d0 .. d0+15] += p[g, t] * v_t[d0 .. d0+15] for GN heads and the tokens [t0, t1), as Lanes16 does with
-// 16 lanes: the same sums in the same order (token after token, one FMA each), so the same bits.
-struct Lanes8 {
-  static constexpr int64_t kWidth = 16;
+// 8 float32 lanes: Lanes8 (below) holds 2 x GN of them for a chunk of 16 of D
+struct Avx2 {
+  using V = __m256;
+  static constexpr int kLanes = 8, kVecs = 2;
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, V v) { _mm256_storeu_ps(p, v); }
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#endif
+
+#if defined(__AVX512F__) || defined(INFERD_ATTEND_AVX2)
+// acc[g, d0 .. d0 + kWidth) += p[g, t] * v_t[d0 .. d0 + kWidth) for GN heads and the tokens [t0, t1), in the
+// registers of R (Avx512: 16 lanes, Avx2: 8): kVecs x GN sums held across the tokens, each value chunk loaded (and
+// widened) once for all the heads; token after token, one FMA each, so 16 and 8 lanes give the same bits.
+template <typename R>
+struct LanesOf {
+  static constexpr int64_t kWidth = R::kLanes * R::kVecs;
   template <int GN, typename T>
   static void add(const float* p, int64_t n, const T* const* vrows, int64_t t0, int64_t t1, int64_t d0, int64_t D,
                   float* acc) {
-    __m256 a[GN][2];
+    typename R::V a[GN][R::kVecs];
     for (int g = 0; g < GN; ++g)
-      for (int j = 0; j < 2; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d0 + 8 * j);
+      for (int j = 0; j < R::kVecs; ++j) a[g][j] = R::loadf(acc + g * D + d0 + R::kLanes * j);
     for (int64_t t = t0; t < t1; ++t) {
       const T* v = vrows[t] + d0;
-      const __m256 v0 = load8(v), v1 = load8(v + 8);
+      typename R::V vv[R::kVecs];
+      for (int j = 0; j < R::kVecs; ++j) vv[j] = R::load(v + R::kLanes * j);
       for (int g = 0; g < GN; ++g) {
-        const __m256 pg = _mm256_broadcast_ss(p + g * n + t);
-        a[g][0] = _mm256_fmadd_ps(pg, v0, a[g][0]);
-        a[g][1] = _mm256_fmadd_ps(pg, v1, a[g][1]);
+        const typename R::V pg = R::set1(p[g * n + t]);
+        for (int j = 0; j < R::kVecs; ++j) a[g][j] = R::fmadd(pg, vv[j], a[g][j]);
       }
     }
     for (int g = 0; g < GN; ++g)
-      for (int j = 0; j < 2; ++j) _mm256_storeu_ps(acc + g * D + d0 + 8 * j, a[g][j]);
+      for (int j = 0; j < R::kVecs; ++j) R::storef(acc + g * D + d0 + R::kLanes * j, a[g][j]);
   }
 };
+#endif
+#if defined(__AVX512F__)
+using Lanes16 = LanesOf<Avx512>;
+#endif
+#if defined(INFERD_ATTEND_AVX2)
+using Lanes8 = LanesOf<Avx2>;
 #endif
 
 // A thread's buffers, reused across the pairs (or parts of a pair) it attends.
@@ -420,15 +411,9 @@ void attend(const TQ* q_in, const T* kp, const T* vp, const int64_t* table, int6
       }
     const T* keys[4] = {w.krows[t], w.krows[t + 1], w.krows[t + 2], w.krows[t + 3]};
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-    if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<TQ, uint16_t>) {
-      if (D % 32 == 0) {
+    if constexpr ((std::is_same_v<T, uint16_t> || inferd::is_fp8<T>) && std::is_same_v<TQ, uint16_t>) {
+      if (D % 32 == 0) {  // bf16 queries against a bf16 or fp8 cache
         scores4_bf16(q_in, keys, G, D, scores + t, n);
-        continue;
-      }
-    }
-    if constexpr (inferd::is_fp8<T> && std::is_same_v<TQ, uint16_t>) {
-      if (D % 32 == 0) {
-        scores4_fp8(q_in, keys, G, D, scores + t, n);
         continue;
       }
     }
