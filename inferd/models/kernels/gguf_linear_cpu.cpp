@@ -397,6 +397,50 @@ inline int32_t quad_of(const QuantizedRows& a, int64_t m, int64_t g, int j) {
   std::memcpy(&quad, a.qrow(m) + g * kGroup + 4 * j, 4);
   return quad;
 }
+
+// What turns a tile's group g of integer sums into float sums, over its 8 rows: the factors A (and a k-quant's
+// B), and Q6_K's scales, row r's in int16 lanes 2r and 2r + 1 of s0 (the first 16 k; ones for the other types)
+// and s1 (the last 16), and both as (s0, s1) pairs.
+struct GroupScales {
+  __m256 a, b;
+  __m256i s0, s1, pairs;
+};
+
+template <Codes C>
+inline GroupScales group_scales(TileIn t, int64_t g) {
+  GroupScales s{_mm256_loadu_ps(t.a + g * kTileRows), _mm256_setzero_ps(), _mm256_set1_epi16(1),
+                _mm256_set1_epi16(1), _mm256_setzero_si256()};
+  if constexpr (C == Codes::Affine) s.b = _mm256_loadu_ps(t.b + g * kTileRows);
+  if constexpr (C == Codes::Scaled16) {
+    s.s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + 2 * g * 16));
+    s.s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + (2 * g + 1) * 16));
+    s.pairs = _mm256_blend_epi16(s.s0, s.s1, 0xAA);
+  }
+  return s;
+}
+
+// Q6_K with its halves summed apart (vpdpbusd, AMX): each half's sums times its scale, as int32 lanes
+inline __m256i scaled_halves(__m256i h0, __m256i h1, const GroupScales& s) {
+  return _mm256_add_epi32(_mm256_mullo_epi32(h0, _mm256_srai_epi32(s.s0, 16)),
+                          _mm256_mullo_epi32(h1, _mm256_srai_epi32(s.s1, 16)));
+}
+
+// Row m's integer sums of group g (Q6_K's already scaled) added into its float sums f: the offsets that are
+// integers taken first (Offset: - c * sum(xq); Q6_K: - 32 * (s0 * sum of the first 16 xq + s1 * the last 16's)),
+// then A * xd, then a k-quant's mins, B * xd * sum(xq). Every path takes its sums through here, in this order.
+template <Codes C>
+inline __m256 group_step(__m256i acc, const GroupScales& s, const QuantizedRows& a, int64_t m, int64_t g, int32_t c,
+                         __m256 f) {
+  if constexpr (C == Codes::Offset) {
+    acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(c * a.isumg(m, g)));
+  } else if constexpr (C == Codes::Scaled16) {
+    const __m256i off = _mm256_madd_epi16(s.pairs, _mm256_set1_epi32(a.pairg(m, g)));
+    acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, 5));
+  }
+  f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(s.a, _mm256_set1_ps(a.dg(m, g))), f);
+  if constexpr (C == Codes::Affine) f = _mm256_fmadd_ps(s.b, _mm256_set1_ps(a.xsg(m, g)), f);
+  return f;
+}
 #endif
 
 // MB activation rows (from m0) against a tile; out[m * 8 + r] the whole dot product of row r. `c`: Offset's
@@ -404,7 +448,6 @@ inline int32_t quad_of(const QuantizedRows& a, int64_t m, int64_t g, int j) {
 template <Codes C, int MB>
 inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, int32_t c, float* out) {
 #if defined(__AVX2__)
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 f[MB];
   for (int m = 0; m < MB; ++m) f[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
@@ -412,11 +455,7 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, int32_t c, fl
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
     const uint8_t* wg = t.codes + g * 8 * 32;
     if (m0 == 0) prefetch_group(wg);
-    __m256i s0 = ones, s1 = ones;
-    if constexpr (C == Codes::Scaled16) {
-      s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + 2 * g * 16));
-      s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + (2 * g + 1) * 16));
-    }
+    const GroupScales s = group_scales<C>(t, g);
 #if defined(INFERD_GGUF_VNNI)
     // vpdpbusd sums the four products in int32 (the same integers as vpmaddubsw + vpmaddwd, which never
     // saturate on these codes); Q6_K's halves are summed apart and scaled once per group
@@ -432,16 +471,13 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, int32_t c, fl
         else acc[m] = dpbusd256(acc[m], uw, xb);
       }
     }
-    if constexpr (C == Codes::Scaled16) {  // row r's scales, int16 lanes 2r and 2r + 1, as int32 lane r
-      const __m256i c0 = _mm256_srai_epi32(s0, 16), c1 = _mm256_srai_epi32(s1, 16);
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm256_add_epi32(_mm256_mullo_epi32(acc[m], c0), _mm256_mullo_epi32(half1[m], c1));
-    }
+    if constexpr (C == Codes::Scaled16)
+      for (int m = 0; m < MB; ++m) acc[m] = scaled_halves(acc[m], half1[m], s);
 #else
     for (int j = 0; j < 8; ++j) {
       const __m256i w = load32(wg + j * 32);
       const __m256i uw = C == Codes::Signed ? _mm256_abs_epi8(w) : w;
-      const __m256i scale = j < 4 ? s0 : s1;
+      const __m256i scale = j < 4 ? s.s0 : s.s1;
       for (int m = 0; m < MB; ++m) {
         __m256i xb = _mm256_set1_epi32(quad_of(a, m0 + m, g, j));
         if constexpr (C == Codes::Signed) xb = _mm256_sign_epi8(xb, w);
@@ -449,22 +485,7 @@ inline void tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, int32_t c, fl
       }
     }
 #endif
-    if constexpr (C == Codes::Offset) {  // - c * sum(xq), in the integer sum
-      for (int m = 0; m < MB; ++m) acc[m] = _mm256_sub_epi32(acc[m], _mm256_set1_epi32(c * a.isumg(m0 + m, g)));
-    } else if constexpr (C == Codes::Scaled16) {  // - 32 * (s0 * sum of the first 16 xq + s1 * the last 16's)
-      const __m256i pairs = _mm256_blend_epi16(s0, s1, 0xAA);  // row r's (s0, s1) in int16 lanes 2r, 2r + 1
-      for (int m = 0; m < MB; ++m) {
-        const __m256i off = _mm256_madd_epi16(pairs, _mm256_set1_epi32(a.pairg(m0 + m, g)));
-        acc[m] = _mm256_sub_epi32(acc[m], _mm256_slli_epi32(off, 5));
-      }
-    }
-    const __m256 ag = _mm256_loadu_ps(t.a + g * kTileRows);
-    for (int m = 0; m < MB; ++m)
-      f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(ag, _mm256_set1_ps(a.dg(m0 + m, g))), f[m]);
-    if constexpr (C == Codes::Affine) {  // the k-quants' mins: b * xd * sum(xq)
-      const __m256 b = _mm256_loadu_ps(t.b + g * kTileRows);
-      for (int m = 0; m < MB; ++m) f[m] = _mm256_fmadd_ps(b, _mm256_set1_ps(a.xsg(m0 + m, g)), f[m]);
-    }
+    for (int m = 0; m < MB; ++m) f[m] = group_step<C>(acc[m], s, a, m0 + m, g, c, f[m]);
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * 8, f[m]);
 #else
@@ -549,25 +570,12 @@ void amx_tile_dot(TileIn t, const QuantizedRows& a, int64_t m0, int32_t c, float
       else _tile_dpbsud(2, 0, 1);
       _tile_stored(2, sums[0], 32);
     }
-    const __m256 ag = _mm256_loadu_ps(t.a + g * kTileRows);
-    __m256i c0, c1, pairs;
-    if constexpr (C == Codes::Scaled16) {
-      const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + 2 * g * 16));
-      const __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.s + (2 * g + 1) * 16));
-      c0 = _mm256_srai_epi32(s0, 16), c1 = _mm256_srai_epi32(s1, 16), pairs = _mm256_blend_epi16(s0, s1, 0xAA);
-    }
+    const GroupScales s = group_scales<C>(t, g);
     for (int m = 0; m < kAmxRows; ++m) {
       __m256i acc = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[0][m]));
-      if constexpr (C == Codes::Offset) acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(c * a.isumg(m0 + m, g)));
-      if constexpr (C == Codes::Scaled16) {
-        const __m256i half1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[1][m]));
-        acc = _mm256_add_epi32(_mm256_mullo_epi32(acc, c0), _mm256_mullo_epi32(half1, c1));
-        const __m256i off = _mm256_madd_epi16(pairs, _mm256_set1_epi32(a.pairg(m0 + m, g)));
-        acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, 5));
-      }
-      f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ag, _mm256_set1_ps(a.dg(m0 + m, g))), f[m]);
-      if constexpr (C == Codes::Affine)
-        f[m] = _mm256_fmadd_ps(_mm256_loadu_ps(t.b + g * kTileRows), _mm256_set1_ps(a.xsg(m0 + m, g)), f[m]);
+      if constexpr (C == Codes::Scaled16)
+        acc = scaled_halves(acc, _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[1][m])), s);
+      f[m] = group_step<C>(acc, s, a, m0 + m, g, c, f[m]);
     }
   }
   for (int m = 0; m < kAmxRows; ++m) _mm256_storeu_ps(out + m * 8, f[m]);
