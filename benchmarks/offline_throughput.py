@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.common import OUT_HELP, machine, median_time, record_run
 from inferd import LLM, SamplingParams
-from inferd.config import DEFAULT_MODEL, engine_default
+from inferd.config import DEFAULT_MODEL, engine_choices, engine_default
 from inferd.measure.hardware import matmul_peak, memory_bandwidth
 from inferd.measure.model import ModelFacts, model_facts
 
@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default=engine_default("quantization"),
-        choices=["auto", "none", "int8", "int4", "gguf"],
+        choices=engine_choices("quantization"),
         help="inferd's weight-only quantization (default: the engine's)",
     )
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-kernel", "torch"])

@@ -418,13 +418,22 @@ def _many() -> set[str]:
     return {f.name for _, f, _ in _settings() if f.metadata["many"]}
 
 
+def _setting(name: str):
+    for _, f, _ in _settings():
+        if f.name == name:
+            return f
+    raise ConfigError(f"unknown engine setting {name!r}")
+
+
 def engine_default(name: str) -> typing.Any:
     """What a flat setting left out gets (`engine_default("max_num_seqs")`): the one place a default is written
     is its field above, and every other part of inferd that needs one reads it here."""
-    for _, f, _ in _settings():
-        if f.name == name:
-            return f.default
-    raise ConfigError(f"unknown engine setting {name!r}")
+    return _setting(name).default
+
+
+def engine_choices(name: str) -> tuple | None:
+    """The values a flat setting takes (`engine_choices("quantization")`), None where any value of its type does."""
+    return _setting(name).metadata["choices"]
 
 
 # vLLM's --speculative-config keys -> our flat settings

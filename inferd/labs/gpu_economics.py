@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
-from inferd.config import EngineConfig
+from inferd.config import engine_choices
 from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 
@@ -19,7 +17,7 @@ def measure(ctx: LabContext) -> Measurement:
     s["this machine (measured)"] = here = dec.series["tok_s"]
     for name, (flops, bandwidth) in GPU_PROFILES.items():  # bf16 weights and KV
         s[f"{name} (projected)"] = [b / facts.roofline_step_s(b, context, flops, bandwidth, 2) for b in batches]
-    modes = next(f.metadata["choices"] for f in fields(EngineConfig) if f.name == "dtype")
+    modes = engine_choices("dtype")
     m = Measurement(series=s, settings={"modes": [c for c in modes if c != "auto"]})
     m.ends("batch", "util")
     gpu, (flops, bandwidth) = s["H100 SXM (projected)"], GPU_PROFILES["H100 SXM"]
