@@ -58,7 +58,8 @@ class CausalLM(nn.Module):
         """argmax of `compute_logits(hidden)` per row (first maximal index), without full rows of logits
         once `tile_lm_head` has run; over the tokens a grammar's bitmask `mask` allows, when given."""
         if isinstance(self.lm_head, LMHead):
-            return self.lm_head.argmax(hidden, self._cap_logits, mask)
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            return self.lm_head.argmax(hidden, self._cap_logits if cap else None, mask)
         logits = self.compute_logits(hidden)
         if mask is not None:
             logits = logits.float().masked_fill(~allowed_tokens(mask, 0, logits.shape[1]), float("-inf"))

@@ -153,11 +153,16 @@ class Int8Linear(QuantizedLinear):
         y = self._forward_rows(x.reshape(-1, x.shape[-1]))
         return y.view(*x.shape[:-1], self.out_features)
 
+    def takes_kernel(self, x2: torch.Tensor) -> bool:
+        """Whether rows x2 [M, K] take the native kernel (in x's dtype) rather than a dense matmul."""
+        dtype = x2.dtype
+        return self.native is not None and (
+            dtype == torch.float32 or (dtype == torch.bfloat16 and (self.amx or x2.shape[0] <= NATIVE_MAX_ROWS))
+        )
+
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
         dtype = x2.dtype
-        if self.native is not None and (
-            dtype == torch.float32 or (dtype == torch.bfloat16 and (self.amx or x2.shape[0] <= NATIVE_MAX_ROWS))
-        ):  # in x's dtype
+        if self.takes_kernel(x2):
             return named_in_profiles(
                 "inferd::int8_linear", self.native.int8_linear, x2, self.packed, self.scale, self.bias
             )
@@ -195,7 +200,7 @@ def join_int8_tiles(head: LMHead) -> bool:
     packed = huge_pages.cat([t.packed for t in tiles])
     for t, part in zip(tiles, packed.split([t.packed.shape[0] for t in tiles]), strict=True):
         t.packed = part
-    head.joined = (tiles[0].native.int8_linear, packed, torch.cat([t.scale for t in tiles]))
+    head.joined = (tiles[0].native, packed, torch.cat([t.scale for t in tiles]))
     return True
 
 

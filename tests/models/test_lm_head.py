@@ -155,13 +155,28 @@ def test_joined_int8_tiles_give_the_tiles_logits_in_one_call(vocab, dtype):
         t.packed.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr() for t in head.tiles
     )
     joined = head.joined
-    for rows in (1, 4, 9):  # up to JOINED_MAX_ROWS in one call, then tile by tile
+    calls = []
+
+    class Counted:  # the joined module, counting the fused argmax's calls
+        int8_linear = staticmethod(joined[0].int8_linear)
+
+        @staticmethod
+        def int8_argmax(*args):
+            calls.append(args[0].shape[0])
+            return joined[0].int8_argmax(*args)
+
+    for rows in (1, 4, 9, 33):  # logits: up to JOINED_MAX_ROWS in one call, then tile by tile; argmax: one call
         x = (torch.randn(rows, 64) * 3).to(dtype)
         head.joined = None
         tiled_logits, tiled_argmax = head(x), head.argmax(x)
-        head.joined = joined
+        head.joined = (Counted, *joined[1:])
         assert torch.equal(head(x), tiled_logits) and torch.equal(head.argmax(x), tiled_argmax)
         assert torch.equal(tiled_argmax, tiled_logits.argmax(dim=-1))
+        assert calls[-1] == rows  # the argmax folded in the kernel, with no logits
+        capped = head.argmax(x, lambda t: t * 2)  # a transform: the logits are made after all
+        assert calls[-1] == rows and len(calls) == [1, 4, 9, 33].index(rows) + 1
+        assert torch.equal(capped, tiled_argmax)
+    head.joined = joined
     head.tiles[0].bias = torch.nn.Parameter(torch.zeros(32), requires_grad=False)
     assert not join_int8_tiles(head) and head.joined is None  # the joined call takes no bias
 

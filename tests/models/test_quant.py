@@ -153,6 +153,43 @@ def test_int8_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
                 assert torch.equal(got, want), (k, n, rows)
 
 
+@pytest.mark.parametrize("isa", _isa_params())
+def test_int8_argmax_is_the_first_maximal_index_of_int8_linear(isa):
+    """int8_argmax folds the outputs into a running argmax without writing them: the index torch.argmax gives
+    over int8_linear's outputs (rounded to x's dtype, so bf16 ties count), plus the offset, and only where the
+    value beats the running best; with exact ties across tiles, within a lane, in the last partial tile."""
+    module = _kernel_build("int8", isa)
+    assert module is not None, f"the int8 kernel must build for {isa}"
+    torch.manual_seed(2)
+    n, k = 1000, 96  # 63 tiles, the last one partly filled
+    w = torch.randn(n, k)
+    w[[5, 21, 37, 500, 999]] = w[3] * 0 + 2  # one best row at 5 places: lane 5 of tiles 0-2, two other lanes
+    q, scale = quant.quantize_int8(w)
+    packed = module.int8_pack(q)
+    paths = [True, False] if hasattr(module, "set_amx") else [True]
+    for amx in paths:
+        for rows in (1, 3, 5, 8, 17, 33):  # the vector blocks' tails and, on AMX, padded row tiles
+            x = torch.randn(rows, k) * 3
+            x[0] = w[5]  # the tied rows win: the first, 5
+            x[-1] = 0  # every output 0: the first index
+            for xx in (x, x.bfloat16()):
+                try:
+                    module.set_amx(amx) if hasattr(module, "set_amx") else None
+                    y = module.int8_linear(xx, packed, scale, None).float()
+                    best_val, best_idx = torch.full((rows,), float("-inf")), torch.zeros(rows, dtype=torch.long)
+                    module.int8_argmax(xx, packed, scale, None, best_val, best_idx, 7)
+                    # a running best from earlier outputs: a greater one is kept, an equal one too (it came first)
+                    kept_val, kept_idx = y.max(dim=-1).values.clone(), torch.full((rows,), 3, dtype=torch.long)
+                    kept_val[1:] += 1
+                    module.int8_argmax(xx, packed, scale, None, kept_val, kept_idx, 7)
+                finally:
+                    module.set_amx(True) if hasattr(module, "set_amx") else None
+                assert torch.equal(best_idx, y.argmax(dim=-1) + 7), (amx, rows, xx.dtype)
+                assert torch.equal(best_val, y.max(dim=-1).values)
+                assert best_idx[-1].item() == 7 and (rows == 1 or best_idx[0].item() == 12)
+                assert kept_idx.tolist() == [3] * rows
+
+
 def test_the_int8_kernel_claims_amx_exactly_where_the_cpu_has_it():
     module = int8_module()
     has_amx = {"amx_int8", "amx_tile"} <= cpu_flags()

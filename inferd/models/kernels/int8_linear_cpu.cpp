@@ -27,9 +27,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -174,9 +176,50 @@ struct Output {
 };
 
 template <typename Out>
-inline void put_row(const float* v, int64_t n, const Output& o, Out* y) {
+inline void put_row(const float* v, int64_t n, const Output& o, Out y) {
   const int64_t count = std::min(kTile, o.N - n);
   for (int64_t i = 0; i < count; ++i) put(v[i] * o.scale[n + i] + (o.bias ? o.bias[n + i] : 0.f), y + n + i);
+}
+
+// Where int8_argmax sends the outputs instead of y: one thread's running best per row in 16 lanes, lane i
+// holding the greatest of the outputs n with n % 16 == i it has seen (the first such n on ties: a thread claims
+// tiles in increasing order), each output rounded first to the dtype the logits would have had. No logits are
+// written or read back: at 32 rows of Gemma 3 270M's 262,144-token head they are 16 MiB a step.
+struct LaneBest {
+  int64_t N;
+  std::vector<float> val;    // [M, 16]
+  std::vector<int64_t> idx;  // [M, 16]
+  LaneBest(int64_t M, int64_t N)
+      : N(N), val(M * kTile, -std::numeric_limits<float>::infinity()), idx(M * kTile, 0) {}
+  void offer(int64_t row, int64_t n, float v) {  // one output; NaN never wins
+    float& best = val[row * kTile + n % kTile];
+    if (v > best) best = v, idx[row * kTile + n % kTile] = n;
+  }
+  // Into the running (best_val, best_idx) of the earlier vocabulary (indices below offset): a greater value
+  // replaces it, and of equal values the first index stays.
+  void fold_into(float* best_val, int64_t* best_idx, int64_t rows, int64_t offset) const {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t i = 0; i < kTile; ++i) {
+        const float v = val[m * kTile + i];
+        const int64_t n = offset + idx[m * kTile + i];
+        if (v > best_val[m] || (v == best_val[m] && n < best_idx[m])) best_val[m] = v, best_idx[m] = n;
+      }
+  }
+};
+
+// A "pointer" into y's [M, N] outputs that offers each to a LaneBest instead; Out (float or uint16_t: bf16 bits)
+// is the dtype the outputs are rounded to first, as y's would be.
+template <typename Out>
+struct ArgmaxOut {
+  LaneBest* best;
+  int64_t at;  // row * N + n
+  ArgmaxOut operator+(int64_t d) const { return {best, at + d}; }
+};
+
+template <typename Out>
+inline void put(float v, ArgmaxOut<Out> y) {
+  if constexpr (std::is_same_v<Out, uint16_t>) v = std::bit_cast<float>(static_cast<uint32_t>(bf16_bits(v)) << 16);
+  y.best->offer(y.at / y.best->N, y.at % y.best->N, v);
 }
 
 #if defined(INFERD_AVX512_VNNI)
@@ -186,11 +229,26 @@ constexpr int kMaxRows = 4;
 constexpr int tiles_for(int rows) { return rows == 1 ? 8 : rows == 2 ? 5 : rows == 3 ? 4 : 3; }
 
 inline void store(__m512 v, __mmask16 mask, float* y) { _mm512_mask_storeu_ps(y, mask, v); }
-inline void store(__m512 v, __mmask16 mask, uint16_t* y) {  // rounded to bf16 as bf16_bits does
+// bf16 bits of v in each int32 lane, rounded to nearest even as bf16_bits does
+inline __m512i bf16_lanes(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(r));
+  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+inline void store(__m512 v, __mmask16 mask, uint16_t* y) { _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(bf16_lanes(v))); }
+// 16 outputs n .. n + 15 of a row (at: row * N + n, n a multiple of 16) into its lanes' running best
+template <typename Out>
+inline void store(__m512 v, __mmask16 mask, ArgmaxOut<Out> y) {
+  if constexpr (std::is_same_v<Out, uint16_t>) v = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_lanes(v), 16));
+  const int64_t row = y.at / y.best->N, n = y.at % y.best->N;
+  float* val = y.best->val.data() + row * kTile;
+  int64_t* idx = y.best->idx.data() + row * kTile;
+  const __mmask16 better = _mm512_mask_cmp_ps_mask(mask, v, _mm512_loadu_ps(val), _CMP_GT_OQ);
+  if (!better) return;
+  _mm512_mask_storeu_ps(val, better, v);
+  const __m512i lanes = _mm512_add_epi64(_mm512_set1_epi64(n), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  _mm512_mask_storeu_epi64(idx, static_cast<__mmask8>(better), lanes);
+  _mm512_mask_storeu_epi64(idx + 8, static_cast<__mmask8>(better >> 8), _mm512_add_epi64(lanes, _mm512_set1_epi64(8)));
 }
 
 // The outputs of tile t: a row's 16 float sums times the tile's scales plus its bias, stored to that row's
@@ -204,12 +262,12 @@ struct TileOutput {
         scale(_mm512_maskz_loadu_ps(mask, o.scale + n)),
         add(o.bias ? _mm512_maskz_loadu_ps(mask, o.bias + n) : _mm512_setzero_ps()) {}
   template <typename Out>
-  void put(__m512 sums, Out* row) const { store(_mm512_fmadd_ps(sums, scale, add), mask, row + n); }
+  void put(__m512 sums, Out row) const { store(_mm512_fmadd_ps(sums, scale, add), mask, row + n); }
 };
 
 template <int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
-           const Output& o, Out* Y) {
+           const Output& o, Out Y) {
   __m512 f[MB][NT];
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < NT; ++t) f[m][t] = _mm512_setzero_ps();
@@ -344,7 +402,7 @@ inline void group_sums(const int8_t* A, int64_t lda, const uint8_t* B) {
 // Rows m0 .. m0 + 15 (zero past M) x tile t, in activation groups of Width (a from quantize_rows<T, Width>); two groups in flight, each scaled while the other's product runs.
 template <int64_t Width, typename Out>
 void amx_block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t, bool prefetch,
-               const Output& o, Out* Y) {
+               const Output& o, Out Y) {
   __m512 f[kAmxRows];
   for (auto& v : f) v = _mm512_setzero_ps();
   alignas(64) int32_t c[2][kAmxRows][kTile];
@@ -395,7 +453,7 @@ struct Weights {
 
 template <int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
-           const Output& o, Out* Y) {
+           const Output& o, Out Y) {
   alignas(32) float f[MB][NT * kTile] = {};
   const uint8_t* base = P + t0 * tile_bytes;
   for (int64_t g = 0; g < a.groups; ++g) {
@@ -431,7 +489,7 @@ constexpr int tiles_for(int) { return 1; }
 
 template <int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool,
-           const Output& o, Out* Y) {
+           const Output& o, Out Y) {
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < NT; ++t) {
       const uint8_t* tile = P + (t0 + t) * tile_bytes;
@@ -452,7 +510,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 // One block of mb rows (1..kMaxRows) x nt tiles (1..tiles_for(kMaxRows or mb)).
 template <int MB, typename Out>
 void block_tiles(int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0,
-                 bool prefetch, const Output& o, Out* Y) {
+                 bool prefetch, const Output& o, Out Y) {
   switch (nt) {
 #define INFERD_TILES(n) \
   case n:               \
@@ -472,7 +530,7 @@ void block_tiles(int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRo
 
 template <typename Out>
 void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0,
-               int64_t t0, bool prefetch, const Output& o, Out* Y) {
+               int64_t t0, bool prefetch, const Output& o, Out Y) {
   switch (mb) {
     case 1: return block_tiles<1>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
 #if defined(INFERD_AVX512_VNNI) || defined(INFERD_AVX2)
@@ -603,66 +661,102 @@ Call check_call(const char* what, torch::Tensor x, torch::Tensor packed, torch::
   return c;
 }
 
-// x [M, K] float32 or bfloat16, packed from int8_pack, scale [N] float32, bias [N] or None -> [M, N] in x's dtype.
-torch::Tensor int8_linear(torch::Tensor x_in, torch::Tensor packed_in, torch::Tensor scale_in,
-                          c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16,
-              "int8_linear: x must be float32 or bfloat16");
-  const Call c = check_call("int8_linear", x_in, packed_in, scale_in, bias);
-  const torch::Tensor &x = c.x, &packed = c.packed, &scale = c.scale, &b = c.bias;
-  const int64_t M = c.M, K = c.K, N = c.N, tiles = c.tiles, Kp = c.Kp;
-  auto y = torch::empty({M, N}, x.options());
+// A call's products ready to run: the call checked, x quantized, the path chosen (AMX from 8 rows).
+struct Products {
+  Call c;
+  bool amx, wide;
+  QuantizedRows a;
+};
+
+Products prepare(const char* what, torch::Tensor x_in, torch::Tensor packed_in, torch::Tensor scale_in,
+                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16, what,
+              ": x must be float32 or bfloat16");
+  Call c = check_call(what, x_in, packed_in, scale_in, bias);
+  const int64_t M = c.M, K = c.K, Kp = c.Kp;
   const bool amx = use_amx(M);
   const int64_t Mp = amx ? (M + kAmxRowsOr1 - 1) / kAmxRowsOr1 * kAmxRowsOr1 : M;
-  const bool wide = amx && wide_groups(Kp, x.scalar_type() == torch::kBFloat16);
+  const bool wide = amx && wide_groups(Kp, c.x.scalar_type() == torch::kBFloat16);
   auto quantize = [&](const auto* xp) { return wide ? quantize_wide(xp, M, K, Kp, Mp) : quantize_rows(xp, M, K, Kp, Mp); };
-  const QuantizedRows a = x.scalar_type() == torch::kFloat32 ? quantize(x.data_ptr<float>())
-                                                             : quantize(x.data_ptr<at::BFloat16>());
-  const uint8_t* P = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = Kp * kTile;
-  const Output o{N, scale.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
+  QuantizedRows a = c.x.scalar_type() == torch::kFloat32 ? quantize(c.x.data_ptr<float>())
+                                                         : quantize(c.x.data_ptr<at::BFloat16>());
+  return {std::move(c), amx, wide, std::move(a)};
+}
+
+// Every output of the call handed to the sink that make_y() gives each thread: a pointer into y [M, N] (float,
+// or uint16_t for bf16 bits), or an ArgmaxOut.
+template <typename MakeY>
+void compute(const Products& p, MakeY&& make_y) {
+  const Call& c = p.c;
+  const QuantizedRows& a = p.a;
+  const int64_t M = c.M, tiles = c.tiles;
+  const uint8_t* P = c.packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = c.Kp * kTile;
+  const Output o{c.N, c.scale.data_ptr<float>(), c.bias.defined() ? c.bias.data_ptr<float>() : nullptr};
 #if defined(INFERD_AMX)
-  if (amx) {
-    auto run = [&](auto* Y) {
-      // runs of kClaimTiles tiles, each taken row tile by row tile: a row's outputs are then written in runs of
-      // whole cache lines, where tile by tile (all rows each) wrote 32-byte pieces a row (N outputs) apart, half
-      // lines that two threads could share. At prefill's hundreds of rows the outputs' writes cost more than the
-      // products (a timing experiment without them: 384 rows x 4096 outputs 2.8 -> 0.85 ms on one thread); this
-      // order took 1.14-1.17x off 384 rows x 4096 or 16384 outputs (1.03x at 640; decode's 16-32 rows even).
-      const int64_t runs = (tiles + kClaimTiles - 1) / kClaimTiles;
-      parallel_claim(runs, 1, [&](auto each) {
-        wide ? configure_wide_tiles() : configure_tiles();
-        each([&](int64_t r) {
-          const int64_t t0 = r * kClaimTiles, t1 = std::min(tiles, t0 + kClaimTiles);
-          for (int64_t m0 = 0; m0 < M; m0 += kAmxRows)
-            for (int64_t t = t0; t < t1; ++t)
-              wide ? amx_block<kWide>(P, tile_bytes, a, m0, t, m0 == 0, o, Y)
-                   : amx_block<kGroup>(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
-        });
-        _tile_release();
+  if (p.amx) {
+    // runs of kClaimTiles tiles, each taken row tile by row tile: a row's outputs are then written in runs of
+    // whole cache lines, where tile by tile (all rows each) wrote 32-byte pieces a row (N outputs) apart, half
+    // lines that two threads could share. At prefill's hundreds of rows the outputs' writes cost more than the
+    // products (a timing experiment without them: 384 rows x 4096 outputs 2.8 -> 0.85 ms on one thread); this
+    // order took 1.14-1.17x off 384 rows x 4096 or 16384 outputs (1.03x at 640; decode's 16-32 rows even).
+    const int64_t runs = (tiles + kClaimTiles - 1) / kClaimTiles;
+    const bool wide = p.wide;
+    parallel_claim(runs, 1, [&](auto each) {
+      wide ? configure_wide_tiles() : configure_tiles();
+      const auto Y = make_y();
+      each([&](int64_t r) {
+        const int64_t t0 = r * kClaimTiles, t1 = std::min(tiles, t0 + kClaimTiles);
+        for (int64_t m0 = 0; m0 < M; m0 += kAmxRows)
+          for (int64_t t = t0; t < t1; ++t)
+            wide ? amx_block<kWide>(P, tile_bytes, a, m0, t, m0 == 0, o, Y)
+                 : amx_block<kGroup>(P, tile_bytes, a, m0, t, m0 == 0, o, Y);
       });
-    };
-    if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
-    else run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
-    return y;
+      _tile_release();
+    });
+    return;
   }
 #endif
   const int rows = static_cast<int>(std::min<int64_t>(M, kMaxRows));
   const int nt = tiles_for(rows);  // tiles per stripe: each stripe's weights are read from memory once
   const int64_t stripes = (tiles + nt - 1) / nt;
-  auto run = [&](auto* Y) {
-    parallel_claim(stripes, 1, [&](auto each) {
-      each([&](int64_t s) {
-        const int64_t t0 = s * nt;
-        const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
-        for (int64_t m0 = 0; m0 < M; m0 += rows)
-          run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
-      });
+  parallel_claim(stripes, 1, [&](auto each) {
+    const auto Y = make_y();
+    each([&](int64_t s) {
+      const int64_t t0 = s * nt;
+      const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
+      for (int64_t m0 = 0; m0 < M; m0 += rows)
+        run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
     });
-  };
-  if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
-  else run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  });
+}
+
+// x [M, K] float32 or bfloat16, packed from int8_pack, scale [N] float32, bias [N] or None -> [M, N] in x's dtype.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  const Products p = prepare("int8_linear", x, packed, scale, bias);
+  auto y = torch::empty({p.c.M, p.c.N}, p.c.x.options());
+  if (y.scalar_type() == torch::kFloat32) compute(p, [&] { return y.data_ptr<float>(); });
+  else compute(p, [&] { return reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()); });
   return y;
+}
+
+// int8_linear's outputs folded into a running argmax per row instead of returned: best_val [M] float32 and
+// best_idx [M] int64 take output n as index offset + n where it is strictly greater than the best so far (the
+// first maximal index, as argmax_update over int8_linear's y gives: each output rounded to x's dtype first).
+void int8_argmax(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                 torch::Tensor best_val, torch::Tensor best_idx, int64_t offset) {
+  const Products p = prepare("int8_argmax", x, packed, scale, bias);
+  const int64_t M = p.c.M;
+  TORCH_CHECK(best_val.scalar_type() == torch::kFloat32 && best_idx.scalar_type() == torch::kInt64 &&
+                  best_val.is_contiguous() && best_idx.is_contiguous() && best_val.numel() == M && best_idx.numel() == M,
+              "int8_argmax: best_val [M] float32, best_idx [M] int64");
+  std::vector<LaneBest> bests(at::get_num_threads(), LaneBest(M, p.c.N));
+  auto into = [&](auto dtype) {
+    return [&, dtype] { return ArgmaxOut<decltype(dtype)>{&bests[at::get_thread_num()], 0}; };
+  };
+  if (p.c.x.scalar_type() == torch::kFloat32) compute(p, into(float{}));
+  else compute(p, into(uint16_t{}));
+  for (const LaneBest& b : bests) b.fold_into(best_val.data_ptr<float>(), best_idx.data_ptr<int64_t>(), M, offset);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -671,6 +765,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("scale") = py::none());
   m.def("int8_linear", &int8_linear,
         "int8 weights x int8-quantized activations (groups of 32; 128 for bf16 rows on AMX), on CPU");
+  m.def("int8_argmax", &int8_argmax,
+        "int8_linear's outputs folded into a running argmax per row (best_val, best_idx; indices from offset)");
   m.def("isa", [] { return std::string(kIsa) + (amx_available() ? "+amx" : ""); },
         "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
 #if defined(INFERD_AMX)
