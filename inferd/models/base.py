@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -52,24 +52,27 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits [tokens, vocab] in the model's dtype."""
-        return self._cap_logits(self.lm_head(hidden))
+        logits = self.lm_head(hidden)
+        softcap = self._softcap()
+        return logits if softcap is None else softcap(logits)
 
     def greedy_tokens(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """argmax of `compute_logits(hidden)` per row (first maximal index), without full rows of logits
         once `tile_lm_head` has run; over the tokens a grammar's bitmask `mask` allows, when given."""
         if isinstance(self.lm_head, LMHead):
-            cap = getattr(self.config, "final_logit_softcapping", None)
-            return self.lm_head.argmax(hidden, self._cap_logits if cap else None, mask)
+            return self.lm_head.argmax(hidden, self._softcap(), mask)
         logits = self.compute_logits(hidden)
         if mask is not None:
             logits = logits.float().masked_fill(~allowed_tokens(mask, 0, logits.shape[1]), float("-inf"))
         return logits.argmax(dim=-1)
 
-    def _cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    def _softcap(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The config's final logit softcap as a function of the logits, or None where it has none (then the
+        LM head may pick a greedy token without making logits)."""
         cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if not cap:
+            return None
+        return lambda logits: torch.tanh(logits / cap) * cap
 
     def pack_lm_head_for_cpu(self) -> None:
         """The tiled LM head on oneDNN's blocked layout (bf16 CPU models; the body keeps dense weights, on
