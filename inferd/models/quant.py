@@ -20,8 +20,9 @@ the reasons in docs/performance.md):
   (`kernels/int8_linear_cpu.cpp`, `kernels/int4_linear_cpu.cpp`) quantize each activation row to int8 in
   groups of 32 (as llama.cpp's Q8_0) and sum the products in int32 (AVX-512 VNNI, AMX from 8 rows, AVX2, or
   a portable loop, chosen when the kernel is compiled for the CPU), so a decode step is bound by the weight
-  bytes it streams; bf16 rows on the AMX path go in groups of 128 where K allows (a quarter of the per-group
-  float work, which bounded AMX). int8 holds its weights in the kernel's tiled layout (`int8_pack`).
+  bytes it streams; from 8 rows, bf16 rows on AVX-512 (AMX or VNNI) go in groups of 128 where K allows (a
+  quarter of the per-group float work, which bounded AMX and took a quarter of the VNNI blocks' instructions).
+  int8 holds its weights in the kernel's tiled layout (`int8_pack`).
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
 - float32 rows (the CPUs without native bf16), and bf16 rows on a CPU with AMX: the int8 kernel at every row

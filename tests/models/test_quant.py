@@ -47,9 +47,9 @@ def test_the_native_kernel_builds_here():
 
 
 def quantized_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the native kernels compute with: each row in groups of 32 (the last one shorter; 128 on the AMX path
-    where K allows) as int8 values and one step per group, x ~= xq * xd; returned padded to whole groups,
-    [M, G, group] and [M, G], in float64."""
+    """What the native kernels compute with: each row in groups of 32 (the last one shorter; 128 for bf16 rows
+    from 8 rows on AVX-512 where K allows) as int8 values and one step per group, x ~= xq * xd; returned padded
+    to whole groups, [M, G, group] and [M, G], in float64."""
     m, k = x.shape
     groups = -(-k // group)
     xf = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
@@ -58,11 +58,11 @@ def quantized_activations(x: torch.Tensor, group: int = 32) -> tuple[torch.Tenso
     return torch.round(xf * inv[..., None]).double(), (amax / 127.0).double()
 
 
-def amx_group(module, rows: int, k: int, dtype: torch.dtype) -> int:
-    """The activation group the int8 kernel uses for `rows` x K: 128 for bf16 rows on the AMX path (8 rows and
-    more) where the padded K is a multiple of it, 32 everywhere else."""
-    amx = module.isa().endswith("+amx") and rows >= 8 and dtype == torch.bfloat16
-    return module.wide_group() if amx and -(-k // 32) * 32 % module.wide_group() == 0 else 32
+def activation_group(module, rows: int, k: int, dtype: torch.dtype) -> int:
+    """The activation group the int8 kernel uses for `rows` x K: 128 for bf16 rows on an AVX-512 build (AMX or
+    vpdpbusd, 8 rows and more) where the padded K is a multiple of it, 32 everywhere else."""
+    wide = hasattr(module, "wide_group") and rows >= 8 and dtype == torch.bfloat16
+    return module.wide_group() if wide and -(-k // 32) * 32 % module.wide_group() == 0 else 32
 
 
 def int8_emulated(
@@ -138,19 +138,20 @@ def test_int8_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
                 assert got.dtype == torch.float32
                 assert _close_to(got, int8_emulated(x, q, scale, bias)) < 1e-5, (k, n, rows)
                 # bf16 activations: the same arithmetic on the same values, the output rounded to bf16 (where
-                # the AMX path takes bf16 rows in groups of 128, float32 rows are switched to them to compare)
+                # bf16 rows go in groups of 128, float32 rows are switched to them to compare)
                 xb = x.bfloat16()
                 got = module.int8_linear(xb, packed, scale, None)
                 assert got.dtype == torch.bfloat16
-                wide = amx_group(module, rows, k, torch.bfloat16) != 32
+                group = activation_group(module, rows, k, torch.bfloat16)
                 try:
-                    if wide:
+                    if group != 32:
                         module.set_wide_groups(2)
-                    want = module.int8_linear(xb.float(), packed, scale, None).bfloat16()
+                    want = module.int8_linear(xb.float(), packed, scale, None)
                 finally:
-                    if wide:
+                    if group != 32:
                         module.set_wide_groups(1)
-                assert torch.equal(got, want), (k, n, rows)
+                assert torch.equal(got, want.bfloat16()), (k, n, rows)
+                assert _close_to(want, int8_emulated(xb.float(), q, scale, None, group)) < 1e-5, (k, n, rows)
 
 
 @pytest.mark.parametrize("isa", _isa_params())
@@ -201,10 +202,10 @@ def test_the_int8_kernel_claims_amx_exactly_where_the_cpu_has_it():
 
 @pytest.mark.cpu_feature
 def test_int8_amx_path_gives_the_bits_of_the_vnni_path():
-    """Where the CPU has AMX (Intel Sapphire Rapids and later), 8 rows and more take AMX tiles. float32 rows, and
-    bf16 rows with the wide groups off or K not a multiple of 128: the same integer sums and the same float order
-    as the vpdpbusd blocks, so the outputs are the same bits. bf16 rows where K is (128, 640, 1152): the same
-    arithmetic on groups of 128."""
+    """Where the CPU has AMX (Intel Sapphire Rapids and later), 8 rows and more take AMX tiles: the same integer
+    sums and the same float order as the vpdpbusd blocks in the same activation groups (32; 128 for bf16 rows
+    where K is a multiple of it, 128, 640, 1152, or for every row with the wide groups forced), so the outputs
+    are the same bits as an AVX-512 CPU without AMX computes."""
     module = int8_module()
     if not hasattr(module, "set_amx"):
         pytest.skip(f"the int8 kernel was built without AMX ({module.isa()}): this CPU has no AMX-INT8")
@@ -230,12 +231,10 @@ def test_int8_amx_path_gives_the_bits_of_the_vnni_path():
                 x[1, :128] = 0  # an all-zero wide group
                 xb = x.bfloat16()
                 for xx in (x, xb):
-                    want = run(xx, packed, scale, bias, amx=False)
-                    assert torch.equal(run(xx, packed, scale, bias, wide=0), want), (k, n, rows)
-                    if amx_group(module, rows, k, xx.dtype) == 32:
-                        assert torch.equal(run(xx, packed, scale, bias), want), (k, n, rows)
-                assert torch.equal(run(x, packed, scale, bias), run(x, packed, scale, bias, amx=False))
-                group = amx_group(module, rows, k, torch.bfloat16)
+                    for wide in (0, 1, 2):
+                        want = run(xx, packed, scale, bias, amx=False, wide=wide)
+                        assert torch.equal(run(xx, packed, scale, bias, wide=wide), want), (k, n, rows, wide)
+                group = activation_group(module, rows, k, torch.bfloat16)
                 assert group == (128 if k % 128 == 0 else 32)
                 wide = run(x, packed, scale, bias, wide=2)  # float32 rows in the bf16 rows' groups
                 assert _close_to(wide, int8_emulated(x, q, scale, bias, group)) < 1e-5, (k, n, rows)

@@ -19,8 +19,8 @@
 // AVX2 without VNNI takes the same layout 8 lanes at a time with vpmaddubsw + vpmaddwd, whose int16 pair
 // sums would overflow with +128 weights: it turns a weight back to signed and moves its sign onto the
 // activation (|q| * (sign(q) * xq), 2 * 127 * 127 <= 32767). A portable loop serves CPUs without AVX2.
-// On a CPU with AMX, 8 rows and more take AMX tiles for the same integer sums (the same bits; bf16 rows there in
-// groups of 128 where K allows: see kWide), prefill's hundreds of rows too.
+// On a CPU with AMX, 8 rows and more take AMX tiles for the same integer sums (the same bits), prefill's hundreds
+// of rows too. On AVX-512 (AMX or not), bf16 rows from 8 rows go in groups of 128 where K allows: see kWide.
 // Work is claimed by the threads a few tiles at a time as each becomes free (work_queue.h; OpenMP threads);
 // -march=native picks the instruction set (quantized_common.h).
 #include <torch/extension.h>
@@ -46,6 +46,15 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 16;                     // output rows per tile
 constexpr int64_t kQuadsPerGroup = kGroup / 4;    // 64-byte loads per group
+
+// Wider activation groups, for bf16 rows from kWideMinRows rows where K is a multiple of kWide, on AVX-512 (AMX
+// or vpdpbusd): each group's int32 sums take a float step per row and output (a convert and a multiply-add, and
+// on AMX a tile store first), which at groups of 32 cost ~3x the TDPBSUD itself and a quarter of the vpdpbusd
+// blocks' instructions. Quantized in groups of 128 instead (as llama.cpp's k-quant dot products quantize
+// activations in blocks of 256), the values change (a wider group's step is set by its largest value):
+// benchmarks/quality.py measures it. Both paths take the same groups for the same rows, so they agree bitwise.
+constexpr int64_t kWide = 128;
+constexpr int64_t kWideMinRows = 8;  // decode batches from 8 rows; fewer are bound by the weights' bytes
 
 // What int8_pack adds to each weight: 128 where the integer products take unsigned weights (vpdpbusd, AMX), none on
 // AVX2 without VNNI, whose vpmaddubsw takes a weight's absolute value and moves its sign onto the activation:
@@ -147,6 +156,36 @@ void quantize_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t 
   r.d[m * r.groups + g] = amax / 127.f;
   r.init[m * r.groups + g] = -128 * sum;
 }
+
+#if defined(INFERD_AVX512_VNNI)
+// Group g of row m, n <= kWide values: as quantize_group, 16 lanes at a time.
+template <typename T>
+void quantize_wide_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t g) {
+  __m512 v[kWide / 16];
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kWide / 16; ++c) {
+    const int64_t left = n - 16 * c;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    if constexpr (std::is_same_v<T, float>) v[c] = _mm512_maskz_loadu_ps(mask, x + 16 * c);
+    else {
+      const __m256i b = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(x) + 16 * c);
+      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    }
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v[c]));
+  }
+  const float amax = _mm512_reduce_max_ps(mx);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  int8_t* q = r.q.data() + m * r.Kp + g * kWide;
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < kWide / 16; ++c) {
+    const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * c), _mm512_cvtepi32_epi8(i));
+    sum = _mm512_add_epi32(sum, i);
+  }
+  r.d[m * r.groups + g] = amax / 127.f;
+  r.init[m * r.groups + g] = -128 * _mm512_reduce_add_epi32(sum);
+}
+#endif
 
 // Rows beyond M (up to Mp, for whole AMX row tiles) stay zero. Groups of Width: 32, or 128 on the AMX path
 // (quantize_wide_group, below).
@@ -265,7 +304,7 @@ struct TileOutput {
   void put(__m512 sums, Out row) const { store(_mm512_fmadd_ps(sums, scale, add), mask, row + n); }
 };
 
-template <int MB, int NT, typename Out>
+template <int64_t Width, int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
            const Output& o, Out Y) {
   __m512 f[MB][NT];
@@ -278,7 +317,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
       const __m512i start = _mm512_set1_epi32(a.init[(m0 + m) * a.groups + g]);
       for (int t = 0; t < NT; ++t) acc[m][t] = start;
     }
-    for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j) {
+    for (int64_t j = g * Width / 4; j < (g + 1) * Width / 4; ++j) {
       __m512i w[NT];
       for (int t = 0; t < NT; ++t) {
         const uint8_t* p = base + t * tile_bytes + j * 64;
@@ -327,42 +366,6 @@ inline void scale_group(const int32_t (*c)[kTile], const QuantizedRows& a, int64
     const __m512i sum = _mm512_add_epi32(_mm512_load_si512(c[r]), _mm512_set1_epi32(a.init[i]));
     f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a.d[i]), f[r]);
   }
-}
-
-
-// Wider activation groups for the AMX path: each group's int32 sums must go through memory (a tile store) to take
-// their float step, and at groups of 32 that store and the 16 rows' multiply-adds cost ~3x the TDPBSUD itself.
-// Where K is a multiple of kWide, bf16 rows are quantized in groups of kWide instead (as llama.cpp's k-quant dot
-// products quantize activations in blocks of 256), and one group's sum is two TDPBSUD of 64 k into one C tile.
-// The values change (a wider group's step is set by its largest value): benchmarks/quality.py measures it.
-constexpr int64_t kWide = 128;
-
-// Group g of row m, n <= kWide values: as quantize_group, 16 lanes at a time.
-template <typename T>
-void quantize_wide_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int64_t g) {
-  __m512 v[kWide / 16];
-  __m512 mx = _mm512_setzero_ps();
-  for (int64_t c = 0; c < kWide / 16; ++c) {
-    const int64_t left = n - 16 * c;
-    const __mmask16 mask = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-    if constexpr (std::is_same_v<T, float>) v[c] = _mm512_maskz_loadu_ps(mask, x + 16 * c);
-    else {
-      const __m256i b = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(x) + 16 * c);
-      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-    }
-    mx = _mm512_max_ps(mx, _mm512_abs_ps(v[c]));
-  }
-  const float amax = _mm512_reduce_max_ps(mx);
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-  int8_t* q = r.q.data() + m * r.Kp + g * kWide;
-  __m512i sum = _mm512_setzero_si512();
-  for (int64_t c = 0; c < kWide / 16; ++c) {
-    const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * c), _mm512_cvtepi32_epi8(i));
-    sum = _mm512_add_epi32(sum, i);
-  }
-  r.d[m * r.groups + g] = amax / 127.f;
-  r.init[m * r.groups + g] = -128 * _mm512_reduce_add_epi32(sum);
 }
 
 
@@ -455,7 +458,7 @@ struct Weights {
 };
 #endif
 
-template <int MB, int NT, typename Out>
+template <int64_t Width, int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool prefetch,
            const Output& o, Out Y) {
   alignas(32) float f[MB][NT * kTile] = {};
@@ -470,7 +473,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 #endif
       for (int h = 0; h < 2 * NT; ++h) acc[m][h] = start;
     }
-    for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j) {
+    for (int64_t j = g * Width / 4; j < (g + 1) * Width / 4; ++j) {
       for (int h = 0; h < 2 * NT; ++h) {
         const uint8_t* p = base + (h / 2) * tile_bytes + j * 64 + (h % 2) * 32;
         if (prefetch && h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
@@ -491,7 +494,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 constexpr int kMaxRows = 1;
 constexpr int tiles_for(int) { return 1; }
 
-template <int MB, int NT, typename Out>
+template <int64_t Width, int MB, int NT, typename Out>
 void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0, bool,
            const Output& o, Out Y) {
   for (int m = 0; m < MB; ++m)
@@ -500,7 +503,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
       float v[kTile] = {};
       for (int64_t g = 0; g < a.groups; ++g) {
         int32_t dot[kTile] = {};
-        for (int64_t j = g * kQuadsPerGroup; j < (g + 1) * kQuadsPerGroup; ++j)
+        for (int64_t j = g * Width / 4; j < (g + 1) * Width / 4; ++j)
           for (int i = 0; i < kTile; ++i)
             for (int b = 0; b < 4; ++b)
               dot[i] += (static_cast<int32_t>(tile[j * 64 + i * 4 + b]) - kWeightOffset) * a.qrow(m0 + m)[4 * j + b];
@@ -512,13 +515,13 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 #endif
 
 // One block of mb rows (1..kMaxRows) x nt tiles (1..tiles_for(kMaxRows or mb)).
-template <int MB, typename Out>
+template <int64_t Width, int MB, typename Out>
 void block_tiles(int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0,
                  bool prefetch, const Output& o, Out Y) {
   switch (nt) {
 #define INFERD_TILES(n) \
   case n:               \
-    if constexpr (n <= tiles_for(MB)) return block<MB, n>(P, tile_bytes, a, m0, t0, prefetch, o, Y);
+    if constexpr (n <= tiles_for(MB)) return block<Width, MB, n>(P, tile_bytes, a, m0, t0, prefetch, o, Y);
     INFERD_TILES(1)
     INFERD_TILES(2)
     INFERD_TILES(3)
@@ -532,15 +535,15 @@ void block_tiles(int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRo
   TORCH_CHECK(false, "int8_linear: no block of ", MB, " rows x ", nt, " tiles");
 }
 
-template <typename Out>
+template <int64_t Width, typename Out>
 void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0,
                int64_t t0, bool prefetch, const Output& o, Out Y) {
   switch (mb) {
-    case 1: return block_tiles<1>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+    case 1: return block_tiles<Width, 1>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
 #if defined(INFERD_AVX512_VNNI) || defined(INFERD_AVX2)
-    case 2: return block_tiles<2>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
-    case 3: return block_tiles<3>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
-    case 4: return block_tiles<4>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+    case 2: return block_tiles<Width, 2>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+    case 3: return block_tiles<Width, 3>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
+    case 4: return block_tiles<Width, 4>(nt, P, tile_bytes, a, m0, t0, prefetch, o, Y);
 #endif
   }
   TORCH_CHECK(false, "int8_linear: no block of ", mb, " rows");
@@ -550,26 +553,32 @@ void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const Quant
 
 #if defined(INFERD_AMX)
 constexpr int64_t kAmxRowsOr1 = kAmxRows;
+static_assert(kWideMinRows >= kAmxMinRows, "wide groups only where AMX may take the rows");
 bool amx_enabled = true;  // tests switch it off to compare the two paths
-// Wide groups for bf16 rows (1), off (0), or for float32 rows too (2, tests). float32 rows keep groups of 32, so
-// their outputs stay the same bits whatever the batch's row count (the vpdpbusd path below 8 rows, AMX above);
-// bf16 rows already differ between row counts (their outputs' rounding, the widened path beyond 64 rows).
-int wide_mode = 1;
 bool amx_available() { return amx_enabled && amx_permitted(); }
 bool use_amx(int64_t M) { return M >= kAmxMinRows && amx_available(); }
-bool wide_groups(int64_t Kp, bool bf16) { return (wide_mode == 2 || (wide_mode == 1 && bf16)) && Kp % kWide == 0; }
+#else
+constexpr int64_t kAmxRowsOr1 = 1;
+bool amx_available() { return false; }
+bool use_amx(int64_t) { return false; }
+#endif
+#if defined(INFERD_AVX512_VNNI)
+// Wide groups for bf16 rows (1), off (0), or for float32 rows too (2, tests). float32 rows keep groups of 32, so
+// their outputs stay the same bits whatever the batch's row count; bf16 rows already differ between row counts
+// (their outputs' rounding, the widened path beyond 64 rows).
+int wide_mode = 1;
+bool wide_groups(int64_t M, int64_t Kp, bool bf16) {
+  return M >= kWideMinRows && (wide_mode == 2 || (wide_mode == 1 && bf16)) && Kp % kWide == 0;
+}
 template <typename T>
 QuantizedRows quantize_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
   return quantize_rows<T, kWide>(x, M, K, Kp, Mp);
 }
 #else
-constexpr int64_t kAmxRowsOr1 = 1;
-bool amx_available() { return false; }
-bool use_amx(int64_t) { return false; }
-bool wide_groups(int64_t, bool) { return false; }
+bool wide_groups(int64_t, int64_t, bool) { return false; }
 template <typename T>
 QuantizedRows quantize_wide(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
-  return quantize_rows(x, M, K, Kp, Mp);  // never called: no AMX, no wide groups
+  return quantize_rows(x, M, K, Kp, Mp);  // never called: wide groups are AVX-512's
 }
 #endif
 
@@ -680,7 +689,7 @@ Products prepare(const char* what, torch::Tensor x_in, torch::Tensor packed_in, 
   const int64_t M = c.M, K = c.K, Kp = c.Kp;
   const bool amx = use_amx(M);
   const int64_t Mp = amx ? (M + kAmxRowsOr1 - 1) / kAmxRowsOr1 * kAmxRowsOr1 : M;
-  const bool wide = amx && wide_groups(Kp, c.x.scalar_type() == torch::kBFloat16);
+  const bool wide = wide_groups(M, Kp, c.x.scalar_type() == torch::kBFloat16);
   auto quantize = [&](const auto* xp) { return wide ? quantize_wide(xp, M, K, Kp, Mp) : quantize_rows(xp, M, K, Kp, Mp); };
   QuantizedRows a = c.x.scalar_type() == torch::kFloat32 ? quantize(c.x.data_ptr<float>())
                                                          : quantize(c.x.data_ptr<at::BFloat16>());
@@ -729,8 +738,11 @@ void compute(const Products& p, MakeY&& make_y) {
     each([&](int64_t s) {
       const int64_t t0 = s * nt;
       const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
-      for (int64_t m0 = 0; m0 < M; m0 += rows)
-        run_block(static_cast<int>(std::min<int64_t>(rows, M - m0)), n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int mb = static_cast<int>(std::min<int64_t>(rows, M - m0));
+        p.wide ? run_block<kWide>(mb, n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y)
+               : run_block<kGroup>(mb, n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y);
+      }
     });
   });
 }
@@ -775,8 +787,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the instruction set int8_linear was built for (+amx: AMX tiles serve 8 rows and more)");
 #if defined(INFERD_AMX)
   m.def("set_amx", [](bool on) { amx_enabled = on; }, "tests: switch the AMX path off or on");
+#endif
+#if defined(INFERD_AVX512_VNNI)
   m.def("set_wide_groups", [](int mode) { wide_mode = mode; },
-        "tests: AMX rows quantized in groups of 128 for bf16 rows (1, the default), never (0), or always (2)");
-  m.def("wide_group", [] { return kWide; }, "the AMX path's activation group where K is a multiple of it");
+        "tests: rows from 8 quantized in groups of 128 for bf16 rows (1, the default), never (0), or always (2)");
+  m.def("wide_group", [] { return kWide; }, "the activation group of 8 rows and more where K is a multiple of it");
 #endif
 }
