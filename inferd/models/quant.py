@@ -25,11 +25,12 @@ the reasons in docs/performance.md):
   int8 holds its weights in the kernel's tiled layout (`int8_pack`).
   The activations' rounding to int8 is the one numeric change these modes make beyond the weights; the
   quality it costs is measured (benchmarks/quality.py).
-- float32 rows (the CPUs without native bf16), and bf16 rows on a CPU with AMX: the int8 kernel at every row
-  count, prefill included: its integer products outrun a matmul on the widened weights (an fp32 matmul does
-  a quarter of `vpmaddubsw` + `vpmaddwd`'s products an instruction; AMX's TDPBSUD does twice TDPBF16PS's, and
-  reads no widened copy). Prefill's activations are then rounded to int8 as a decode step's are.
-- many bf16 rows otherwise (prefill on AVX512_BF16 without AMX, or without the native kernel): the weights are
+- float32 rows (the CPUs without native bf16), and bf16 rows where the kernel is built for AVX-512 VNNI (with
+  or without AMX): the int8 kernel at every row count, prefill included: its integer products outrun a matmul
+  on the widened weights (an fp32 matmul does a quarter of `vpmaddubsw` + `vpmaddwd`'s products an
+  instruction; `vpdpbusd` does twice `vdpbf16ps`'s, AMX's TDPBSUD twice TDPBF16PS's, and neither reads a
+  widened copy). Prefill's activations are then rounded to int8 as a decode step's are.
+- many bf16 rows otherwise (bf16 forced on a CPU without AVX-512, or without the native kernel): the weights are
   widened (int8: q * scale, rounded once to the activations' dtype, by the native `int8_unpack`; exactly q,
   scaled after the matmul, without it) or unpacked (int4, a chunk of rows at a time into a cache-sized
   buffer) for the dense matmul (AVX512_BF16 for bf16), which is compute-bound there; the activations are not
@@ -60,8 +61,8 @@ QUANTIZATIONS = ("int8", "int4", "gguf")
 # bf16 rows up to which the int8-reading kernels beat widening the weights for the dense matmul (see module
 # doc): torch's packed op without our kernel; ours, below the point on Gemma 3 270M's shapes where a bf16
 # matmul on widened weights stops being bound by their bytes. float32 rows take our kernel at every count (an
-# fp32 matmul is slower than its integer products), and so do bf16 rows on an AMX CPU (TDPBSUD against
-# AMX-BF16 on widened weights).
+# fp32 matmul is slower than its integer products), and so do bf16 rows where our kernel is built for AVX-512
+# VNNI (vpdpbusd or AMX's TDPBSUD against vdpbf16ps or AMX-BF16 on widened weights).
 INT8PACK_MAX_ROWS = 8
 NATIVE_MAX_ROWS = 64
 # torch 2.13's bf16 `_weight_int8pack_mm` on CPU returns garbage (or crashes) unless K is a multiple of 16
@@ -112,8 +113,9 @@ class Int8Linear(QuantizedLinear):
         self._scales: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale}
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.int8pack_ok = self.in_features % INT8PACK_K_MULTIPLE == 0
-        # on a CPU with AMX, bf16 rows take the native kernel at every row count, as float32 rows do
-        self.amx = native is not None and native.isa().endswith("+amx")
+        # where the kernel is built for AVX-512 VNNI (AMX or not), bf16 rows take it at every row count, as float32
+        # rows do: its integer products outrun a bf16 matmul on widened weights (module doc)
+        self.all_rows = native is not None and native.isa().startswith("avx512-vnni")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, native=None) -> Int8Linear:
@@ -158,7 +160,7 @@ class Int8Linear(QuantizedLinear):
         """Whether rows x2 [M, K] take the native kernel (in x's dtype) rather than a dense matmul."""
         dtype = x2.dtype
         return self.native is not None and (
-            dtype == torch.float32 or (dtype == torch.bfloat16 and (self.amx or x2.shape[0] <= NATIVE_MAX_ROWS))
+            dtype == torch.float32 or (dtype == torch.bfloat16 and (self.all_rows or x2.shape[0] <= NATIVE_MAX_ROWS))
         )
 
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:

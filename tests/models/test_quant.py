@@ -243,21 +243,23 @@ def test_int8_amx_path_gives_the_bits_of_the_vnni_path():
                 )
 
 
-def test_many_bf16_rows_take_the_int8_kernel_exactly_where_the_cpu_has_amx():
-    """Prefill's hundreds of bf16 rows: on an AMX CPU the int8 kernel itself (TDPBSUD on the quantized
-    activations, the very call a decode step makes); elsewhere the weights widened for the dense matmul, the
-    activations not quantized. Either way close to the float layer."""
+def test_many_bf16_rows_take_the_int8_kernel_exactly_where_it_is_built_for_avx512_vnni():
+    """Prefill's hundreds of bf16 rows: where the kernel is built for AVX-512 VNNI (AMX or not) the int8 kernel
+    itself (TDPBSUD or vpdpbusd on the quantized activations, the very call a decode step makes); elsewhere
+    the weights widened for the dense matmul, the activations not quantized. Either way close to the float
+    layer."""
     module = int8_module()
     torch.manual_seed(2)
     layer = _layer(k=640, n=300)
     q8 = quant.Int8Linear.from_linear(layer, module)
-    assert q8.amx == module.isa().endswith("+amx")
+    assert q8.all_rows == module.isa().startswith("avx512-vnni")
+    assert q8.all_rows == ("avx512_vnni" in cpu_flags())
     for rows in (quant.NATIVE_MAX_ROWS + 5, 300):
         x = torch.randn(rows, 640).bfloat16()
         got = q8(x)
         kernel = module.int8_linear(x, q8.packed, q8.scale, q8.bias)
         widened = torch.nn.functional.linear(x, q8._widened(torch.bfloat16, scaled=True), q8.bias.bfloat16())
-        assert torch.equal(got, kernel if q8.amx else widened), rows
+        assert torch.equal(got, kernel if q8.all_rows else widened), rows
         ref = layer(x.float())
         assert ((got.float() - ref).norm() / ref.norm()).item() < 0.03
 
