@@ -187,8 +187,8 @@ void quantize_wide_group(const T* x, int64_t n, QuantizedRows& r, int64_t m, int
 }
 #endif
 
-// Rows beyond M (up to Mp, for whole AMX row tiles) stay zero. Groups of Width: 32, or 128 on the AMX path
-// (quantize_wide_group, below).
+// Rows beyond M (up to Mp, for whole AMX row tiles) stay zero. Groups of Width: 32, or kWide
+// (quantize_wide_group, above).
 template <typename T, int64_t Width = kGroup>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t Mp) {
   const int64_t G = Kp / Width;
@@ -553,7 +553,6 @@ void run_block(int mb, int nt, const uint8_t* P, int64_t tile_bytes, const Quant
 
 #if defined(INFERD_AMX)
 constexpr int64_t kAmxRowsOr1 = kAmxRows;
-static_assert(kWideMinRows >= kAmxMinRows, "wide groups only where AMX may take the rows");
 bool amx_enabled = true;  // tests switch it off to compare the two paths
 bool amx_available() { return amx_enabled && amx_permitted(); }
 bool use_amx(int64_t M) { return M >= kAmxMinRows && amx_available(); }
@@ -564,8 +563,8 @@ bool use_amx(int64_t) { return false; }
 #endif
 #if defined(INFERD_AVX512_VNNI)
 // Wide groups for bf16 rows (1), off (0), or for float32 rows too (2, tests). float32 rows keep groups of 32, so
-// their outputs stay the same bits whatever the batch's row count; bf16 rows already differ between row counts
-// (their outputs' rounding, the widened path beyond 64 rows).
+// their outputs stay the same bits whatever the batch's row count; a bf16 row's outputs depend on how many rows
+// share its call (groups of 32 below kWideMinRows, of kWide from there).
 int wide_mode = 1;
 bool wide_groups(int64_t M, int64_t Kp, bool bf16) {
   return M >= kWideMinRows && (wide_mode == 2 || (wide_mode == 1 && bf16)) && Kp % kWide == 0;
