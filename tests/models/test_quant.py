@@ -264,6 +264,29 @@ def test_many_bf16_rows_take_the_int8_kernel_exactly_where_it_is_built_for_avx51
         assert ((got.float() - ref).norm() / ref.norm()).item() < 0.03
 
 
+@pytest.mark.parametrize(
+    ("isa", "all_rows"),
+    [("avx512-vnni+amx", True), ("avx512-vnni", True), ("avx2-vnni", False), ("avx2", False), ("portable", False)],
+)
+def test_which_bf16_rows_take_the_int8_kernel_follows_the_kernels_instruction_set(isa, all_rows):
+    """The rule itself, on any CPU: a kernel built for AVX-512 VNNI (AMX or not) takes bf16 rows at every row
+    count; any other takes up to NATIVE_MAX_ROWS and leaves more to the dense matmul; float32 rows it takes always."""
+
+    class Native:  # int8_pack's layout is not read here: only the kernel's instruction set
+        def isa(self):
+            return isa
+
+        def int8_pack(self, q):
+            return q
+
+    layer = quant.Int8Linear.from_linear(_layer(k=64, n=32), Native())
+    assert layer.all_rows == all_rows
+    for rows in (1, quant.NATIVE_MAX_ROWS, quant.NATIVE_MAX_ROWS + 1, 512):
+        bf16, fp32 = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(rows, 64)
+        assert layer.takes_kernel(bf16) == (all_rows or rows <= quant.NATIVE_MAX_ROWS), rows
+        assert layer.takes_kernel(fp32)
+
+
 @pytest.mark.parametrize("isa", _isa_params())
 def test_int4_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
     module = _kernel_build("int4", isa)
