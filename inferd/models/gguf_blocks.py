@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 GGUF_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # activation rows up to which the tile kernel (integer products) runs; above, chunks of weight rows are widened
 # into the activations' dtype for the dense matmul. float32 rows take the kernel at every count, as int8's do
-# (its integer products outrun an fp32 matmul); bf16 rows above 64, the int8 path's bound, take the bf16 matmul.
+# (its integer products outrun an fp32 matmul); bf16 rows above 64 take the bf16 matmul, which AMX-BF16 runs faster
+# than these tiles from 128 rows (int8's own kernel, unlike these tiles, takes bf16 rows at every count on AVX-512).
 GGUF_TILE_MAX_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 64}
 GGUF_CHUNK_ROWS = 2048  # weight rows dequantized at a time
 
