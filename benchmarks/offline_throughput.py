@@ -4,7 +4,8 @@ Workload: 64 requests, prompt lengths uniform in 32-512, output lengths uniform 
 ignore_eos, the default model. inferd runs them with max_num_seqs=32, in --dtype (auto by default) and
 --quantization; transformers runs fp32 static batches of 32 (left padding), each batch until its longest
 requested output, counting only the tokens each request asked for. Also: a decode step at batch 32 in
-model FLOP/s against the machine's matmul peak, and a profile of that step.
+model FLOP/s against the machine's matmul peak, and where its time goes (`step_parts`: attention, linear
+layers, LM head, other ops, and the time outside every op the profiler names).
 
     .venv/bin/python -m benchmarks.offline_throughput            # a run in results/offline_throughput-<kind>.json
     .venv/bin/python -m benchmarks.offline_throughput --quick    # 16 requests, for a smoke test
@@ -91,6 +92,41 @@ def fill_decode_batch(engine, prompts, max_tokens: int) -> list[str]:
     return ids
 
 
+#: a step's parts by the ops the profiler names them with: the native kernels' ranges (`named_in_profiles`) and
+#: torch's matmuls (float linear layers; a float LM head's vocabulary tiles count here too)
+PARTS = {
+    "attention": ("inferd::paged_decode_cpu",),
+    "linears": ("inferd::int8_linear", "inferd::gguf_linear", "inferd::gguf_linear_dense", "inferd::int8_unpack")
+    + ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise"),
+    "lm_head": ("inferd::int8_argmax",),
+}
+
+
+def step_parts(engine, steps: int = 5) -> tuple[dict, list[dict]]:
+    """Where decode steps' time goes, from `steps` steps under torch's profiler: each part's self time
+    (PARTS), the other ops the profiler records, and `unnamed`, the wall time outside every recorded op:
+    Python, scheduling and the small fused kernels (norms, rotary, activation), which run unnamed. Shares
+    are of the profiled wall time (the profiler's own cost included). Also the step's top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    seconds = {part: sum(ops.get(op, 0.0) for op in names) for part, names in PARTS.items()}
+    named = {op for names in PARTS.values() for op in names}
+    seconds["other_ops"] = sum(t for op, t in ops.items() if op not in named)
+    seconds["unnamed"] = max(0.0, wall - sum(ops.values()))
+    parts = {k: {"ms_per_step": 1e3 * t / steps, "share": t / wall} for k, t in seconds.items()}
+    top = [
+        {"op": e.key, "self_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count // steps}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    ]
+    return parts, top
+
+
 def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> dict:
     """Fill the batch, finish every prefill, then time decode steps and profile one. Both ceilings are
     reported: FLOP/s against the matmul peak, and bytes read (every weight once, each request's K and V)
@@ -123,14 +159,7 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> di
             }
         )
     seconds = statistics.median(r["step_seconds"] for r in per_round)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()
-    top = [
-        {"op": e.key, "self_ms": e.self_cpu_time_total / 1000, "calls": e.count}
-        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
-    ]
+    parts, top = step_parts(engine)
     for rid in ids:
         engine.abort(rid)
     engine.check_idle()
@@ -148,6 +177,7 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> di
         "fraction_of_bandwidth": statistics.median(r["fraction_of_bandwidth"] for r in per_round),
         "rounds": per_round,
         "lm_head_share_of_flops": len(running) * 2 * model.lm_head_params / step_flops,
+        "parts": parts,
         "profile_top_ops": top,
     }
 

@@ -288,6 +288,15 @@ def offline_mode(run: dict) -> list[tuple] | None:
     return [(short_dtype(dtype), "-" if quant in (None, "none") else quant, w.get("num_requests"))]
 
 
+def step_split(parts: dict | None) -> str:
+    """A decode step's shares (benchmarks.offline_throughput.step_parts): attention / linears / LM head / the
+    rest (other ops, and Python with the small fused kernels, which the profiler does not name)."""
+    if not parts:
+        return "—"
+    rest = parts["other_ops"]["share"] + parts["unnamed"]["share"]
+    return " / ".join(pct(x) for x in (*(parts[k]["share"] for k in ("attention", "linears", "lm_head")), rest))
+
+
 def render_offline() -> str:
     lines = []
     for kind, runs in kinds_of("offline_throughput").items():
@@ -300,12 +309,15 @@ def render_offline() -> str:
                 f"{dtype}{'' if quant == '-' else ' + ' + quant}", str(requests),
                 num(run["inferd"]["median_output_tokens_per_s"]),
                 num((step.get("step_seconds") or 0) * 1e3) if step.get("step_seconds") else "—",
-                pct(step.get("fraction_of_peak")), times(hf) if hf else "—", run_label(run),
+                pct(step.get("fraction_of_peak")), step_split(step.get("parts")), times(hf) if hf else "—",
+                run_label(run),
             ])  # fmt: skip
         if not rows:
             continue
         lines += [f"**{cpu_label(kind, runs)}**, `benchmarks/results/offline_throughput-{kind}.json`", ""]
-        head = ["mode", "requests", "out tok/s", "batch-32 step, ms", "of the matmul peak", "vs transformers", "run"]
+        split = "attention / linears / LM head / rest of the step"
+        head = ["mode", "requests", "out tok/s", "batch-32 step, ms", "of the matmul peak", split]
+        head += ["vs transformers", "run"]
         lines += [*table(head, rows), ""]
     return "\n".join(lines)
 
