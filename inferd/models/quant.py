@@ -93,6 +93,22 @@ class QuantizedLinear(nn.Module):
         return y.split(self.out_sizes, dim=-1)
 
 
+def bf16_rows_at_every_count(native) -> bool:
+    """Whether bf16 rows take the int8 kernel `native` at every row count, as float32 rows do: where it is built
+    for AVX-512 VNNI (AMX or not) its integer products outrun a bf16 matmul on widened weights (module doc)."""
+    return native.isa().startswith("avx512-vnni")
+
+
+def int8_rows_path(native) -> str:
+    """Where an int8 layer's rows go on this CPU, in words (`Int8Linear.takes_kernel`'s rule), for the log."""
+    if native is None:
+        return "torch's ops on the int8 weights (no native int8 kernel)"
+    kernel = f"the native int8 kernel ({native.isa()}), activations rounded to int8 in groups"
+    if bf16_rows_at_every_count(native):
+        return f"{kernel}, at every row count"
+    return f"{kernel}: float32 rows at every count, bfloat16 rows up to {NATIVE_MAX_ROWS} (more widen the weights)"
+
+
 class Int8Linear(QuantizedLinear):
     """A linear layer with int8 weights and per-channel float32 scales; activations in any float dtype.
 
@@ -113,9 +129,7 @@ class Int8Linear(QuantizedLinear):
         self._scales: dict[torch.dtype, torch.Tensor] = {torch.float32: self.scale}
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.int8pack_ok = self.in_features % INT8PACK_K_MULTIPLE == 0
-        # where the kernel is built for AVX-512 VNNI (AMX or not), bf16 rows take it at every row count, as float32
-        # rows do: its integer products outrun a bf16 matmul on widened weights (module doc)
-        self.all_rows = native is not None and native.isa().startswith("avx512-vnni")
+        self.all_rows = native is not None and bf16_rows_at_every_count(native)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, native=None) -> Int8Linear:
@@ -441,11 +455,11 @@ def quantize_model(model: nn.Module, name: str, device: torch.device, gguf=None)
             INT4_GROUP,
         )
     logger.info(
-        "quantization %s: %d linear layers%s; kernels for a few rows: %s",
+        "quantization %s: %d linear layers%s; int8 rows take %s",
         name,
         len(targets) + on_blocks,
         f" ({on_blocks} on the file's blocks, {len(targets)} int8)" if name == "gguf" else "",
-        f"native, int8 activations ({native.isa()})" if native else "torch (no native int8 kernel)",
+        int8_rows_path(native),
     )
     return len(targets) + on_blocks
 

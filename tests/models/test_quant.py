@@ -285,6 +285,10 @@ def test_which_bf16_rows_take_the_int8_kernel_follows_the_kernels_instruction_se
         bf16, fp32 = torch.zeros(rows, 64, dtype=torch.bfloat16), torch.zeros(rows, 64)
         assert layer.takes_kernel(bf16) == (all_rows or rows <= quant.NATIVE_MAX_ROWS), rows
         assert layer.takes_kernel(fp32)
+    # and the log says the same: every row count, or bf16 rows up to the bound
+    said = quant.int8_rows_path(Native())
+    assert isa in said and ("at every row count" in said) == all_rows
+    assert (f"bfloat16 rows up to {quant.NATIVE_MAX_ROWS}" in said) != all_rows
 
 
 @pytest.mark.parametrize("isa", _isa_params())
