@@ -371,7 +371,8 @@ def render_llama_perplexity() -> str:
 
 # -- the server against offline ------------------------------------------------------------------------
 def server_configs(run: dict) -> list[tuple]:
-    return [(run.get("concurrency"), run.get("quantization") or "-")] if "ratio" in run else []
+    quant = run.get("quantization_chosen", run.get("quantization"))  # what ran, where recorded
+    return [(run.get("concurrency"), "-" if quant in (None, "none") else quant)] if "ratio" in run else []
 
 
 def render_server_overhead() -> str:

@@ -1,7 +1,8 @@
 """Server overhead: the same greedy workload offline (LLM.generate) and through `inferd serve` (streaming).
 
-Both sides use the same engine settings, with max_num_seqs = the client concurrency, so the batch sizes
-match and the difference is what HTTP, SSE and the step thread cost. Output tokens/s of both and their
+Both sides use the same engine settings (`--quantization` passed to both: left out, `LLM` would take None as
+no quantization while `inferd serve` takes its default), with max_num_seqs = the client concurrency, so the
+batch sizes match and the difference is what HTTP, SSE and the step thread cost. Output tokens/s of both and their
 ratio go to benchmarks/results/server_overhead-<kind>.json, one run per invocation. Target: the server keeps
 >= 90% of offline throughput.
 The two run alternately (`--repeats`, medians), and each server run says where the cores' time went.
@@ -25,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: find benchmarks.common
 from benchmarks.common import OUT_HELP, record_run  # noqa: E402
-from inferd.config import DEFAULT_MODEL  # noqa: E402
+from inferd.config import DEFAULT_MODEL, engine_choices, engine_default  # noqa: E402
 from inferd.engine.engine import LLM
 from inferd.procs import free_port  # noqa: E402
 from inferd.sampling import SamplingParams
@@ -190,7 +191,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, help="int8 or int4 weights, on both sides")
+    p.add_argument(
+        "--quantization",
+        default=engine_default("quantization"),
+        choices=engine_choices("quantization"),
+        help="the weights' quantization, the same on both sides (default: the engine's)",
+    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-words", type=int, default=32, help="words per prompt")
@@ -230,6 +236,7 @@ def main() -> None:
         "model": args.model,
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "quantization_chosen": llm.engine.quantization or "none",
         "num_requests": args.num_requests,
         "concurrency": args.concurrency,
         "input_words": args.input_words,
