@@ -12,13 +12,16 @@ Why xgrammar: on this project's CPUs and vocabulary it builds its tokenizer tabl
 ~0.1 ms (llguidance's CPU path ~1 s); vLLM, SGLang and TensorRT-LLM use it too.
 
 The tokenizer tables are built on a background thread when the compiler is made, so the engine starts at
-once and the first constrained request rarely waits for them. `compile` blocks; `AsyncEngine` calls it
+once and the first constrained request rarely waits for them; the thread runs at the lowest priority, so
+steps taken meanwhile keep the cores. `compile` blocks; `AsyncEngine` calls it
 off the event loop and the engine's step loop only looks compiled grammars up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -64,6 +67,10 @@ class GrammarCompiler:
         self._tables.start()
 
     def _build_tables(self, tokenizer, stop_token_ids: list[int]) -> None:
+        # at the lowest priority (Linux: a thread's nice value, which threads it starts inherit): the build
+        # takes a core for about a second after start, and steps started meanwhile must not share it
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             import xgrammar as xgr
 
