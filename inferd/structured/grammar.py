@@ -61,8 +61,10 @@ class GrammarCompiler:
         self._compiler = None
         self._ready = threading.Event()
         self._tables_error: BaseException | None = None
+        # not a daemon: a process leaving while xgrammar builds (its own threads running) died in std::terminate
+        # (exit status 134); Python now waits for the build, a second or two, before it exits
         self._tables = threading.Thread(
-            target=self._build_tables, args=(tokenizer, sorted(stop_token_ids)), daemon=True, name="xgrammar-tables"
+            target=self._build_tables, args=(tokenizer, sorted(stop_token_ids)), daemon=False, name="xgrammar-tables"
         )
         self._tables.start()
 

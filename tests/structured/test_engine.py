@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -183,3 +185,27 @@ def test_compiled_grammars_are_cached(llm):
     for _ in range(3):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=20, structured=Constraint.json(schema)))
     assert stats.misses == misses + 1
+
+
+def test_a_process_leaving_while_the_tables_build_waits_for_them(tiny_models, tmp_path):
+    """The tokenizer tables build on a background thread; a process that exits while xgrammar builds (its own
+    threads running) died in std::terminate. Python waits for the build (here made to take a second) and the
+    process exits cleanly."""
+    marker = tmp_path / "built"
+    script = f"""
+import time, xgrammar
+from transformers import AutoTokenizer
+from inferd.structured.grammar import GrammarCompiler
+real = xgrammar.TokenizerInfo.from_huggingface
+def slow(*a, **k):
+    time.sleep(1.0)
+    info = real(*a, **k)
+    open({str(marker)!r}, "w").write("built")
+    return info
+xgrammar.TokenizerInfo.from_huggingface = slow
+tok = AutoTokenizer.from_pretrained({str(tiny_models["qwen3"])!r})
+GrammarCompiler(tok, len(tok), [])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert marker.read_text() == "built"
