@@ -47,11 +47,7 @@ def paths(layers: dict[str, Int8Linear], rows: int) -> dict:
     torch.manual_seed(rows)
     xs = {n: torch.randn(rows, m.in_features).bfloat16() for n, m in layers.items()}
     native = next(iter(layers.values())).native
-
-    def widen(m: Int8Linear) -> torch.Tensor:  # q * scale rounded once to bf16, as Int8Linear widens for a matmul
-        return native.int8_unpack(m.packed, m.out_features, m.in_features, torch.bfloat16, m.scale)
-
-    widened = {n: widen(m) for n, m in layers.items()}
+    widened = {n: m._widened(torch.bfloat16, scaled=True) for n, m in layers.items()}
 
     def kernel():
         for n, m in layers.items():
@@ -66,7 +62,7 @@ def paths(layers: dict[str, Int8Linear], rows: int) -> dict:
 
     def dense():  # as Int8Linear._forward_rows: the weights widened on every call, then the matmul
         for n, m in layers.items():
-            F.linear(xs[n], widen(m), None if m.bias is None else m.bias.bfloat16())
+            F.linear(xs[n], m._widened(torch.bfloat16, scaled=True), None if m.bias is None else m.bias.bfloat16())
 
     def matmul_only():  # the matmul alone, on weights widened beforehand
         for n, m in layers.items():
