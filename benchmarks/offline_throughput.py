@@ -115,15 +115,15 @@ def step_parts(engine, steps: int = 5) -> tuple[dict, list[dict]]:
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - start
-    ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    ops = {e.key: e.self_cpu_time_total / 1e6 for e in events}
     seconds = {part: sum(ops.get(op, 0.0) for op in names) for part, names in PARTS.items()}
     named = {op for names in PARTS.values() for op in names}
     seconds["other_ops"] = sum(t for op, t in ops.items() if op not in named)
     seconds["unnamed"] = max(0.0, wall - sum(ops.values()))
     parts = {k: {"ms_per_step": 1e3 * t / steps, "share": t / wall} for k, t in seconds.items()}
     top = [
-        {"op": e.key, "self_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count // steps}
-        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+        {"op": e.key, "self_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count // steps} for e in events[:12]
     ]
     return parts, top
 
