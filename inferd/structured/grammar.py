@@ -13,8 +13,8 @@ Why xgrammar: on this project's CPUs and vocabulary it builds its tokenizer tabl
 
 The tokenizer tables are built on a background thread when the compiler is made, so the engine starts at
 once and the first constrained request rarely waits for them; the thread runs at the lowest priority, so
-steps taken meanwhile keep the cores. `compile` blocks; `AsyncEngine` calls it
-off the event loop and the engine's step loop only looks compiled grammars up.
+steps taken meanwhile keep the cores. `compile` blocks; `AsyncEngine` calls it off the event loop and the
+engine's step loop only looks compiled grammars up.
 """
 
 from __future__ import annotations
