@@ -54,13 +54,8 @@ def explain(m: Measurement) -> Explanation:
 
 def plot(m: Measurement, fig) -> None:
     costs = {label: m.numbers[f"cost_{k}"] for k, label in CASES.items()}
-    bars(
-        fig,
-        costs,
-        ylabel="$ per million output tokens",
-        title=f"At ${m.numbers['price_per_hour']:g}/hour",
-        yscale="log",
-    )
+    title = f"At ${m.numbers['price_per_hour']:g}/hour"
+    bars(fig, costs, ylabel="$ per million output tokens", title=title, yscale="log")
 
 
 LAB = Lab("cost", "Cost per million tokens", measure, explain, plot, definition=DEFINITION)
