@@ -12,17 +12,15 @@ TTFT_FACTOR, TPOT_FACTOR = 4.0, 2.5  # the SLOs, over a request alone: the same 
 
 
 def measure(ctx: LabContext) -> Measurement:
-    llm, vocab, rng = ctx.llm(max_num_seqs=8), ctx.facts().vocab, random.Random(5)
+    llm, vocab, rng = ctx.llm(max_num_seqs=8), ctx.facts.vocab, random.Random(5)
     prompt_len, out_len, count = ctx.size(32, 128), ctx.size(10, 32), ctx.size(24, 48)
     alone = serve(llm, [Job(p, out_len) for p in random_prompts(rng, vocab, 4, prompt_len)], concurrency=1).metrics()
     slos = {"ttft": TTFT_FACTOR * alone["median_ttft_ms"], "tpot": TPOT_FACTOR * alone["median_tpot_ms"]}
     capacity = capacity_rps(llm, random_prompts(random.Random(99), vocab, 8, prompt_len), out_len)
-    s = {"load": [0.25, 0.5, 1.0, 1.5, 2.5], "rate": [], "tok_s": [], "goodput": []}
-    for i, load in enumerate(s["load"]):
-        r = serve(llm, arriving(random_prompts(rng, vocab, count, prompt_len), out_len, load * capacity, i)).metrics(
-            slos
-        )
-        s["rate"].append(load * capacity)
+    loads = [0.25, 0.5, 1.0, 1.5, 2.5]
+    s = {"load": loads, "rate": [x * capacity for x in loads], "tok_s": [], "goodput": []}
+    for i, rate in enumerate(s["rate"]):
+        r = serve(llm, arriving(random_prompts(rng, vocab, count, prompt_len), out_len, rate, i)).metrics(slos)
         s["tok_s"].append(r["output_throughput"])
         s["goodput"].append(r["output_goodput"])
     m = Measurement(series=s, settings={"slo_ms": slos, "capacity_rps": capacity})
