@@ -11,14 +11,13 @@ GPU_PROFILES = {"H100 SXM": (989e12, 3.35e12), "L4": (121e12, 0.30e12)}
 
 
 def measure(ctx: LabContext) -> Measurement:
-    dec, facts, hw = ctx.measured("decode"), ctx.facts(), ctx.hardware()
+    dec, facts, hw = ctx.measured("decode"), ctx.facts, ctx.hardware
     batches, context = dec.series["batch"], dec.settings["prompt_len"] + dec.settings["output_len"] // 2
     s = {"batch": batches, "util": [100 * t * 1e12 / hw.matmul_flops for t in dec.series["tflops"]]}
     s["this machine (measured)"] = here = dec.series["tok_s"]
     for name, (flops, bandwidth) in GPU_PROFILES.items():  # bf16 weights and KV
         s[f"{name} (projected)"] = [b / facts.roofline_step_s(b, context, flops, bandwidth, 2) for b in batches]
-    modes = engine_choices("dtype")
-    m = Measurement(series=s, settings={"modes": [c for c in modes if c != "auto"]})
+    m = Measurement(series=s, settings={"modes": [c for c in engine_choices("dtype") if c != "auto"]})
     m.ends("batch", "util")
     gpu, (flops, bandwidth) = s["H100 SXM (projected)"], GPU_PROFILES["H100 SXM"]
     m.numbers |= {"tok_s_lo": here[0], "tok_s_hi": here[-1], "gpu_lo": gpu[0], "gpu_hi": gpu[-1]}

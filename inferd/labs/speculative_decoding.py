@@ -24,7 +24,7 @@ def _prompts(ctx: LabContext, workload: str, count: int, length: int, seed: int)
     """`count` prompts of about `length` tokens: a passage of random words to copy, or random tokens to go on."""
     rng = random.Random(seed)
     if workload == "open":
-        return random_prompts(rng, ctx.facts().vocab, count, length)
+        return random_prompts(rng, ctx.facts.vocab, count, length)
     passages = [" ".join(rng.choice(WORDS) for _ in range(length)) for _ in range(count)]
     return [ctx.llm().engine.tokenizer.encode(QuoteDataset.INSTRUCTION.format(passage=p)) for p in passages]
 
@@ -41,11 +41,8 @@ def _mismatches(ctx: LabContext, prompts: list[list[int]], out_len: int, **setti
     """Requests whose greedy tokens differ with speculation on and off, each request alone both ways (a batch's
     size changes low-precision rounding by itself)."""
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    on, off = (
-        [ctx.llm(**settings, **spec).generate([p], params)[0].outputs[0].token_ids for p in prompts]
-        for spec in (SPEC, {})
-    )
-    return sum(a != b for a, b in zip(on, off, strict=True))
+    greedy = lambda spec: [ctx.llm(**settings, **spec).generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    return sum(a != b for a, b in zip(greedy(SPEC), greedy({}), strict=True))
 
 
 def measure(ctx: LabContext) -> Measurement:
