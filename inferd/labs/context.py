@@ -10,6 +10,7 @@ import platform
 import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +57,6 @@ class LabContext:
     workdir: Path | None = None  # where tiny models and process logs go (a temp folder if None)
     measurements: dict[str, Measurement] = field(default_factory=dict)
     _llm: LLM | None = None
-    _hardware: Hardware | None = None
-    _facts: ModelFacts | None = None
     date: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
     procs: ProcGroup = field(init=False)
 
@@ -110,17 +109,15 @@ class LabContext:
 
         return resolve_device(self.device)
 
+    @cached_property
     def facts(self) -> ModelFacts:
-        if self._facts is None:
-            e = self.llm().engine
-            self._facts = model_facts(e.model, e.dtype, e.kv_dtype, self.model_label)
-        return self._facts
+        e = self.llm().engine
+        return model_facts(e.model, e.dtype, e.kv_dtype, self.model_label)
 
+    @cached_property
     def hardware(self) -> Hardware:
-        if self._hardware is None:
-            n, nbytes, runs = self.size((512, 64 * 2**20, 3), (2048, 2**30, 5))
-            self._hardware = measure_hardware(self.llm().engine.device, self.llm().engine.dtype, n, nbytes, runs)
-        return self._hardware
+        e, (n, nbytes, runs) = self.llm().engine, self.size((512, 64 * 2**20, 3), (2048, 2**30, 5))
+        return measure_hardware(e.device, e.dtype, n, nbytes, runs)
 
     def measured(self, lab: Lab | str) -> Measurement:
         """This run's measurement of a lab (by itself or its name), measured now if it has not run yet."""

@@ -10,7 +10,7 @@ from inferd.labs.context import LabContext
 
 
 def measure(ctx: LabContext) -> Measurement:
-    llm, rng, vocab, batch = ctx.llm(max_num_seqs=8), random.Random(0), ctx.facts().vocab, 8
+    llm, rng, vocab, batch = ctx.llm(max_num_seqs=8), random.Random(0), ctx.facts.vocab, 8
     (lo, hi), count, prompt_len = ctx.size((4, 40), (8, 96)), ctx.size(24, 48), ctx.size(24, 96)
     capacity = capacity_rps(llm, random_prompts(random.Random(99), vocab, batch, prompt_len), (lo + hi) // 2)
     prompts = random_prompts(rng, vocab, count, prompt_len)  # output lengths that differ a lot, arriving at twice

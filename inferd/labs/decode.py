@@ -11,7 +11,7 @@ from inferd.measure.stats import percentile
 
 
 def measure(ctx: LabContext) -> Measurement:
-    facts, hw = ctx.facts(), ctx.hardware()
+    facts, hw = ctx.facts, ctx.hardware
     batches, prompt_len, steps = ctx.size([1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 32]), ctx.size(32, 128), ctx.size(10, 24)
     context = prompt_len + steps // 2  # the mean context of a decode step
     flops, nbytes = facts.flops_per_token(context), facts.weight_bytes + facts.kv_bytes_read(context)

@@ -43,7 +43,7 @@ def _workload(url: str, load: dict, vocab: int) -> tuple[dict[str, float], list[
 def measure(ctx: LabContext) -> Measurement:
     load = dict(seconds=4.0, rate=4.0, short_prompt=24, short_tokens=16, long_prompt=900, long_every=1.0)
     load |= ctx.size({}, dict(seconds=30.0, rate=2.0, short_tokens=32, long_prompt=1024, long_every=5.0))
-    facts, block_size, cores = ctx.facts(), ctx.llm().engine.kv.block_size, usable_cores()
+    facts, block_size, cores = ctx.facts, ctx.llm().engine.kv.block_size, usable_cores()
     threads, short, long = min(2, cores), load["short_prompt"], load["long_prompt"]
     warm = [list(range(16, 16 + short)), [16 + i % (facts.vocab - 16) for i in range(long)]]
     procs = ctx.procs

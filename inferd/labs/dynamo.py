@@ -28,7 +28,7 @@ def routed(name: str, gateway: Proc, decodes: list[Proc], prompts: list[list[int
 
 
 def measure(ctx: LabContext) -> Measurement:
-    w, vocab, procs = workload(ctx), ctx.facts().vocab, ctx.procs
+    w, vocab, procs = workload(ctx), ctx.facts.vocab, ctx.procs
     blocks, max_len = w.blocks_holding(0.6), str(w.max_len)  # about half the prefixes per decode worker
     with procs.scoped():
         prefill, kv = procs.prefill("--max-model-len", max_len)

@@ -11,7 +11,7 @@ from inferd.measure.stats import percentile
 
 
 def measure(ctx: LabContext) -> Measurement:
-    batches, rng, vocab = ctx.size([1, 4, 16], [1, 4, 16, 32]), random.Random(3), ctx.facts().vocab
+    batches, rng, vocab = ctx.size([1, 4, 16], [1, 4, 16, 32]), random.Random(3), ctx.facts.vocab
     out_len, prompt_len, long_len, chunk = ctx.size((12, 32, 768, 64), (32, 128, 1536, 256))
     m = Measurement({"long_len": long_len, "chunk": chunk}, {"batch": batches, "itl_ms": [], "p50": []})
     for b in batches:

@@ -95,7 +95,7 @@ def measure(ctx: LabContext) -> Measurement:
         prompt_len = min(ctx.size(128, 512), max_len - 16)
         with rss_samples(proc.popen.pid) as seen:
             ttfts(proc.url, [[16 + (i * 31 + k * 7) % 480 for k in range(prompt_len)] for i in range(seqs)], seqs)
-    facts, host = ctx.facts(), float(str(ctx.torch_device).startswith("cpu"))  # on a GPU: in device memory
+    facts, host = ctx.facts, float(str(ctx.torch_device).startswith("cpu"))  # on a GPU: in device memory
     pool_tokens, per_token = int(info["num_gpu_blocks"]) * int(info["block_size"]), facts.kv_bytes_per_token
     limit = llm["spec"]["template"]["containers"][0]["resources"]["limits"]["memory"]
     n = dict(objects=len(objs), fields_validated=sum(o["fields"] for o in checked), broken_edits=BREAKS)

@@ -8,7 +8,7 @@ from inferd.labs.context import LabContext
 
 
 def measure(ctx: LabContext) -> Measurement:
-    engine, facts, L, fit_len = ctx.llm().engine, ctx.facts(), ctx.size(128, 512), ctx.max_model_len
+    engine, facts, L, fit_len = ctx.llm().engine, ctx.facts, ctx.size(128, 512), ctx.max_model_len
     blocks, bs = engine.kv.num_blocks, engine.kv.block_size
     cache = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in engine.runner.kv_caches)
 

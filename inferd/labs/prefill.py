@@ -16,11 +16,11 @@ def measure(ctx: LabContext) -> Measurement:
     llm, params = ctx.llm(), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     m = Measurement(series={"length": lengths, "ms": [], "tflops": []})
     for n in lengths:  # the fastest of 3 distinct prompts (no prefix-cache hit), after one more
-        prompts = iter(random_prompts(rng, ctx.facts().vocab, 4, n))
+        prompts = iter(random_prompts(rng, ctx.facts.vocab, 4, n))
         m.series["ms"].append(1000 * best_time(lambda p=prompts: llm.generate([next(p)], params), ctx.torch_device, 3))
-        m.series["tflops"].append(ctx.facts().prefill_flops(n) / m.series["ms"][-1] / 1e9)
+        m.series["tflops"].append(ctx.facts.prefill_flops(n) / m.series["ms"][-1] / 1e9)
     m.ends("length", "ms", "tflops")
-    m.numbers["peak_tflops"] = ctx.hardware().matmul_flops / 1e12
+    m.numbers["peak_tflops"] = ctx.hardware.matmul_flops / 1e12
     m.numbers["peak_pct"] = 100 * m.numbers["tflops_hi"] / m.numbers["peak_tflops"]
     return m
 

@@ -27,7 +27,7 @@ def routed(ctx: LabContext, picker: str, prompts: list[list[int]], replicas) -> 
 
 
 def measure(ctx: LabContext) -> Measurement:
-    w, vocab = workload(ctx), ctx.facts().vocab
+    w, vocab = workload(ctx), ctx.facts.vocab
     n = dict(prefixes=w.prefixes, users=w.users, prefix_len=w.prefix_len)
     for caching in ("on", "off"):  # one engine
         llm = ctx.llm(enable_prefix_caching=caching == "on")

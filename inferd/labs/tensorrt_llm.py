@@ -12,7 +12,7 @@ from inferd.labs.context import LabContext
 
 def measure(ctx: LabContext) -> Measurement:
     batch, prompt_len, out_len = ctx.size(8, 16), ctx.size(256, 1024), ctx.size(16, 48)
-    prompts = random_prompts(random.Random(21), ctx.facts().vocab, batch, prompt_len)
+    prompts = random_prompts(random.Random(21), ctx.facts.vocab, batch, prompt_len)
     n = dict(batch=batch, prompt_len=prompt_len)
     for backend in ctx.size(("torch", "auto"), ("auto", "torch")):  # the loaded model's backend first
         llm = ctx.llm(attention_backend=backend)

@@ -16,7 +16,7 @@ def measure(ctx: LabContext) -> Measurement:
     count, prompt_len, out_len = ctx.size(16, 48), ctx.size(32, 128), ctx.size(12, 48)
     m = Measurement(series={"concurrency": levels} | {k: [] for k in METRICS})
     for c in levels:
-        jobs = [Job(p, out_len) for p in random_prompts(rng, ctx.facts().vocab, max(count, 2 * c), prompt_len)]
+        jobs = [Job(p, out_len) for p in random_prompts(rng, ctx.facts.vocab, max(count, 2 * c), prompt_len)]
         run = serve(ctx.llm(max_num_seqs=max(levels)), jobs, concurrency=c).metrics()
         for key, name in METRICS.items():
             m.series[key].append(run[name])

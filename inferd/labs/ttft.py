@@ -11,7 +11,7 @@ from inferd.labs.context import LabContext
 
 
 def measure(ctx: LabContext) -> Measurement:
-    llm, vocab, rng = ctx.llm(max_num_seqs=4), ctx.facts().vocab, random.Random(1)
+    llm, vocab, rng = ctx.llm(max_num_seqs=4), ctx.facts.vocab, random.Random(1)
     prompt_len, out_len, count = ctx.size(64, 256), ctx.size(8, 16), ctx.size(16, 32)
     capacity = capacity_rps(llm, random_prompts(random.Random(99), vocab, 4, prompt_len), out_len)
     m = Measurement({"capacity_rps": capacity}, {"load": [0.25, 0.75, 1.5, 3.0], "queue_ms": [], "prefill_ms": []})
