@@ -8,9 +8,12 @@ import math
 from pathlib import Path
 
 import httpx
+import yaml
 
 from inferd.bench.client import ttfts
+from inferd.config import parse_memory
 from inferd.errors import InferdError
+from inferd.fleet.spec import FleetSpec, load_fleet
 from inferd.labs.base import Explanation, Lab, Measurement, bars, fmt
 from inferd.labs.context import LabContext, shown_path
 from inferd.procs import rss_samples, start_serve
@@ -23,8 +26,6 @@ BREAKS = 3  # fields `validation` breaks in a copy of the LLMInferenceService
 
 def read_fleet(ctx: LabContext):
     """(source, spec): --fleet, else the checkout's examples/fleet.yaml, else one pool of the run's model."""
-    from inferd.fleet.spec import FleetSpec, load_fleet
-
     if path := ctx.fleet or (EXAMPLE_FLEET if EXAMPLE_FLEET.exists() else None):
         return shown_path(path), load_fleet(path)
     pool = {"name": "main", "replicas": 1, "resources": {"cpu": 1, "memory": "2Gi"}}
@@ -72,10 +73,6 @@ def field_table(llm: dict) -> str:
 
 
 def measure(ctx: LabContext) -> Measurement:
-    import yaml
-
-    from inferd.config import parse_memory
-
     source, spec = read_fleet(ctx)
     objs = render_kserve(spec)
     ctx.out.mkdir(parents=True, exist_ok=True)
