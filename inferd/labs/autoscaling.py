@@ -45,26 +45,22 @@ def measure(ctx: LabContext) -> Measurement:
     workload = make_workload(f"{trace},burst_s={burst_s}", PROMPT, OUTPUT, seed=0)
     peak = float(np.bincount((workload.arrivals // bin_s).astype(int)).max()) / bin_s
     most = math.ceil(peak / per_replica) + 2
-    m = Measurement(settings={"profile": profile.name, "profile_from": where, "trace": trace})
-    n = m.numbers
-    n |= dict(hours=period / 3600, requests=len(workload), mean_rate=mean_rate, peak_rate=peak, max_allowed=most)
+    n = dict(hours=period / 3600, requests=len(workload), mean_rate=mean_rate, peak_rate=peak, max_allowed=most)
     n |= dict(ttft_slo_s=slo.ttft_s, tpot_slo_ms=1000 * slo.tpot_s, util_target_pct=100 * UTIL_TARGET)
     n |= dict(per_replica=per_replica, cold_start_s=profile.cold_start_s, price_per_hour=price, unfinished=0)
     common = dict(min_replicas=1, max_replicas=most, interval_s=15, window_s=60, scale_down_stabilization_s=300)
     common |= dict(scale_up_stabilization_s=0, max_scale_up_step=4, max_scale_down_step=1, cooldown_s=120)
     targets = {"util": {"running": UTIL_TARGET}, "queue": {"waiting": 2.0, "ttft_p95_s": 0.8 * slo.ttft_s}}
-    for name, target in targets.items():
+    m = Measurement(n, settings={"profile": profile.name, "profile_from": where, "trace": trace})
+    for (name, target), simulator in zip(targets.items(), (UtilisationSimulator, Simulator), strict=True):
         policy = AutoscalingPolicy(targets={"waiting": None, "kv_cache_usage": None, **target}, **common)
-        sim = (UtilisationSimulator if name == "util" else Simulator)(
-            profile, workload, policy, 1, slo, price, timeline_s=max(60.0, period / 300)
-        )
+        sim = simulator(profile, workload, policy, 1, slo, price, timeline_s=max(60.0, period / 300))
         r = sim.run()
         rep, replica_s = r.report, r.report["replica_hours"] * 3600
         # requests in flight per replica over the replica time paid for (Little's law): how full its batches were
-        in_flight = float(np.nansum(sim.done - sim.w.arrivals)) / replica_s if replica_s else 0.0
-        n |= {f"{name}_slo_pct": 100 * rep["slo_attainment"], f"{name}_replica_hours": rep["replica_hours"]}
-        n |= {f"{name}_mean_replicas": rep["mean_replicas"], f"{name}_max_replicas": rep["max_replicas"]}
-        n |= {f"{name}_usd_per_m": rep["cost_per_million_tokens"], f"{name}_in_flight": in_flight}
+        n[f"{name}_in_flight"] = float(np.nansum(sim.done - sim.w.arrivals)) / replica_s if replica_s else 0.0
+        n |= {f"{name}_{k}": rep[k] for k in ("replica_hours", "mean_replicas", "max_replicas")}
+        n |= {f"{name}_slo_pct": 100 * rep["slo_attainment"], f"{name}_usd_per_m": rep["cost_per_million_tokens"]}
         n["unfinished"] += len(workload) - rep["finished"]
         m.series[name] = {k: [float(x) for x in v] for k, v in r.timeline.items()}
     n["hours_saved_pct"] = 100 * (1 - n["queue_replica_hours"] / n["util_replica_hours"])
