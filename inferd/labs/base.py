@@ -77,10 +77,7 @@ def decide(numbers: dict, relation: str, *, yes: str, no: str, textbook: bool = 
     it out, else with `no` and the opposite relation (a `must` claim keeps its relation, and is false). The
     templates name numbers as {key}, formatted with `fmt`; `textbook=False`: neither side is the glossary's."""
     left, op, right_text = relation.split()
-    try:
-        right: str | float = float(right_text)
-    except ValueError:
-        right = right_text
+    right = right_text if right_text in numbers else float(right_text)
     shown = {k: fmt(v) for k, v in numbers.items() if isinstance(v, int | float)}
     if Claim("", left, op, right).holds(numbers):
         return Claim(yes.format(**shown), left, op, right, True if textbook else None, must)
