@@ -19,6 +19,7 @@ import torch
 from inferd.bench.peers import home_path
 from inferd.bench.results import machine_info
 from inferd.config import DEFAULT_MODEL, make_engine_config
+from inferd.labs import find_lab
 from inferd.measure.hardware import Hardware, measure_hardware
 from inferd.measure.model import ModelFacts, model_facts
 from inferd.models.tiny import is_tiny, tiny_model
@@ -122,8 +123,6 @@ class LabContext:
     def measured(self, lab: Lab | str) -> Measurement:
         """This run's measurement of a lab (by itself or its name), measured now if it has not run yet."""
         if isinstance(lab, str):
-            from inferd.labs import find_lab
-
             lab = find_lab(lab)
         if lab.name not in self.measurements:
             self.measurements[lab.name] = lab.measure(self)
