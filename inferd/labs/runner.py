@@ -65,10 +65,7 @@ def _jsonable(x):
 
 
 def _save_plot(lab: Lab, m, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # no pyplot, so no GUI backend: savefig renders the PNG with Agg
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     lab.plot(m, fig)
