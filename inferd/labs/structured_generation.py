@@ -39,7 +39,8 @@ def measure(ctx: LabContext) -> Measurement:
     # 8 rows' masks, filled; then a greedy pick under them two ways: full logits masked in memory and their argmax
     # (what a sampled row needs), or the tiled LM head's fused argmax over the allowed tokens only (a greedy row's)
     rows, model, matchers = 8, llm.engine.model, [grammars.matcher(Constraint.json(schemas[0]))] * 8
-    fill_us_per_row = 1e6 * best_time(lambda: fill_bitmasks(matchers, vocab), runs=20) / rows
+    n = dict(schemas=len(schemas), vocab=vocab, mask_rows=rows)
+    n["fill_us_per_row"] = 1e6 * best_time(lambda: fill_bitmasks(matchers, vocab), runs=20) / rows
     mask = fill_bitmasks(matchers, vocab)
     hidden = torch.randn(rows, model.config.hidden_size, dtype=next(model.parameters()).dtype)
 
@@ -49,8 +50,8 @@ def measure(ctx: LabContext) -> Measurement:
         return logits.argmax(dim=-1)
 
     with torch.inference_mode():
-        pick_fused_ms = 1000 * best_time(lambda: model.greedy_tokens(hidden, mask), runs=10)
-        pick_full_ms = 1000 * best_time(masked_in_memory, runs=10)
+        n["pick_fused_ms"] = 1000 * best_time(lambda: model.greedy_tokens(hidden, mask), runs=10)
+        n["pick_full_ms"] = 1000 * best_time(masked_in_memory, runs=10)
     prompts = [extraction_prompt(json.dumps(s)) for s in schemas]
     job = lambda p, **more: Job(p, max_tokens, params=SamplingParams(temperature=0, max_tokens=max_tokens, **more))
     free = serve(llm, [job(p) for p in prompts])
@@ -61,8 +62,6 @@ def measure(ctx: LabContext) -> Measurement:
     free_steps, held_steps = free.decode_steps(), held.decode_steps()
     # decode steps (s) at the largest batch size both runs had at least 3 of
     rows_both = max(k for k in held_steps if len(held_steps[k]) >= 3 and len(free_steps.get(k, [])) >= 3)
-    n = dict(schemas=len(schemas), vocab=vocab, fill_us_per_row=fill_us_per_row, mask_rows=rows)
-    n |= dict(pick_fused_ms=pick_fused_ms, pick_full_ms=pick_full_ms)
     n |= dict(compile_cold_ms=statistics.median(cold), compile_cached_ms=statistics.median(cached))
     n |= dict(valid_free_pct=100 * statistics.mean(ok_free), valid_held_pct=100 * statistics.mean(ok_held))
     n |= dict(finished_held=len(finished), valid_of_finished_pct=100 * statistics.mean(finished or [True]))
