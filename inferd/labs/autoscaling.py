@@ -87,9 +87,8 @@ def explain(m: Measurement) -> Explanation:
             no="The utilisation fleet averaged {util_in_flight} requests in flight per replica and the queue/TTFT "
             "fleet {queue_in_flight}: here utilisation did not leave batches emptier.",
         ),
-        m.decide(
+        m.must(
             "unfinished <= 0.0",
-            must=True,
             yes="Both fleets served all {requests} requests ({unfinished} unfinished): a scale-down drains first.",
             no="{unfinished} requests were never finished.",
         ),

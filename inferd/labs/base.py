@@ -98,6 +98,10 @@ class Measurement:
         """`decide` over this measurement's numbers."""
         return decide(self.numbers, relation, **told)
 
+    def must(self, relation: str, **told) -> Claim:
+        """An invariant over this measurement's numbers: `decide` with must=True."""
+        return decide(self.numbers, relation, must=True, **told)
+
     def ends(self, *keys: str) -> None:
         """numbers `<key>_lo` and `<key>_hi`: the first and last point of each series (a sweep's two ends)."""
         for k in keys:

@@ -26,9 +26,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "cost_goodput >= cost_throughput",
-            must=True,
             yes="At ${price_per_hour} an hour the best goodput ({goodput_tok_s} tokens/s within the SLOs) costs "
             "${cost_goodput} per million output tokens; raw throughput would say ${cost_throughput}.",
             no="Goodput cost ${cost_goodput} per million tokens, below raw throughput's ${cost_throughput}.",

@@ -32,9 +32,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "step_ms_bmax < step_ms_b1_times_bmax",
-            must=True,
             yes="A step at batch {b_max} took {step_ms_bmax} ms against {step_ms_b1} ms at batch 1, far less than "
             "{b_max} times ({step_ms_b1_times_bmax} ms): the weights are read once per step whatever the batch.",
             no="A step at batch {b_max} took {step_ms_bmax} ms, {b_max} times batch 1's or more "

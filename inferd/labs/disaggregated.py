@@ -94,18 +94,16 @@ def explain(m: Measurement) -> Explanation:
             no="The short requests' TTFT p50 was {colo_ttft_p50_ms} ms colocated and {dis_ttft_p50_ms} ms "
             "disaggregated: the hop and the pull ({transfer_ms} ms) cost less than queueing behind long prefills.",
         ),
-        m.decide(
+        m.must(
             "block_bytes_error <= 0.0",
-            must=True,
             yes="The handoff moved {kv_mb} MB in {kv_blocks} blocks over {transfers} requests ({kv_kb_per_request} kB "
             "each), {bytes_per_block} bytes a block: exactly K and V x {layers} layers x {kv_heads} KV heads x "
             "{head_dim} dims x {elem_bytes} bytes x {block_size} tokens ({block_bytes_error} bytes off in all).",
             no="The handoff moved {bytes_per_block} bytes per block, not the {expected_bytes_per_block} the model's "
             "shape gives ({block_bytes_error} bytes off in all).",
         ),
-        m.decide(
+        m.must(
             "leases_left <= 0.0",
-            must=True,
             yes="When the run ended the prefill instance lent no block ({leases_left} leases active): the decode side "
             "acknowledged every lease.",
             no="{leases_left} leases still held prefill blocks after the run.",

@@ -66,15 +66,13 @@ def explain(m: Measurement) -> Explanation:
             no="Prefix-aware routing kept the load as even as round-robin (busier worker {pa_busiest_pct}%, "
             "against {rr_busiest_pct}%).",
         ),
-        m.decide(
+        m.must(
             "leases_left <= 0.0",
-            must=True,
             yes="After {requests} requests the prefill instance held no lease ({leases_left} active): all were freed.",
             no="{leases_left} leases still held prefill blocks after the run.",
         ),
-        m.decide(
+        m.must(
             "accounted >= requests",
-            must=True,
             yes="The decode workers counted {accounted} prefills, remote or local, for the {requests} requests.",
             no="The decode workers counted {accounted} prefills for {requests} requests.",
         ),

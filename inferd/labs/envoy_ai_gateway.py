@@ -56,29 +56,25 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "used_plus_cost > limit",
-            must=True,
             yes="Tenant 'exact' had {limit} tokens a window at {cost} a request (prompt + max_tokens): {admitted} were "
             "served ({used_at_refusal} tokens); the next, to {used_plus_cost}, got HTTP {refused_status}.",
             no="The gateway refused a request although {used_plus_cost} tokens were within the {limit} limit.",
         ),
-        m.decide(
+        m.must(
             "exact_fit_ok >= 1.0",
-            must=True,
             yes="Then a request for exactly the {remaining_at_refusal} tokens left was served ({exact_fit_ok} = yes).",
             no="A request for exactly the remaining tokens was refused ({exact_fit_ok} = no).",
         ),
-        m.decide(
+        m.must(
             "settle_error <= 0.0",
-            must=True,
             yes="A request for up to {reserved} output tokens had {reserved_seen} reserved at admission, stopped on "
             "a stop string after {actual} and was charged {charged}: settled to the real usage ({settle_error} off).",
             no="A request that produced {actual} tokens was charged {charged}: {settle_error} off the real usage.",
         ),
-        m.decide(
+        m.must(
             "heavy_tokens <= budget",
-            must=True,
             yes="Tenant 'heavy' sent {heavy_sent} requests at once: {heavy_ok} were served ({heavy_tokens} tokens, "
             "within its {budget}) and {heavy_429} refused with 429.",
             no="Tenant 'heavy' was served {heavy_tokens} tokens, past its budget of {budget}.",

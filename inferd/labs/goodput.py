@@ -33,9 +33,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "max_excess <= 0.0",
-            must=True,
             yes="Goodput never exceeded throughput (by at most {max_excess} tokens/s): at the best load, {rate_best} "
             "requests/s, {goodput_best} of {tok_s_best} output tokens/s met both SLOs.",
             no="Goodput exceeded throughput by {max_excess} tokens/s: a measurement error.",

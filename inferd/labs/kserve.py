@@ -113,16 +113,14 @@ def explain(m: Measurement) -> Explanation:
     s = m.settings
     kinds = ", ".join(f"{o['kind']} {o['name']} ({o['fields']} fields)" for o in m.series["objects"])
     claims = [
-        m.decide(
+        m.must(
             "validation_errors <= 0",
-            must=True,
             yes="The {objects} objects validate against KServe's CRD schemas, unknown fields rejected: "
             "{fields_validated} fields checked, {validation_errors} errors.",
             no="KServe's CRD schemas found {validation_errors} errors in the {fields_validated} fields rendered.",
         ),
-        m.decide(
+        m.must(
             "broken_errors >= broken_edits",
-            must=True,
             yes="The check is not a formality: the LLMInferenceService with {broken_edits} fields broken (a misspelt "
             "`replica`, a number for `model.uri`, a misspelt `readinesProbe`) drew {broken_errors} errors.",
             no="A manifest with {broken_edits} broken fields drew only {broken_errors} errors.",

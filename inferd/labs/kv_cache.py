@@ -29,23 +29,20 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "mismatch <= 0",
-            must=True,
             yes="The engine's cache holds {allocator_bytes_per_token} bytes per token, the formula's 2 (K and V) x "
             "{layers} layers x {kv_heads} KV heads x {head_dim} dims x {elem_bytes} bytes (off by {mismatch}).",
             no="The cache holds {allocator_bytes_per_token} bytes per token, {mismatch} off the formula's.",
         ),
-        m.decide(
+        m.must(
             "growth <= 2",
-            must=True,
             yes="2 requests of {L} tokens took {mib_L} MiB of blocks, twice the length {mib_2L} MiB, twice the batch "
             "{mib_2B} MiB: at most {growth} times as much, linear in both.",
             no="Twice the length or the batch took {growth} times the {mib_L} MiB of 2 requests of {L} tokens.",
         ),
-        m.decide(
+        m.must(
             "fit >= fit_predicted",
-            must=True,
             yes="The {cache_mib} MiB cache fits {fit} requests of {fit_len} tokens at once, as bytes per token "
             "predict ({fit_predicted}): the cache, not compute, caps concurrency.",
             no="The allocator fitted {fit} requests of {fit_len} tokens, fewer than the {fit_predicted} predicted.",

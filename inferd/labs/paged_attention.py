@@ -25,22 +25,19 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "paged_concurrency > contiguous_concurrency",
-            must=True,
             yes="Reserving the {max_len}-token context per request, a {capacity_tokens}-token cache fits "
             "{contiguous_concurrency} requests; in pages {paged_concurrency} (mean {mean_len} tokens), {gain}x.",
             no="Paged blocks fit {paged_concurrency} requests, contiguous reservation {contiguous_concurrency}.",
         ),
-        m.decide(
+        m.must(
             "paged_waste_pct < contiguous_waste_pct",
-            must=True,
             yes="Memory reserved but never written: {paged_waste_pct}% paged, {contiguous_waste_pct}% contiguous.",
             no="Paged allocation wasted {paged_waste_pct}%, contiguous {contiguous_waste_pct}%.",
         ),
-        m.decide(
+        m.must(
             "paged_waste_per_request < block_size",
-            must=True,
             yes="A paged request wastes only its last block's tail: {paged_waste_per_request} of {block_size} tokens.",
             no="Paged requests wasted {paged_waste_per_request} tokens each, a {block_size}-token block or more.",
         ),

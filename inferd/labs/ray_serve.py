@@ -89,30 +89,26 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "up_desired >= 2",
-            must=True,
             yes="Under load ({load_clients} clients, {max_seqs} running at a time) the policy saw {up_waiting} "
             "requests waiting (target {target_waiting} per replica) and asked for {up_desired} replicas at "
             "{up_decision_s} s; the second ran at {scaled_up_s} s, {up_replica_start_s} s later: a replica's start.",
             no="Under load the policy never asked for a second replica (it saw {up_waiting} waiting).",
         ),
-        m.decide(
+        m.must(
             "down_decision_s >= load_end_s",
-            must=True,
             yes="The load stopped at {load_end_s} s; the policy asked for one replica fewer at {down_decision_s} s "
             "and Serve removed it at {scaled_down_s} s, after the scale-down delay.",
             no="After the load stopped the policy made no scale-down decision.",
         ),
-        m.decide(
+        m.must(
             "errors <= 0",
-            must=True,
             yes="All {requests} requests were answered 200 while the pool scaled ({errors} errors).",
             no="{errors} of {requests} requests failed while the pool scaled.",
         ),
-        m.decide(
+        m.must(
             "header_mismatch <= 0",
-            must=True,
             yes="Each routed request was counted by the replica named in its answer ({header_mismatch} disagreements).",
             no="The replicas' counters and the answers' replica ids disagreed on {header_mismatch} requests.",
         ),
@@ -122,9 +118,8 @@ def explain(m: Measurement) -> Explanation:
             "({affine_max}): the router follows the prefix to the KV cache holding it.",
             no="{affine_requests} prompts sharing a prefix were split, at most {affine_max_pct}% on one replica.",
         ),
-        m.decide(
+        m.must(
             "ray_left <= 0",
-            must=True,
             yes="Ray ran for the lab alone ({ray_processes} processes, up in {ray_start_s} s): {ray_left} outlived it.",
             no="{ray_left} of the {ray_processes} processes Ray started were still running after shutdown.",
         ),

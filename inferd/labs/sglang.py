@@ -46,9 +46,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "computed_on < computed_off",
-            must=True,
             yes="With {prefixes} shared {prefix_len}-token prefixes and {users} questions each, one engine computed "
             "{computed_on} prompt tokens with prefix caching against {computed_off} without ({saved_pct}% saved).",
             no="With prefix caching the engine computed {computed_on} prompt tokens against {computed_off} without.",

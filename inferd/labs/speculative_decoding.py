@@ -63,9 +63,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "mismatched <= 0",
-            must=True,
             yes="In fp32, {mismatched} of {checked} requests' {out_len} greedy tokens differed with speculation on and "
             "off: a draft is kept only where it equals the model's own choice.",
             no="In fp32, {mismatched} of {checked} requests' greedy tokens differed with speculation on: verification "

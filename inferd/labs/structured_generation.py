@@ -73,9 +73,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.must(
             "valid_of_finished_pct >= 100",
-            must=True,
             yes="Under the constraint {valid_of_finished_pct}% of the outputs that finished ({finished_held} of "
             "{schemas}) are JSON their schema accepts; free, {valid_free_pct}% of the same prompts' outputs were.",
             no="Under the constraint only {valid_of_finished_pct}% of the finished outputs are valid for their "
