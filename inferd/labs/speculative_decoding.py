@@ -102,9 +102,8 @@ def explain(m: Measurement) -> Explanation:
 
 def plot(m: Measurement, fig) -> None:
     ys = {w: m.series[f"{w}_speedup"] for w in ("quote", "open")}
-    ax = lines(fig, m.series["batch"], ys, xlabel="batch size", ylabel="speed-up (tokens/s on / off)", xscale="log")
-    ax.axhline(1.0, color="gray", ls="--")
-    ax.set(title="n-gram speculation: speed-up by batch")
+    axes = dict(xlabel="batch size", ylabel="speed-up (tokens/s on / off)", xscale="log")
+    lines(fig, m.series["batch"], ys, hline=("no speed-up", 1.0), title="n-gram speculation: speed-up by batch", **axes)
 
 
 LAB = Lab("speculative-decoding", "Speculative decoding", measure, explain, plot, definition=DEFINITION)
