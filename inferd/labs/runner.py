@@ -130,10 +130,8 @@ def write_glossary_page(result: LabResult, docs_dir: Path) -> Path:
     if result.measured_here:
         origin = f"Measured by {where}, with {result.model}. Run it on your machine to get your numbers."
     else:
-        origin = (
-            f"Written by {where}, from a stored result: its figures were not measured then, and the run they "
-            "come from is named below, with its own date and machine."
-        )
+        origin = f"Written by {where}, from a stored result: its figures were not measured then, and the run they "
+        origin += "come from is named below, with its own date and machine."
     path = docs_dir / f"{result.lab}.md"
     path.write_text("\n".join([f"# {result.term}", "", origin, "", *_body(result)]) + "\n")
     return path
