@@ -44,8 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise InferdError("--write-docs writes the glossary pages from a real model; drop --quick")
     labs = all_labs() if args.target == "all" else [find_lab(args.target)]
     if labs == [None]:
-        names = ", ".join(x.name for x in all_labs())
-        raise InferdError(f"no lab named {args.target!r}; the labs are: {names}")
+        raise InferdError(f"no lab named {args.target!r}; the labs are: {', '.join(x.name for x in all_labs())}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # labs send hundreds of requests: no line each
     out = args.report if (args.report is not None and args.target == "all") else args.out
     ctx = LabContext(args.quick, args.model, out, args.device, args.price_per_hour, args.fleet)
