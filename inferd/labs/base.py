@@ -30,20 +30,14 @@ _NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}
 
 def fmt(x: float) -> str:
     """How every number appears in a lab's text: three significant figures, no exponent for everyday sizes."""
-    if x == 0:
-        return "0"
     if not math.isfinite(x):
         return str(x)
-    a = abs(x)
-    if float(x).is_integer() and a < 1e9:
-        return f"{int(x):,}"
-    if a >= 100:
-        return f"{x:,.0f}"
-    if a >= 10:
-        return f"{x:.1f}"
-    if a >= 1:
-        return f"{x:.2f}"
-    return f"{x:.3g}" if a >= 0.001 else f"{x:.2e}"
+    if float(x).is_integer() and abs(x) < 1e9:
+        return f"{int(x):,}"  # 0 and -0.0 too: "0"
+    for least, spec in ((100, ",.0f"), (10, ".1f"), (1, ".2f"), (0.001, ".3g")):
+        if abs(x) >= least:
+            return format(x, spec)
+    return f"{x:.2e}"
 
 
 @dataclass
