@@ -28,7 +28,4 @@ def all_labs() -> list:
 def find_lab(name: str):
     """A lab by its CLI name, its module name or its glossary term, case-insensitively."""
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
-    for lab in all_labs():
-        if key in {lab.name, lab.term.lower().replace(" ", "-")}:
-            return lab
-    return None
+    return next((lab for lab in all_labs() if key in {lab.name, lab.term.lower().replace(" ", "-")}), None)
