@@ -87,12 +87,8 @@ class LabContext:
         one takes new scheduling and speculative settings (read every step) without reloading (`LLM.reconfigure`)."""
         from inferd.engine.engine import LLM
 
-        full = {
-            "max_model_len": self.max_model_len,
-            "kv_cache_memory": self.size(64, 512) * 2**20,
-            "max_num_batched_tokens": self.max_model_len,  # a whole prompt in one step, unless a lab chunks it
-            "device": self.device,
-        }
+        full = dict(max_model_len=self.max_model_len, kv_cache_memory=self.size(64, 512) * 2**20, device=self.device)
+        full["max_num_batched_tokens"] = self.max_model_len  # a whole prompt in one step, unless a lab chunks it
         if self.quick:  # one thread: on a shared machine a second one mostly waits for its core
             full |= {"num_threads": 1, "attention_backend": "torch"}  # no native-kernel build (the TensorRT lab asks)
         full |= settings
