@@ -46,13 +46,12 @@ def measure(ctx: LabContext) -> Measurement:
     facts, block_size, cores = ctx.facts, ctx.llm().engine.kv.block_size, usable_cores()
     threads, short, long = min(2, cores), load["short_prompt"], load["long_prompt"]
     warm = [list(range(16, 16 + short)), [16 + i % (facts.vocab - 16) for i in range(long)]]
-    procs = ctx.procs
-    with procs.scoped():
-        colo = procs.serve("--num-threads", str(threads))
-        prefill, kv = procs.prefill()
-        decode = procs.decode([kv])
-        proxy = procs.proxy([prefill], [decode])
-        procs.wait(colo, prefill, decode, proxy)
+    with ctx.procs.scoped():
+        colo = ctx.procs.serve("--num-threads", str(threads))
+        prefill, kv = ctx.procs.prefill()
+        decode = ctx.procs.decode([kv])
+        proxy = ctx.procs.proxy([prefill], [decode])
+        ctx.procs.wait(colo, prefill, decode, proxy)
         ttfts(colo.url, warm, 1)  # the first request of each shape pays one-time costs
         colocated, colo_gaps = _workload(colo.url, load, facts.vocab)
         colo.stop()  # idle, but nothing of it should share the cores with the roles

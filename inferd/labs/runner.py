@@ -101,9 +101,8 @@ def write_report(results: list[LabResult], ctx: LabContext, report_dir: Path) ->
     stored = [r.term for r in results if not r.measured_here]
     provenance = "Every number below was measured in this run"
     if stored:
-        show = "shows" if len(stored) == 1 else "show"
-        provenance += f" except under {', '.join(stored)}, which {show} a stored run's figures with that run's own "
-        provenance += "date and machine"
+        provenance += f" except under {', '.join(stored)}, which {'shows' if len(stored) == 1 else 'show'} a stored "
+        provenance += "run's figures with that run's own date and machine"
     found = [f"- {r.term}: {c.text}" for r in results for c in r.claims if c.agrees is False]
     lines = [
         "# Inference serving, measured on this machine",
