@@ -96,6 +96,10 @@ class Measurement:
         """An invariant over this measurement's numbers: `decide` with must=True."""
         return decide(self.numbers, relation, must=True, **told)
 
+    def either(self, relation: str, **told) -> Claim:
+        """A claim with no textbook side, either sentence a finding: `decide` with textbook=False."""
+        return decide(self.numbers, relation, textbook=False, **told)
+
     def ends(self, *keys: str) -> None:
         """numbers `<key>_lo` and `<key>_hi`: the first and last point of each series (a sweep's two ends)."""
         for k in keys:

@@ -46,9 +46,8 @@ def explain(m: Measurement) -> Explanation:
             no="At batch 1 a step reads {mb_read_b1} MB in {step_ms_b1} ms: {gb_s_b1} GB/s, only {bw_pct_b1}% of the "
             "{bandwidth_gb_s} GB/s this machine reads: not memory-bandwidth-bound here, contrary to the glossary.",
         ),
-        m.decide(
+        m.either(
             "overhead_ms_b1 > t_mem_ms_b1",
-            textbook=False,
             yes="Why: the reads would take {t_mem_ms_b1} ms and the FLOPs {t_flops_ms_b1} ms; the other "
             "{overhead_ms_b1} ms are fixed per-step costs (Python, scheduling, small kernels) that CUDA graphs hide.",
             no="The reads take {t_mem_ms_b1} ms (the FLOPs {t_flops_ms_b1} ms), fixed per-step costs {overhead_ms_b1}.",

@@ -58,9 +58,8 @@ def explain(m: Measurement) -> Explanation:
             no="With {prefixes} shared prefixes, prefix-aware routing pulled {pa_kb_per_req} kB of KV per request "
             "({pa_hit_pct}% cached), round-robin {rr_kb_per_req} kB ({rr_hit_pct}%): no saving here.",
         ),
-        m.decide(
+        m.either(
             "pa_busiest_pct > rr_busiest_pct",
-            textbook=False,
             yes="Affinity costs balance: the busier worker had {pa_busiest_pct}% of the requests prefix-aware, "
             "{rr_busiest_pct}% round-robin; Dynamo's router and inferd's gateway weigh prefix against load.",
             no="Prefix-aware routing kept the load as even as round-robin (busier worker {pa_busiest_pct}%, "

@@ -125,17 +125,15 @@ def explain(m: Measurement) -> Explanation:
             "`replica`, a number for `model.uri`, a misspelt `readinesProbe`) drew {broken_errors} errors.",
             no="A manifest with {broken_edits} broken fields drew only {broken_errors} errors.",
         ),
-        m.decide(
+        m.either(
             "limit_mib >= rss_peak_mib",
-            textbook=False,
             yes="The pod's memory limit ({limit_mib} MiB) covers a replica's peak under {max_num_seqs} requests at "
             "once, {rss_peak_mib} MiB ({rss_idle_mib} MiB idle: the KV pool is reserved at start).",
             no="The pod's memory limit ({limit_mib} MiB) is below a replica's measured peak of {rss_peak_mib} MiB: "
             "Kubernetes would OOM-kill it under load. Raise resources.memory to about {suggested_mib} MiB.",
         ),
-        m.decide(
+        m.either(
             "kv_pool_tokens >= full_tokens",
-            textbook=False,
             yes="At {kv_bytes_per_token} bytes of KV per token the pool holds {kv_pool_tokens} tokens: all "
             "{max_num_seqs} sequences at the full {max_model_len} tokens ({full_tokens} tokens).",
             no="At {kv_bytes_per_token} bytes of KV per token the pool holds {kv_pool_tokens} tokens: {full_seqs_fit} "

@@ -79,9 +79,8 @@ def explain(m: Measurement) -> Explanation:
             "({quote_spec_lo} against {quote_off_lo} tokens/s, {quote_accept_lo}% of drafts accepted): too few "
             "drafts held to pay for checking them.",
         ),
-        m.decide(
+        m.either(
             "open_speedup_lo > 1.0",
-            textbook=False,
             yes="On open continuations it paid too, {open_speedup_lo}x ({open_accept_lo}% accepted): this model's "
             "greedy text repeats itself, which lookup finds.",
             no="On open continuations it did not, {open_speedup_lo}x ({open_accept_lo}% accepted): text that repeats "

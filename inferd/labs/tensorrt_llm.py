@@ -26,9 +26,8 @@ def measure(ctx: LabContext) -> Measurement:
 
 def explain(m: Measurement) -> Explanation:
     claims = [
-        m.decide(
+        m.either(
             "native_available >= 1.0",
-            textbook=False,
             yes="inferd's native paged-attention kernel was built and ran here ({native_available} = yes).",
             no="inferd's native kernel did not run here ({native_available} = no: its build needs g++ and ninja), so "
             "both runs used the PyTorch reference.",

@@ -109,9 +109,8 @@ def explain(m: Measurement) -> Explanation:
             no="vLLM's output throughput did not rise with concurrency: {vllm_tok_s_lo} at {c_lo}, "
             "{vllm_tok_s_hi} at {c_hi}.",
         ),
-        m.decide(
+        m.either(
             "inferd_tok_s_hi >= vllm_tok_s_hi",
-            textbook=False,
             yes="At concurrency {c_hi} inferd reached {inferd_tok_s_hi} tokens/s against vLLM's {vllm_tok_s_hi}.",
             no="At concurrency {c_hi} inferd reached {inferd_tok_s_hi} tokens/s against vLLM's {vllm_tok_s_hi} "
             "({ratio_hi} of it): vLLM is ahead there.",
