@@ -36,8 +36,7 @@ def explain(m: Measurement) -> Explanation:
             "step_ms_bmax < step_ms_b1_times_bmax",
             yes="A step at batch {b_max} took {step_ms_bmax} ms against {step_ms_b1} ms at batch 1, far less than "
             "{b_max} times ({step_ms_b1_times_bmax} ms): the weights are read once per step whatever the batch.",
-            no="A step at batch {b_max} took {step_ms_bmax} ms, {b_max} times batch 1's or more "
-            "({step_ms_b1_times_bmax} ms).",
+            no="A batch-{b_max} step took {step_ms_bmax} ms, {b_max}x batch 1's or more ({step_ms_b1_times_bmax} ms).",
         ),
         m.decide(
             "bw_pct_b1 >= 50.0",

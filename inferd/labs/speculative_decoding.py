@@ -67,8 +67,7 @@ def explain(m: Measurement) -> Explanation:
             "mismatched <= 0",
             yes="In fp32, {mismatched} of {checked} requests' {out_len} greedy tokens differed with speculation on and "
             "off: a draft is kept only where it equals the model's own choice.",
-            no="In fp32, {mismatched} of {checked} requests' greedy tokens differed with speculation on: verification "
-            "is broken.",
+            no="In fp32 speculation changed {mismatched} of {checked} requests' greedy tokens: verification is broken.",
         ),
         m.decide(
             "quote_speedup_lo > 1.0",
