@@ -48,9 +48,9 @@ def run_live(ctx: LabContext) -> tuple[Path, dict]:
     return out, peers.run_side_by_side(VS_PEERS, ["inferd", peer], LIVE_ARGS, out, log, LIVE_TIMEOUT_S, STOP_GRACE_S)
 
 
-def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str], source: str) -> Measurement:
+def from_run(run: dict, peer: str, workload: str | None, levels: list[str], source: str, live: bool) -> Measurement:
     """The lab's numbers from one run's inferd and vLLM figures at the levels both ran, and what that run was."""
-    machine, vllm, w = run.get("machine", {}), run["servers"][vllm_server], run.get("workload")
+    machine, vllm, w = run.get("machine", {}), run["servers"][peer], run.get("workload")
     cpu_rec = run.get("cpu") or {"model": machine.get("cpu_model") or machine.get("processor"), "flags": None}
     if workload is not None:
         what = f"the same prompts (the {workload} workload: {run['workloads'][workload]})"
@@ -62,8 +62,8 @@ def from_run(run: dict, vllm_server: str, workload: str | None, levels: list[str
     settings |= dict(source=source, date=run.get("date") or "an unknown date", run_source=run.get("source"))
     settings |= dict(cpu_model=cpu_rec.get("model") or "an unknown CPU", vector_flags=peers.vector_flags(cpu_rec))
     settings |= dict(cores=machine.get("cpu_count"), run_kind=runs.run_kind(run), workload=what)
-    settings |= dict(vllm_dtype=vllm.get("dtype") or ("float32" if "fp32" in vllm_server else "bf16"))
-    m = Measurement(settings=settings, series={"c": [peers.concurrency(k) for k in levels]})
+    settings |= dict(vllm_dtype=vllm.get("dtype") or ("float32" if "fp32" in peer else "bf16"), live=live)
+    m = Measurement(settings=settings, series={"c": [peers.concurrency(k) for k in levels]}, measured_here=live)
     for name, entry in (("inferd", run["servers"]["inferd"]), ("vllm", vllm)):
         m.series[f"{name}_tok_s"] = [peers.figures(entry, workload)[k]["output_throughput"] for k in levels]
     m.ends("c", "inferd_tok_s", "vllm_tok_s")
@@ -80,9 +80,7 @@ def measure(ctx: LabContext, stored: Path | None = None) -> Measurement:
             reason = f"vLLM is installed here, but the side-by-side run failed: {e}"
         else:
             if found := peers.latest_pair({"runs": [run]}, "inferd", VLLM_SERVERS):
-                m = from_run(run, *found[1:], shown_path(out))
-                m.measured_here, m.settings["live"] = True, True
-                return m
+                return from_run(run, *found[1:], shown_path(out), live=True)
             reason = f"the side-by-side run left no level with figures from both servers ({out})"
     # else the newest stored run in which inferd and vLLM both ran a level: that run's figures only
     stored = stored or peers.newest_pair_file(RESULTS, cpu.cpu_kind(), "inferd", VLLM_SERVERS)
@@ -92,10 +90,9 @@ def measure(ctx: LabContext, stored: Path | None = None) -> Measurement:
         raise InferdError(
             f"no concurrency level measured for both inferd and vLLM in one run of {stored}; run: {HOW_TO_RUN}"
         )
-    m = from_run(data["runs"][found[0]], *found[1:], shown_path(stored))
-    m.measured_here, this_cpu = False, machine_info().get("cpu_model") or "an unknown CPU"
-    m.settings |= dict(live=False, why_not_live=reason, run_index=found[0], runs_in_file=len(data["runs"]))
-    m.settings |= dict(this_cpu=this_cpu, this_kind=cpu.cpu_kind())
+    m = from_run(data["runs"][found[0]], *found[1:], shown_path(stored), live=False)
+    m.settings |= dict(why_not_live=reason, run_index=found[0], runs_in_file=len(data["runs"]))
+    m.settings |= dict(this_cpu=machine_info().get("cpu_model") or "an unknown CPU", this_kind=cpu.cpu_kind())
     return m
 
 
