@@ -124,9 +124,8 @@ def explain(m: Measurement) -> Explanation:
     where += f" ({s['vector_flags']})" if s["vector_flags"] is not None else ""
     text = "These figures are stored, not measured now: "
     if s["converted"]:
-        text += f"{s['source']} holds one record, last written on {s['date']} on {where}, from before each invocation "
-        text += "of benchmarks/vs_peers.py was kept as its own run: its inferd and vLLM figures may come from "
-        text += "different invocations" + (" (its note, in the file, says which)." if s["note"] else ".")
+        text += f"{s['source']} holds one record, last written on {s['date']} on {where}, {s['converted']}"
+        text += " (its note, in the file, says which)." if s["note"] else "."
     else:
         commit = (s["commit"] or "unknown")[:12] + (" with uncommitted changes" if s["uncommitted_changes"] else "")
         made = f": {s['run_source']}." if s["run_source"] else f" at commit {commit} by `{s['command']}`."
