@@ -122,10 +122,11 @@ class Explanation:
 
 def glossary(term: str) -> str | None:
     """The glossary's own sentence for `term` (glossary.txt beside this module: the glossary the labs make
-    happen), its heading matched without parenthesised parts ("TTFT (Time To First Token)" is "TTFT")."""
+    happen), its heading read without parenthesised parts, hyphens as spaces ("TTFT (Time To First Token)" is TTFT)."""
+    key = lambda name: re.sub(r"\s*\([^)]*\)", "", name).strip().lower().replace("-", " ")
     for line in (Path(__file__).parent / "glossary.txt").read_text().splitlines():
         heading, colon, text = line.partition(": ")
-        if colon and re.sub(r"\s*\([^)]*\)", "", heading).strip().lower() == term.lower():
+        if colon and key(heading) == key(term):
             return text.strip()
     return None
 

@@ -6,10 +6,6 @@ from inferd.bench.cost import cost_per_million
 from inferd.labs.base import Explanation, Lab, Measurement, bars
 from inferd.labs.context import LabContext
 
-DEFINITION = (
-    "the unit economic that ties latency, batching, utilization, and GPU price together. The number to optimize "
-    "and to report in the capstone write-up."
-)
 DEFAULT_PRICE = 1.0  # $/hour, used (and said) when no --price-per-hour is given
 CASES = {"goodput": "goodput at the knee", "throughput": "raw throughput", "batch1": "batch 1", "low": "low load"}
 
@@ -57,4 +53,4 @@ def plot(m: Measurement, fig) -> None:
     bars(fig, costs, ylabel="$ per million output tokens", title=title, yscale="log")
 
 
-LAB = Lab("cost", "Cost per million tokens", measure, explain, plot, definition=DEFINITION)
+LAB = Lab("cost", "Cost per million tokens", measure, explain, plot)
