@@ -21,6 +21,7 @@ def measure(ctx: LabContext) -> Measurement:
 
 
 def explain(m: Measurement) -> Explanation:
+    batch1 = "One request at a time ({batch1_tok_s} tokens/s) it costs ${cost_batch1}, batched ${cost_goodput}."
     claims = [
         m.must(
             "cost_goodput >= cost_throughput",
@@ -28,11 +29,7 @@ def explain(m: Measurement) -> Explanation:
             "${cost_goodput} per million output tokens; raw throughput would say ${cost_throughput}.",
             no="Goodput cost ${cost_goodput} per million tokens, below raw throughput's ${cost_throughput}.",
         ),
-        m.decide(
-            "cost_batch1 > cost_goodput",
-            yes="One request at a time ({batch1_tok_s} tokens/s) it costs ${cost_batch1}, batched ${cost_goodput}.",
-            no="One request at a time ({batch1_tok_s} tokens/s) it costs ${cost_batch1}, batched ${cost_goodput}.",
-        ),
+        m.decide("cost_batch1 > cost_goodput", yes=batch1, no=batch1),  # the same sentence either way
         m.decide(
             "cost_low > cost_goodput",
             yes="At low utilisation ({low_load} times capacity) the machine idles between requests: ${cost_low}, not "
