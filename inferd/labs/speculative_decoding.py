@@ -11,7 +11,6 @@ from inferd.labs.base import Explanation, Lab, Measurement, lines
 from inferd.labs.context import LabContext
 from inferd.sampling import SamplingParams
 
-# the glossary has no entry of its own for it: it is the lever on the Decode entry's bound
 DEFINITION = (
     "the lever on the Decode entry's bound, \"each step reads the whole model plus KV cache from GPU memory to "
     'produce one token": guess the next few tokens cheaply, check them all in one step, and keep those the '

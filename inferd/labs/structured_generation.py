@@ -18,7 +18,6 @@ from inferd.sampling import SamplingParams
 from inferd.structured.grammar import apply_bitmask, fill_bitmasks
 from inferd.structured.spec import Constraint
 
-# the glossary has no entry of its own for it: its SGLang entry names it
 DEFINITION = (
     'named in its SGLang entry, "engine with RadixAttention (prefix-cache reuse), strong for structured '
     'generation and high-concurrency workloads."'
