@@ -11,17 +11,14 @@ import torch
 
 from inferd.bench.drive import Job, serve
 from inferd.bench.schemas import extraction_prompt, is_valid, small_schemas
-from inferd.labs.base import Explanation, Lab, Measurement, bars
+from inferd.labs.base import Explanation, Lab, Measurement, bars, glossary
 from inferd.labs.context import LabContext
 from inferd.measure.hardware import best_time
 from inferd.sampling import SamplingParams
 from inferd.structured.grammar import apply_bitmask, fill_bitmasks
 from inferd.structured.spec import Constraint
 
-DEFINITION = (
-    'named in its SGLang entry, "engine with RadixAttention (prefix-cache reuse), strong for structured '
-    'generation and high-concurrency workloads."'
-)
+DEFINITION = f'named in its SGLang entry, "{glossary("SGLang")}"'
 
 
 def measure(ctx: LabContext) -> Measurement:
