@@ -49,11 +49,10 @@ def busy_caveat(machine: dict) -> str | None:
     load, cores = machine["load_average_at_start"][0], machine.get("cpu_count") or 1
     if load <= cores:
         return None
-    return (
-        f"Caution: this machine was busy while the lab ran (load average {load:.1f} on {cores} cores), so its "
-        "times include waiting for a core and overstate what the model and hardware need; ratios between "
-        "runs of the same lab hold up better than absolute times. Run it again on an idle machine."
-    )
+    caveat = f"Caution: this machine was busy while the lab ran (load average {load:.1f} on {cores} cores), so "
+    caveat += "its times include waiting for a core and overstate what the model and hardware need; ratios "
+    caveat += "between runs of the same lab hold up better than absolute times. Run it again on an idle machine."
+    return caveat
 
 
 def _jsonable(x):
