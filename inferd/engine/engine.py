@@ -164,6 +164,7 @@ class Engine:
         self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora.enabled else None
         self.runner.lora = self.lora
         self.scheduler.max_loras = config.lora.max_loras if self.lora is not None else None
+        self.model.pin_attributes()  # the model is final here (quantized, packed, LoRA slots wrapped)
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Sequence] = {}
         self._ids = itertools.count()
