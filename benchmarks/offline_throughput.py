@@ -100,14 +100,19 @@ PARTS = {
     + ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise")
     + ("aten::_weight_int8pack_mm",),  # int8 layers without the native kernel
     "lm_head": ("inferd::int8_argmax",),
+    # the norms, q/k norm and rotary, the gated activation and a float head's argmax: rows too few at decode
+    # batches to split over threads (but the activation's, from 8 rows)
+    "small_kernels": tuple(f"inferd::{k}" for k in ("rms_norm", "add_rms_norm", "qk_norm_rope", "gated_act"))
+    + ("inferd::argmax_update",),
 }
+THREADED = ("attention", "linears", "lm_head")  # the parts whose kernels split their work over every thread
 
 
 def step_parts(engine, steps: int = 5) -> tuple[dict, list[dict]]:
     """Where decode steps' time goes, from `steps` steps under torch's profiler: each part's self time
     (PARTS), the other ops the profiler records, and `unnamed`, the wall time outside every recorded op:
-    Python, scheduling and the small fused kernels (norms, rotary, activation), which run unnamed. Shares
-    are of the profiled wall time (the profiler's own cost included). Also the step's top ops."""
+    Python and scheduling. Shares are of the profiled wall time (the profiler's own cost included). Also the
+    step's top ops."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -126,6 +131,13 @@ def step_parts(engine, steps: int = 5) -> tuple[dict, list[dict]]:
         {"op": e.key, "self_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count // steps} for e in events[:12]
     ]
     return parts, top
+
+
+def second_thread_idle(parts: dict) -> float:
+    """The share of a step outside the THREADED parts, when every thread but the one running Python has
+    nothing to do: an upper bound, since it counts the gated activation's rows split from 8 on as idle and
+    leaves out the threaded kernels' imbalance (claiming work as threads free up keeps that small)."""
+    return max(0.0, 1 - sum(parts[k]["share"] for k in THREADED))
 
 
 def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> dict:
@@ -179,6 +191,7 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> di
         "rounds": per_round,
         "lm_head_share_of_flops": len(running) * 2 * model.lm_head_params / step_flops,
         "parts": parts,
+        "second_thread_idle": second_thread_idle(parts),
         "profile_top_ops": top,
     }
 

@@ -293,7 +293,7 @@ def step_split(parts: dict | None) -> str:
     rest (other ops, and Python with the small fused kernels, which the profiler does not name)."""
     if not parts:
         return "—"
-    rest = parts["other_ops"]["share"] + parts["unnamed"]["share"]
+    rest = sum(parts[k]["share"] for k in ("other_ops", "unnamed", "small_kernels") if k in parts)
     return " / ".join(pct(x) for x in (*(parts[k]["share"] for k in ("attention", "linears", "lm_head")), rest))
 
 

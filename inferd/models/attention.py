@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from inferd.models.cpu_kernels import named_in_profiles
 from inferd.models.dtypes import KV_CACHE_DTYPES
 
 
@@ -159,16 +160,6 @@ def _sdpa(q, k, v, mask, scale, softcap, is_causal=False):
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(q.dtype) @ v
-
-
-def named_in_profiles(name: str, fn, *args, **kwargs):
-    """fn(*args, **kwargs) for a native call, inside a profiler range named `name` only while a profiler runs:
-    entering `record_function` costs ~50 us, a millisecond per decode step of an 18-layer model at batch 1 (and
-    an empty context manager ~0.5 us, on ~100 calls a step)."""
-    if torch._C._autograd._profiler_enabled():
-        with torch.profiler.record_function(name):
-            return fn(*args, **kwargs)
-    return fn(*args, **kwargs)
 
 
 def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, group: DecodeGroup, scale, window, softcap):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from inferd.models.attention import named_in_profiles
+from inferd.models.cpu_kernels import named_in_profiles
 from inferd.models.layers import FusedLinear, Linear
 from inferd.models.lm_head import LMHead
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from inferd.models.attention import named_in_profiles
+from inferd.models.cpu_kernels import named_in_profiles
 from inferd.models.layers import Linear
 
 LM_HEAD_TILE_ROWS = 16384  # 262,144 rows -> 16 tiles; [32 x 16384] fp32 logits are 2 MiB

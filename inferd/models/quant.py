@@ -50,7 +50,7 @@ from torch import nn
 
 from inferd.errors import ConfigError
 from inferd.models import huge_pages
-from inferd.models.attention import named_in_profiles
+from inferd.models.cpu_kernels import named_in_profiles
 from inferd.models.layers import Linear
 from inferd.models.lm_head import LMHead
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.offline_throughput import PARTS, fill_decode_batch, step_parts
+from benchmarks.offline_throughput import PARTS, THREADED, fill_decode_batch, second_thread_idle, step_parts
 from inferd import LLM
+from inferd.models.cpu_kernels import rms_norm_kernel
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,6 +23,10 @@ def test_step_parts_split_a_decode_step_into_named_parts_and_the_rest(tiny_model
     assert set(parts) == {*PARTS, "other_ops", "unnamed"}
     assert all(p["ms_per_step"] >= 0 and 0 <= p["share"] <= 1 for p in parts.values())
     assert parts["linears"]["share"] > 0 and top  # int8 layers (or torch's matmuls) ran under their names
+    if rms_norm_kernel() is not None:  # the norms' native kernels built: they are named, not Python's time
+        assert parts["small_kernels"]["share"] > 0
+    idle = second_thread_idle(parts)
+    assert 0 <= idle <= 1 and idle == pytest.approx(1 - sum(parts[k]["share"] for k in THREADED))
     # the parts are of the profiled wall time: with the time outside every op they make it up (unless the ops'
     # own times, measured apart, came to more than it)
     total = sum(p["share"] for p in parts.values())
