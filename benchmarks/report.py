@@ -290,7 +290,7 @@ def offline_mode(run: dict) -> list[tuple] | None:
 
 def step_split(parts: dict | None) -> str:
     """A decode step's shares (benchmarks.offline_throughput.step_parts): attention / linears / LM head / the
-    rest (other ops, and Python with the small fused kernels, which the profiler does not name)."""
+    rest (the small fused kernels, other ops, Python and scheduling)."""
     if not parts:
         return "—"
     rest = sum(parts[k]["share"] for k in ("other_ops", "unnamed", "small_kernels") if k in parts)
