@@ -1,7 +1,10 @@
 """inferd: an LLM inference serving platform."""
 
+from inferd.cpu import cap_torch
 from inferd.errors import InferdError
 from inferd.sampling import SamplingParams
+
+cap_torch()  # INFERD_MAX_CPU_ISA reaches torch's kernels before their first use
 
 __all__ = ["LLM", "InferdError", "SamplingParams"]
 __version__ = "0.1.0"

@@ -7,12 +7,20 @@ says little about another; `cpu_kind` is the one place that names a kind.
 
 Linux only (/proc/cpuinfo); elsewhere the flags are empty and the kind is "other". No torch, no inferd
 imports: the model code, the benchmarks and the load generator all read it.
+
+`INFERD_MAX_CPU_ISA` runs this CPU as a lesser kind, as oneDNN's `ONEDNN_MAX_CPU_ISA` does for its kernels:
+`avx512-bf16` (a Zen 5's features: no AMX, no AVX512-FP16) or `avx2` (a Zen 3's: no AVX-512, no AVX-VNNI, no
+AMX). The flags every choice reads lose the features above the cap, the native kernels are compiled without
+them (`compiler_flags`), and torch's own kernels are capped too (`ONEDNN_MAX_CPU_ISA`, `ATEN_CPU_CAPABILITY`,
+set on `import inferd` unless already set), so one machine runs, and tests, the code paths of the kinds below
+its own. Results files are kept per real kind, so a benchmark refuses to file a capped run there.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 # the vector features that decide a CPU's speed here, as /proc/cpuinfo names them
@@ -30,6 +38,25 @@ _AMD = "AuthenticAMD"
 _ZEN5_FAMILY = 26  # 0x1a
 _ZEN3_FAMILY = 25  # 0x19 (Zen 4 too, which has AVX-512)
 
+MAX_ISA_ENV = "INFERD_MAX_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class IsaCap:
+    """What `INFERD_MAX_CPU_ISA=<name>` takes away: flags (by prefix), the compiler's features, torch's ISA."""
+
+    dropped: tuple[str, ...]  # prefixes of the /proc/cpuinfo flags above the cap
+    compiler: tuple[str, ...]  # GCC switches after -march=native (GCC 12 drops no AMX feature with amx-tile)
+    onednn: str  # ONEDNN_MAX_CPU_ISA
+    aten: str  # ATEN_CPU_CAPABILITY
+
+
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+ISA_CAPS = {
+    "avx512-bf16": IsaCap(("amx", "avx512_fp16"), (*_NO_AMX, "-mno-avx512fp16"), "AVX512_CORE_BF16", "avx512"),
+    "avx2": IsaCap(("amx", "avx512", "avx_vnni"), (*_NO_AMX, "-mno-avx512f", "-mno-avxvnni"), "AVX2", "avx2"),
+}
+
 
 def _cpuinfo() -> str:
     try:
@@ -44,9 +71,45 @@ def _field(info: str, *names: str) -> str:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (e.g. 'avx2', 'avx512_bf16'); empty where /proc/cpuinfo is not there."""
+def native_cpu_flags() -> frozenset[str]:
+    """The CPU's own feature flags (e.g. 'avx2', 'avx512_bf16'); empty where /proc/cpuinfo is not there."""
     return frozenset(_field(_cpuinfo(), "flags", "Features").split())
+
+
+def isa_cap() -> str | None:
+    """The name of the cap `INFERD_MAX_CPU_ISA` sets (a key of ISA_CAPS), None where it is unset."""
+    name = os.environ.get(MAX_ISA_ENV, "").strip().lower()
+    if not name:
+        return None
+    if name not in ISA_CAPS:
+        raise ValueError(f"{MAX_ISA_ENV}={name!r}: expected one of {', '.join(ISA_CAPS)} (or unset)")
+    return name
+
+
+def cpu_flags() -> frozenset[str]:
+    """The feature flags inferd chooses by: the CPU's own, less those above `INFERD_MAX_CPU_ISA`."""
+    cap = isa_cap()
+    return _capped(native_cpu_flags(), cap) if cap else native_cpu_flags()
+
+
+@functools.cache
+def _capped(flags: frozenset[str], cap: str) -> frozenset[str]:
+    return frozenset(f for f in flags if not f.startswith(ISA_CAPS[cap].dropped))
+
+
+def compiler_flags() -> list[str]:
+    """What the native kernels' compiler takes after -march=native: nothing, or the cap's switches."""
+    cap = isa_cap()
+    return list(ISA_CAPS[cap].compiler) if cap else []
+
+
+def cap_torch() -> None:
+    """Give torch's own kernels the cap (oneDNN's matmuls, ATen's vector kernels): both read their variable once,
+    at their first use, so this runs on `import inferd`; a variable set by hand is left as it is."""
+    cap = isa_cap()
+    if cap:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ISA_CAPS[cap].onednn)
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", ISA_CAPS[cap].aten)
 
 
 @functools.cache

@@ -76,8 +76,14 @@ def report() -> dict:
             "machine": platform.machine(),
             "cores": os.cpu_count(),
             "features": {f: f in flags for f in FEATURES},
+            "max_isa": cpu.isa_cap(),  # INFERD_MAX_CPU_ISA: run as a lesser kind (features above it off)
         },  # fmt: skip
-        "torch": {"version": torch.__version__, "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
+        "torch": {
+            "version": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available(),
+            "isa": torch.backends.cpu.get_cpu_capability(),  # ATen's vector kernels: AVX512, AVX2 ...
+        },
         "inferd": str(Path(__file__).parent),
         "kernels": kernels,
         "paths": paths,
@@ -90,8 +96,11 @@ def _print(found: dict) -> None:
     cpu = found["cpu"]
     print(f"CPU     {cpu['model']} ({cpu['machine']}, {cpu['cores']} cores)")
     print("        " + " ".join(f if has else f"-{f}" for f, has in cpu["features"].items()))
+    if cpu["max_isa"]:
+        print(f"        capped at {cpu['max_isa']} (INFERD_MAX_CPU_ISA): the features above it are off")
     torch_ = found["torch"]
-    print(f"torch   {torch_['version']}, {torch_['threads']} threads, cuda {'yes' if torch_['cuda'] else 'no'}")
+    cuda = "yes" if torch_["cuda"] else "no"
+    print(f"torch   {torch_['version']}, {torch_['isa']}, {torch_['threads']} threads, cuda {cuda}")
     print(f"inferd  {found['inferd']}")
     print("kernels")
     for name, entry in found["kernels"].items():

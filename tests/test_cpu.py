@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +42,7 @@ def test_this_machine_has_a_kind():
 def test_a_benchmark_appends_its_run_to_its_kinds_file(tmp_path, monkeypatch):
     from benchmarks import common
 
+    monkeypatch.delenv(cpu.MAX_ISA_ENV, raising=False)  # a capped CPU files nothing by default (below)
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     first = common.record_run("quality", {"modes": {"fp32": {}}}, ["quality.py", "--modes", "fp32"])
     assert first == tmp_path / f"quality-{cpu.cpu_kind()}.json"
@@ -49,3 +54,51 @@ def test_a_benchmark_appends_its_run_to_its_kinds_file(tmp_path, monkeypatch):
     assert run["date"].endswith("UTC") and run["cpu"]["flags"] == sorted(cpu.cpu_flags()) and "commit" in run
     assert common.results_path("quality", "x") == tmp_path / "x.json"
     assert common.results_path("quality", str(tmp_path / "y.json")) == tmp_path / "y.json"
+
+
+INTEL_AMX = AMX | {"avx512_vnni", "avx512_fp16", "avx_vnni", "fma"}
+
+
+@pytest.fixture
+def xeon(monkeypatch):
+    """This process on an AMX Xeon's flags, with no cap set."""
+    monkeypatch.setattr(cpu, "native_cpu_flags", lambda: frozenset(INTEL_AMX))
+    monkeypatch.setattr(cpu, "cpu_identity", lambda: {"model": "Xeon", "vendor": "GenuineIntel", "family": 6})
+    monkeypatch.delenv(cpu.MAX_ISA_ENV, raising=False)
+    return monkeypatch
+
+
+def test_a_cap_takes_away_the_features_above_it_from_every_choice(xeon):
+    assert cpu.cpu_flags() == INTEL_AMX and cpu.cpu_kind() == "xeon-amx" and cpu.compiler_flags() == []
+    xeon.setenv(cpu.MAX_ISA_ENV, "avx512-bf16")  # a Zen 5's features: no AMX, no AVX512-FP16
+    assert cpu.cpu_flags() == {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni"}
+    assert cpu.cpu_kind() == "avx512-bf16"
+    assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-mno-avx512fp16"} == set(cpu.compiler_flags())
+    xeon.setenv(cpu.MAX_ISA_ENV, " AVX2 ")  # a Zen 3's: AVX2 and FMA, nothing wider
+    assert cpu.cpu_flags() == {"avx2", "fma"} and cpu.cpu_kind() == "avx2"
+    assert {"-mno-avx512f", "-mno-avxvnni"} < set(cpu.compiler_flags())
+    xeon.setenv(cpu.MAX_ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match="INFERD_MAX_CPU_ISA='avx512': expected one of avx512-bf16, avx2"):
+        cpu.cpu_flags()
+
+
+def test_a_capped_run_is_not_filed_under_the_kind_it_stands_in_for(xeon):
+    from inferd.bench import runs
+
+    xeon.setenv(cpu.MAX_ISA_ENV, "avx2")
+    with pytest.raises(RuntimeError, match="results files are kept per real kind"):
+        runs.file_name("quality")
+    assert runs.file_name("quality", "zen3") == "quality-zen3.json"  # a kind named on purpose: a stored run
+    assert runs.header("python -m benchmarks.quality", Path("."))["max_cpu_isa"] == "avx2"
+
+
+@pytest.mark.parametrize("preset", [None, "AVX512_CORE"])
+def test_import_inferd_caps_torchs_own_kernels_unless_told_otherwise(preset):
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    env[cpu.MAX_ISA_ENV] = "avx2"
+    if preset:
+        env["ONEDNN_MAX_CPU_ISA"] = preset
+    code = "import inferd, os, torch; print(os.environ['ONEDNN_MAX_CPU_ISA'], torch.backends.cpu.get_cpu_capability())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [preset or "AVX2", "AVX2" if "avx2" in cpu.native_cpu_flags() else "DEFAULT"]

@@ -22,14 +22,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from inferd.cpu import cpu_flags, cpu_identity, cpu_kind
+from inferd.cpu import MAX_ISA_ENV, cpu_flags, cpu_identity, cpu_kind, isa_cap
 
 FORMAT = "runs"
 DATE_FORMAT = "%Y-%m-%d %H:%M UTC"
 
 
 def file_name(benchmark: str, kind: str | None = None) -> str:
-    """`vs_peers-zen5.json`: the results file of `benchmark` for a kind of CPU (this one's by default)."""
+    """`vs_peers-zen5.json`: the results file of `benchmark` for a kind of CPU (this one's by default; not
+    while `INFERD_MAX_CPU_ISA` caps it, since a capped CPU is not the kind it stands in for)."""
+    if kind is None and isa_cap():
+        raise RuntimeError(
+            f"{MAX_ISA_ENV}={isa_cap()} runs this CPU below its own kind; results files are kept per real kind, "
+            "so name another file for this run (--out)"
+        )
     return f"{benchmark}-{kind or cpu_kind()}.json"
 
 
@@ -105,6 +111,7 @@ def header(command: str, repo: Path, started: float | None = None) -> dict:
         "uncommitted_changes": dirty,
         "cpu": cpu_record() | {"vendor": cpu_identity()["vendor"], "family": cpu_identity()["family"]},
         "cpu_kind": cpu_kind(),
+        **({"max_cpu_isa": isa_cap()} if isa_cap() else {}),
         "machine": machine_info(),
         "command": command,
     }

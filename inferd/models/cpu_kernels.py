@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from inferd.cpu import compiler_flags
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "kernels" / "paged_decode_cpu.cpp"
@@ -271,7 +273,7 @@ def _build(prefix: str, source: Path, what: str, cflags: list[str] | None = None
     try:
         from torch.utils.cpp_extension import load
 
-        flags = ["-O3", "-march=native", "-fopenmp", *(cflags or [])]
+        flags = ["-O3", "-march=native", *compiler_flags(), "-fopenmp", *(cflags or [])]
         name = _build_name(prefix, source, flags)
         with _build_lock(name):
             copy = _stable_copy(source, name)
