@@ -117,8 +117,8 @@ def _decode_build(isa: str):
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "isa", ["native", pytest.param("avx2", marks=pytest.mark.slow)]
-)  # avx2 on an AVX-512 CPU: the 8-lane loops
+    "isa", ["native", pytest.param("avx2", marks=[pytest.mark.slow, pytest.mark.cpu_feature])]
+)  # avx2 on an AVX-512 CPU: the 8-lane loops (it skips itself on a CPU without AVX-512)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_in_registers_match_the_reference_at_a_head_dim_of_64(isa, dtype):
     """D = 64: the weighted sum of values runs in registers (16 lanes with AVX-512, 8 with AVX2), over runs of

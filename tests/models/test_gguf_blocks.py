@@ -105,6 +105,7 @@ def test_the_kernel_is_the_dot_product_of_rounded_activations_with_the_files_val
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_feature  # skips itself where the CPU has no VNNI (a Zen 3)
 def test_the_vnni_kernel_gives_the_avx2_kernels_bits(kernels):
     """Where the CPU has VNNI the integer sums are vpdpbusd's (Q6_K's halves scaled after): the same integers as
     AVX2's vpmaddubsw + vpmaddwd, the same float work after, so the same output bits. A build forced to plain
