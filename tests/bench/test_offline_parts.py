@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.offline_throughput import PARTS, THREADED, fill_decode_batch, second_thread_idle, step_parts
+from benchmarks.offline_throughput import (
+    PARTS,
+    THREADED,
+    fill_decode_batch,
+    second_thread_idle,
+    step_parts,
+    step_peak,
+)
 from inferd import LLM
 from inferd.models.cpu_kernels import rms_norm_kernel
 
@@ -31,3 +38,12 @@ def test_step_parts_split_a_decode_step_into_named_parts_and_the_rest(tiny_model
     # own times, measured apart, came to more than it)
     total = sum(p["share"] for p in parts.values())
     assert total == pytest.approx(1.0, abs=1e-6) or (parts["unnamed"]["share"] == 0 and total > 1)
+
+
+def test_the_step_is_set_against_the_peak_of_the_matmul_its_own_layers_run(tiny_models):
+    """int8 layers: the int8 kernel's products (without AMX twice a bf16 matmul's an instruction, so the dtype's
+    matmul peak would put the step above 100%); float layers: a matmul in the dtype."""
+    for quantization, path in (("int8", "int8 kernel"), ("none", "float32 matmul")):
+        llm = LLM(str(tiny_models["llama"]), max_model_len=64, dtype="float32", quantization=quantization)
+        what, flops = step_peak(llm.engine, n=256, rows=64)
+        assert what == path and flops > 1e8
