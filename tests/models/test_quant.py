@@ -131,7 +131,7 @@ def test_int8_kernel_is_its_integer_arithmetic_on_every_instruction_set(isa):
             scaled = q.float() * scale[:, None]  # the scales folded in, rounded once
             assert torch.equal(module.int8_unpack(packed, n, k, torch.float32, scale), scaled)
             assert torch.equal(module.int8_unpack(packed, n, k, torch.bfloat16, scale), scaled.bfloat16())
-            for rows in (1, 2, 3, 4, 5, 9, 18):  # blocks of up to 4 rows (AVX-512), 2 (AVX2) and their tails
+            for rows in (1, 2, 3, 4, 5, 9, 18, 32):  # blocks of up to 6 rows (AVX-512), 4 (AVX2) and tails
                 x = torch.randn(rows, k) * torch.linspace(0.1, 10, k)
                 x[0, :32] = 0  # an all-zero group: a zero step, no division by zero
                 got = module.int8_linear(x, packed, scale, bias)
