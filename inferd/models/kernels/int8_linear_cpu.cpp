@@ -207,6 +207,17 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_
   return r;
 }
 
+// The next stripe's weights, which the blocks after a stripe's first ask for into L2 a few lines a group (one a
+// quad on average), so the next stripe's first block finds them there: its own prefetching, a few KB ahead of
+// its loads, left the memory idle while the stripe's other blocks computed. Per thread (set in compute()).
+// Without AMX: a 32-row step of Gemma 3 270M 1.067x, the LM head alone at 32 rows 1.33x (Xeon capped at
+// avx512-bf16); 1 and 4 rows, which take one block a stripe or run on memory's speed, unchanged.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0;  // 64-byte lines not yet asked for
+};
+thread_local Ahead ahead;
+
 // Where a block writes: rows m0.., tiles t0.. of y [M, N], with the per-row scale and bias.
 struct Output {
   int64_t N;
@@ -327,6 +338,9 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
     }
   const uint8_t* base = P + t0 * tile_bytes;
   for (int64_t g = 0; g < a.groups; ++g) {
+    if constexpr (!prefetch)  // outside the loop below: a branch there would bring back the copies
+      for (int64_t i = 0; i < Width / 4 && ahead.lines > 0; ++i, --ahead.lines, ahead.p += 64)
+        _mm_prefetch(ahead.p, _MM_HINT_T1);
     __m512i acc[MB][NT];
     for (int m = 0; m < MB; ++m) {
       const __m512i start = _mm512_set1_epi32(a.init[(m0 + m) * a.groups + g]);
@@ -770,6 +784,8 @@ void compute(const Products& p, MakeY&& make_y) {
     each([&](int64_t s) {
       const int64_t t0 = s * nt;
       const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
+      const int64_t next = std::clamp<int64_t>(tiles - t0 - nt, 0, nt);  // tiles of the next stripe
+      ahead = next ? Ahead{reinterpret_cast<const char*>(P + (t0 + nt) * tile_bytes), next * tile_bytes / 64} : Ahead{};
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mb = static_cast<int>(std::min<int64_t>(rows, M - m0));
         p.wide ? run_block<kWide>(mb, n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y)
