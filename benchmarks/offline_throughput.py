@@ -19,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -140,22 +141,22 @@ def second_thread_idle(parts: dict) -> float:
     return max(0.0, 1 - sum(parts[k]["share"] for k in THREADED))
 
 
-def step_peak(engine, n: int = 3072, rows: int = 512) -> tuple[str, float]:
-    """(what, FLOP/s) of the matmul the step's linear layers run: the int8 kernel on `rows` rows where they are
-    int8 (its integer products outrun the dtype's matmul: twice the products an instruction without AMX),
-    else an n x n matmul in the step's dtype. A peak the step's own layers cannot reach would read as a
-    fraction above 1."""
+def step_peak(engine, n: int = 3072, rows: int = 512) -> tuple[str, Callable[[], float]]:
+    """(what, a function measuring its FLOP/s) for the matmul the step's linear layers run: the int8 kernel on
+    `rows` rows where they are int8 (its integer products outrun the dtype's matmul: twice the products an
+    instruction without AMX), else an n x n matmul in the step's dtype. A peak the step's own layers cannot
+    reach would read as a fraction above 1. The int8 layer is built once, measured each call."""
     from torch import nn
 
     from inferd.models.quant import Int8Linear
 
     int8 = next((m for m in engine.model.modules() if isinstance(m, Int8Linear)), None)
     if int8 is None:
-        return f"{str(engine.dtype).removeprefix('torch.')} matmul", float(matmul_peak(n, engine.dtype)["peak"])
+        return f"{str(engine.dtype).removeprefix('torch.')} matmul", lambda: float(matmul_peak(n, engine.dtype)["peak"])
     with torch.no_grad():
         layer = Int8Linear.from_linear(nn.Linear(n, n, bias=False), int8.native)
-        x = torch.randn(rows, n).to(engine.dtype)
-        return "int8 kernel", 2 * rows * n * n / best_time(lambda: layer(x), engine.device, 5)
+    x = torch.randn(rows, n).to(engine.dtype)
+    return "int8 kernel", lambda: 2 * rows * n * n / best_time(lambda: layer(x), engine.device, 5)
 
 
 def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> dict:
@@ -175,11 +176,11 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> di
     kv_bytes = sum(model.kv_bytes_read(r.num_tokens) for r in running)
     step_bytes = model.weight_bytes + kv_bytes
     engine.step()  # warm-up
+    path, measure_peak = step_peak(engine)  # the step's own layers set its peak
     per_round = []
     for _ in range(rounds):
         step = median_time(engine.step, runs=3, warmup=0)
-        path, peak = step_peak(engine)  # the step's own layers set its peak
-        peak /= 1e9
+        peak = measure_peak() / 1e9
         bandwidth = memory_bandwidth() / 1e9
         per_round.append(
             {
@@ -202,7 +203,7 @@ def decode_step_efficiency(llm: LLM, prompts, batch: int, rounds: int = 7) -> di
         "step_gflop": step_flops / 1e9,
         "gflops": step_flops / seconds / 1e9,
         "peak_gflops": statistics.median(r["peak_gflops"] for r in per_round),
-        "peak_path": per_round[0]["peak_path"],
+        "peak_path": path,
         "fraction_of_peak": statistics.median(r["fraction_of_peak"] for r in per_round),
         "step_bytes_read": step_bytes,
         "kv_bytes_read": kv_bytes,

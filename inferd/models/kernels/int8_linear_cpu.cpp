@@ -279,7 +279,7 @@ inline void put(float v, ArgmaxOut<Out> y) {
 // 24 vpdpbusd for 4 weight loads and 6 broadcasts. Against 4 rows x 3 tiles with the float sums in registers,
 // that took 1.15-1.25x off the body's layers and 1.11x off the LM head at 8-32 rows (Xeon, AMX off).
 constexpr int kMaxRows = 6;
-constexpr int tiles_for(int rows) { return rows == 1 ? 8 : rows == 2 ? 5 : rows == 3 ? 4 : 4; }
+constexpr int tiles_for(int rows) { return rows == 1 ? 8 : rows == 2 ? 5 : 4; }
 
 inline void store(__m512 v, __mmask16 mask, float* y) { _mm512_mask_storeu_ps(y, mask, v); }
 // bf16 bits of v in each int32 lane, rounded to nearest even as bf16_bits does
@@ -555,16 +555,15 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
 }
 #endif
 
-// One block of mb rows (1..kMaxRows) x nt tiles (1..the larger of tiles_for(mb) and tiles_for(kMaxRows): a
-// stripe's last rows take its tiles).
+// One block of mb rows (1..kMaxRows) x nt tiles (1..tiles_for(mb): a stripe's nt is tiles_for of its full
+// blocks' rows, and tiles_for never grows with the rows, so its last, shorter block fits too).
 template <int64_t Width, int MB, typename Out>
 void block_tiles(int nt, const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t m0, int64_t t0,
                  bool prefetch, const Output& o, Out Y) {
   switch (nt) {
-#define INFERD_TILES(n)                                             \
-  case n:                                                           \
-    if constexpr (n <= std::max(tiles_for(MB), tiles_for(kMaxRows))) \
-      return block<Width, MB, n>(P, tile_bytes, a, m0, t0, prefetch, o, Y);
+#define INFERD_TILES(n) \
+  case n:               \
+    if constexpr (n <= tiles_for(MB)) return block<Width, MB, n>(P, tile_bytes, a, m0, t0, prefetch, o, Y);
     INFERD_TILES(1)
     INFERD_TILES(2)
     INFERD_TILES(3)
