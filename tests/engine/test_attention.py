@@ -82,6 +82,29 @@ def test_a_few_long_requests_split_their_tokens_over_threads(threads, dtype, win
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_score_far_above_the_rest_is_found_at_every_length(dtype):
+    """The softmax subtracts each head's largest score: lengths 1-40 put the newest token's (here ~380, the
+    others near 0) in and past the kernel's runs of 16 scores, so a largest score missed anywhere would
+    overflow exp into inf and NaN. The answer is then that token's values, for every head."""
+    case = list(_case(5, 4, 1, batch=40, longest=41, first_len=40))
+    q, k_new, v_new, k_cache, v_cache, tables, seq_lens, slots = case
+    seq_lens = torch.arange(1, 41)
+    last = seq_lens - 1
+    bs = k_cache.shape[1]
+    slots = tables.gather(1, (last // bs)[:, None]).squeeze(1) * bs + last % bs
+    direction = torch.nn.functional.normalize(q[:, :1], dim=-1)  # every head of a request asks the same
+    q = direction.expand(-1, 4, -1) * 6.0
+    k_new = direction * 200.0
+    case = [t.to(dtype) if t.is_floating_point() else t for t in (q, k_new, v_new, k_cache, v_cache, tables,
+                                                                  seq_lens, slots)]  # fmt: skip
+    got = _run(paged_decode_kernel(), case, None, None).float().view(40, 4, -1)
+    assert torch.isfinite(got).all()
+    expected = case[2].float().expand(-1, 4, -1)  # v_new, as the kernel's dtype holds it
+    assert torch.allclose(got, expected, atol=2e-2, rtol=1e-2)
+
+
+@needs_kernel
 def test_kernel_splits_work_over_torchs_threads():
     """Built without OpenMP, at::parallel_for's inline region is ignored and the kernel runs on one thread."""
     assert paged_decode_threads() == torch.get_num_threads()
