@@ -49,6 +49,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "fast_exp.h"
@@ -134,10 +135,15 @@ void run(const torch::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t d, c
   });
 }
 
-// src's d values into dst in the cache's type C (a copy, or float32 rounded to nearest even bfloat16)
+// src's d values into dst in the cache's type C: the bytes where C is T (a bf16 row through float and back was
+// a fifth of a 512-token prefill's qk_norm_rope), else float32 rounded to nearest even bfloat16
 template <typename C, typename T>
 inline void put_row(C* dst, const T* src, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<C>(f(src[i]));
+  if constexpr (std::is_same_v<C, T>) {
+    std::memcpy(dst, src, d * sizeof(C));
+  } else {
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<C>(f(src[i]));
+  }
 }
 
 // token t's k heads (from k) and v heads (qkv's columns after q and k) into the caches' row slots[t]
