@@ -183,12 +183,20 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for group in order for item in group]
 
 
+def cpu_feature_marks(missing: bool, reason: str) -> list:
+    """The marks that skip a test where this CPU lacks (or has) the feature it is about, with `reason`: the only
+    skip CI allows (`pytest.mark.cpu_feature` on a test that calls `pytest.skip` itself does the same). As a
+    list, for `pytest.param(..., marks=...)`; `cpu_feature` applies them to a test."""
+    return [pytest.mark.cpu_feature, pytest.mark.skipif(missing, reason=reason)]
+
+
 def cpu_feature(missing: bool, reason: str):
-    """Skip a test where this CPU lacks (or has) the feature it is about, with `reason`; the only skip CI allows
-    (`pytest.mark.cpu_feature` on a test that calls `pytest.skip` itself does the same)."""
+    """A decorator: `cpu_feature_marks` on a test."""
 
     def mark(test):
-        return pytest.mark.cpu_feature(pytest.mark.skipif(missing, reason=reason)(test))
+        for m in cpu_feature_marks(missing, reason):
+            test = m(test)
+        return test
 
     return mark
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from inferd import cpu
+from tests.conftest import cpu_feature_marks
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the tests run under each cap: exact greedy decoding on every architecture, the kernels' own checks
@@ -38,9 +39,13 @@ def _lowers_this_cpu(cap: str) -> bool:
 @pytest.mark.parametrize(
     "cap",
     [
-        pytest.param(cap, marks=[pytest.mark.cpu_feature, pytest.mark.skipif(not _lowers_this_cpu(cap), reason=why)])
+        pytest.param(
+            cap,
+            marks=cpu_feature_marks(
+                not _lowers_this_cpu(cap), f"this CPU has nothing above {cap}: its own run is the capped one"
+            ),
+        )
         for cap in cpu.ISA_CAPS
-        for why in [f"this CPU has nothing above {cap}: its own run is the capped one"]
     ],
 )
 def test_the_paths_of_a_lesser_cpu_kind_pass_under_its_cap(cap, tmp_path):
