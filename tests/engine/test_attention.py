@@ -25,12 +25,16 @@ def _case(
     head_dim: int = 32,
     longest: int = 40,
     first_len: int | None = None,
+    lens: torch.Tensor | None = None,
 ):
+    """`lens`: every request's length (batch of them, each below `longest`), else random; `first_len`: the first's."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = max(64, batch * -(-longest // block_size))
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     seq_lens = torch.randint(1, longest, (batch,), generator=g)
+    if lens is not None:
+        seq_lens = lens.clone()
     if first_len is not None:
         seq_lens[0] = first_len
     width = int((seq_lens.max() + block_size - 1) // block_size)
@@ -87,12 +91,8 @@ def test_a_score_far_above_the_rest_is_found_at_every_length(dtype):
     """The softmax subtracts each head's largest score: lengths 1-40 put the newest token's (here ~380, the
     others near 0) in and past the kernel's runs of 16 scores, so a largest score missed anywhere would
     overflow exp into inf and NaN. The answer is then that token's values, for every head."""
-    case = list(_case(5, 4, 1, batch=40, longest=41, first_len=40))
-    q, k_new, v_new, k_cache, v_cache, tables, seq_lens, slots = case
-    seq_lens = torch.arange(1, 41)
-    last = seq_lens - 1
-    bs = k_cache.shape[1]
-    slots = tables.gather(1, (last // bs)[:, None]).squeeze(1) * bs + last % bs
+    q, k_new, v_new, k_cache, v_cache, tables, seq_lens, slots = _case(5, 4, 1, batch=40, longest=41,
+                                                                       lens=torch.arange(1, 41))  # fmt: skip
     direction = torch.nn.functional.normalize(q[:, :1], dim=-1)  # every head of a request asks the same
     q = direction.expand(-1, 4, -1) * 6.0
     k_new = direction * 200.0
