@@ -207,8 +207,8 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_
   return r;
 }
 
-// The next stripe's weights, which the blocks after a stripe's first ask for into L2 a few lines a group (one a
-// quad on average), so the next stripe's first block finds them there: its own prefetching, a few KB ahead of
+// The next stripe's weights, which the blocks after a stripe's first ask for into L2 one line a quad, so the
+// next stripe's first block finds them there: its own prefetching, a few KB ahead of
 // its loads, left the memory idle while the stripe's other blocks computed. Per thread (set in compute()).
 // Without AMX: a 32-row step of Gemma 3 270M 1.067x, the LM head alone at 32 rows 1.33x (Xeon capped at
 // avx512-bf16); 1 and 4 rows, which take one block a stripe or run on memory's speed, unchanged.
@@ -338,15 +338,31 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
     }
   const uint8_t* base = P + t0 * tile_bytes;
   for (int64_t g = 0; g < a.groups; ++g) {
-    if constexpr (!prefetch)  // outside the loop below: a branch there would bring back the copies
-      for (int64_t i = 0; i < Width / 4 && ahead.lines > 0; ++i, --ahead.lines, ahead.p += 64)
-        _mm_prefetch(ahead.p, _MM_HINT_T1);
+    // the next stripe's lines, one a quad (a burst of them at the group's start stalled the core once the
+    // line fill buffers were full); where fewer than a group's lines remain, those go at once and each quad asks
+    // again for a line of this block's own, already in cache (no branch in the loop: see dpbusd_into)
+    const char* pf = reinterpret_cast<const char*>(base);
+    int64_t pf_step = 0;
+    if constexpr (!prefetch) {
+      if (ahead.lines >= Width / 4) {
+        pf = ahead.p;
+        pf_step = 64;
+        ahead.lines -= Width / 4;
+        ahead.p += Width / 4 * 64;
+      } else {
+        for (; ahead.lines > 0; --ahead.lines, ahead.p += 64) _mm_prefetch(ahead.p, _MM_HINT_T1);
+      }
+    }
     __m512i acc[MB][NT];
     for (int m = 0; m < MB; ++m) {
       const __m512i start = _mm512_set1_epi32(a.init[(m0 + m) * a.groups + g]);
       for (int t = 0; t < NT; ++t) acc[m][t] = start;
     }
     for (int64_t j = g * Width / 4; j < (g + 1) * Width / 4; ++j) {
+      if constexpr (!prefetch) {
+        _mm_prefetch(pf, _MM_HINT_T1);
+        pf += pf_step;
+      }
       __m512i w[NT];
       for (int t = 0; t < NT; ++t) {
         const uint8_t* p = base + t * tile_bytes + j * 64;
