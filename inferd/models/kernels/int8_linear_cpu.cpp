@@ -337,6 +337,11 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
       if constexpr (!in_registers) _mm512_store_ps(f[m][t], fr[m][t]);
     }
   const uint8_t* base = P + t0 * tile_bytes;
+  // Where the stripe is this block alone (up to kMaxRows rows), each tile's prefetch stream goes on past the
+  // tile's end into the next stripe's tile t rather than into tile t + 1, which this block reads already: the
+  // next stripe's first 4 KiB of each tile are then asked for too. Where more blocks follow, the next stripe is
+  // theirs to fetch (Ahead), and this block's L1 is left to the stripe's weights.
+  const int64_t jump = a.M <= MB ? (NT - 1) * tile_bytes : 0;
   for (int64_t g = 0; g < a.groups; ++g) {
     // the next stripe's lines, one a quad (a burst of them at the group's start stalled the core once the
     // line fill buffers were full); where fewer than a group's lines remain, those go at once and each quad asks
@@ -364,9 +369,10 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
         pf += pf_step;
       }
       __m512i w[NT];
+      const int64_t pf_at = j * 64 + kPrefetchBytes + (j * 64 + kPrefetchBytes >= tile_bytes ? jump : 0);
       for (int t = 0; t < NT; ++t) {
         const uint8_t* p = base + t * tile_bytes + j * 64;
-        if constexpr (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+        if constexpr (prefetch) _mm_prefetch(reinterpret_cast<const char*>(base + t * tile_bytes + pf_at), _MM_HINT_T0);
         w[t] = _mm512_loadu_si512(p);
       }
       for (int m = 0; m < MB; ++m) {
@@ -520,6 +526,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
            const Output& o, Out Y) {
   alignas(32) float f[MB][NT * kTile] = {};
   const uint8_t* base = P + t0 * tile_bytes;
+  const int64_t jump = a.M <= MB ? (NT - 1) * tile_bytes : 0;  // as in the AVX-512 blocks
   for (int64_t g = 0; g < a.groups; ++g) {
     __m256i acc[MB][2 * NT];
     for (int m = 0; m < MB; ++m) {
@@ -531,9 +538,10 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
       for (int h = 0; h < 2 * NT; ++h) acc[m][h] = start;
     }
     for (int64_t j = g * Width / 4; j < (g + 1) * Width / 4; ++j) {
+      const int64_t pf_at = j * 64 + kPrefetchBytes + (j * 64 + kPrefetchBytes >= tile_bytes ? jump : 0);
       for (int h = 0; h < 2 * NT; ++h) {
         const uint8_t* p = base + (h / 2) * tile_bytes + j * 64 + (h % 2) * 32;
-        if (prefetch && h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+        if (prefetch && h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(base + (h / 2) * tile_bytes + pf_at), _MM_HINT_T0);
         const Weights w(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         for (int m = 0; m < MB; ++m) acc[m][h] = w.dot(acc[m][h], _mm256_set1_epi32(a.quad(m0 + m, j)));
       }
