@@ -31,7 +31,7 @@ HEALTH_BOUND_S = 0.2
 STREAM_GAP_BOUND_S = 0.4
 # the cap is max_model_len x the longest token: 2,560 characters for the tiny model, 254k for gemma3-270m at
 # 8192 tokens; here it is raised, to just under the 2 MiB body cap, so that the longest prompts the server takes
-# need a while to tokenize (0.7-0.8 s each on the Xeon CI machines; 600k characters took 0.22-0.26 s, near the
+# need a while to tokenize (0.9-1.0 s each on the Xeon with AMX; 600k characters took 0.22-0.26 s, near the
 # /health bound, so a faster CPU would have hidden a stall)
 MAX_PROMPT_CHARS = 1_800_000
 
@@ -42,7 +42,6 @@ class Timings:
     health_at: list[float] = field(default_factory=list)  # when each /health was sent
     health_errors: list[str] = field(default_factory=list)
     chunks: list[float] = field(default_factory=list)  # arrival time of each stream chunk
-    stream_lines: list[str] = field(default_factory=list)
 
 
 def poll_health(url: str, stop: threading.Event, out: Timings) -> None:
@@ -67,7 +66,6 @@ def read_stream(url: str, started: threading.Event, stop: threading.Event, out: 
             for line in r.iter_lines():
                 if line:
                     out.chunks.append(time.perf_counter())
-                    out.stream_lines.append(line)
                     started.set()
                 if stop.is_set():
                     return
