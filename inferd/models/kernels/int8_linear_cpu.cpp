@@ -218,6 +218,21 @@ struct Ahead {
 };
 thread_local Ahead ahead;
 
+// Where a block's tile streams prefetch, kPrefetchBytes ahead of quad j (an offset from the tile's start). Past
+// the tile's end the stream ran on into tile t + 1, which the block reads already; where the stripe is this block
+// alone (a.M <= MB: up to kMaxRows rows) it goes on into the next stripe's tile t instead, so the next stripe's
+// first 4 KiB of each tile are asked for too. Where more blocks follow, the next stripe is theirs to fetch
+// (Ahead), and the first block's L1 is left to the stripe's weights.
+struct TileAhead {
+  int64_t tile_bytes, jump;
+  TileAhead(int64_t M, int MB, int NT, int64_t tile_bytes)
+      : tile_bytes(tile_bytes), jump(M <= MB ? (NT - 1) * tile_bytes : 0) {}
+  int64_t at(int64_t j) const {
+    const int64_t off = j * 64 + kPrefetchBytes;
+    return off >= tile_bytes ? off + jump : off;
+  }
+};
+
 // Where a block writes: rows m0.., tiles t0.. of y [M, N], with the per-row scale and bias.
 struct Output {
   int64_t N;
@@ -337,11 +352,7 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
       if constexpr (!in_registers) _mm512_store_ps(f[m][t], fr[m][t]);
     }
   const uint8_t* base = P + t0 * tile_bytes;
-  // Where the stripe is this block alone (up to kMaxRows rows), each tile's prefetch stream goes on past the
-  // tile's end into the next stripe's tile t rather than into tile t + 1, which this block reads already: the
-  // next stripe's first 4 KiB of each tile are then asked for too. Where more blocks follow, the next stripe is
-  // theirs to fetch (Ahead), and this block's L1 is left to the stripe's weights.
-  const int64_t jump = a.M <= MB ? (NT - 1) * tile_bytes : 0;
+  const TileAhead tile_ahead(a.M, MB, NT, tile_bytes);
   for (int64_t g = 0; g < a.groups; ++g) {
     // the next stripe's lines, one a quad (a burst of them at the group's start stalled the core once the
     // line fill buffers were full); where fewer than a group's lines remain, those go at once and each quad asks
@@ -369,7 +380,7 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
         pf += pf_step;
       }
       __m512i w[NT];
-      const int64_t pf_at = j * 64 + kPrefetchBytes + (j * 64 + kPrefetchBytes >= tile_bytes ? jump : 0);
+      const int64_t pf_at = tile_ahead.at(j);
       for (int t = 0; t < NT; ++t) {
         const uint8_t* p = base + t * tile_bytes + j * 64;
         if constexpr (prefetch) _mm_prefetch(reinterpret_cast<const char*>(base + t * tile_bytes + pf_at), _MM_HINT_T0);
@@ -526,7 +537,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
            const Output& o, Out Y) {
   alignas(32) float f[MB][NT * kTile] = {};
   const uint8_t* base = P + t0 * tile_bytes;
-  const int64_t jump = a.M <= MB ? (NT - 1) * tile_bytes : 0;  // as in the AVX-512 blocks
+  const TileAhead tile_ahead(a.M, MB, NT, tile_bytes);
   for (int64_t g = 0; g < a.groups; ++g) {
     __m256i acc[MB][2 * NT];
     for (int m = 0; m < MB; ++m) {
@@ -538,7 +549,7 @@ void block(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, int64_t
       for (int h = 0; h < 2 * NT; ++h) acc[m][h] = start;
     }
     for (int64_t j = g * Width / 4; j < (g + 1) * Width / 4; ++j) {
-      const int64_t pf_at = j * 64 + kPrefetchBytes + (j * 64 + kPrefetchBytes >= tile_bytes ? jump : 0);
+      const int64_t pf_at = tile_ahead.at(j);
       for (int h = 0; h < 2 * NT; ++h) {
         const uint8_t* p = base + (h / 2) * tile_bytes + j * 64 + (h % 2) * 32;
         if (prefetch && h % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(base + (h / 2) * tile_bytes + pf_at), _MM_HINT_T0);
