@@ -33,8 +33,10 @@ from inferd.cpu import KINDS  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
-# the kinds README's table shows: this project's machines of today
-README_KINDS = ("avx512-bf16", "xeon-amx")
+# the kinds README's table shows, this project's machines of today, each by its newest comparable runs; a kind
+# with none is shown by its stand-in's (a Zen 5 measured before its family was read is an `avx512-bf16`)
+README_KINDS = ("zen5", "xeon-amx", "zen3")
+README_STAND_INS = {"zen5": "avx512-bf16", "zen3": "avx2"}
 LEVELS = (1, 4, 16, 32)
 README_LEVELS = (1, 16, 32)  # README stays short: single stream, and the two loads the targets name
 # the columns of the side-by-side tables: inferd's default and best modes, then the peers
@@ -242,21 +244,49 @@ def peers_table(kind: str, runs: list[dict], detail: bool, shown: tuple[int, ...
     return table(["run", "c", *(label for _, label in COLUMNS)], rows)
 
 
+def readme_kinds(data: dict[str, list[dict]]) -> list[str]:
+    """The kinds README shows: for each of README_KINDS, it or its stand-in, whichever has the newer run that
+    set inferd beside a peer."""
+    shown = []
+    for kind in README_KINDS:
+        dated = [
+            (max(run.get("date") or "" for run, _ in current), k)
+            for k in (kind, README_STAND_INS.get(kind))
+            if k in data and (current := current_peer_runs(data[k], README_LEVELS))
+        ]
+        if dated:
+            shown.append(max(dated)[1])
+    return shown
+
+
 def render_how_fast() -> str:
     data = kinds_of("vs_peers")
-    lines = ["Output tokens/s, Gemma 3 270M, streaming, medians of 3 runs with the servers interleaved:", ""]
-    for kind in README_KINDS:
-        if kind not in data:
-            continue
-        lines += [f"**{cpu_label(kind, data[kind])}**", "", *peers_table(kind, data[kind], False, README_LEVELS), ""]
-        for run, levels in current_peer_runs(data[kind], README_LEVELS):
-            ratios = ratio_lines(run, levels, compact=True)
-            lines.append(f"- {run_label(run)}: " + "; ".join(ratios) + ".")
-        lines.append("")
-    lines += [
-        "Each row is one run; compare within a row (`—`: not in that run). Measure your CPU with "
-        f"`{REPRODUCE}` (setup: [benchmarks/README.md](benchmarks/README.md)); every kind measured, with "
-        "latencies: [docs/performance.md](docs/performance.md#against-vllm-and-llama-server).",
+    rows, notes = [], []
+    for kind in readme_kinds(data):
+        label = cpu_label(kind, data[kind])
+        for i, (run, levels) in enumerate(current_peer_runs(data[kind], README_LEVELS)):
+            for j, level in enumerate(levels):
+                cells = [cell(run, n, level, False) for n, _ in COLUMNS]
+                rows.append(
+                    [
+                        label if i == j == 0 else "",
+                        run.get("date") or "undated",
+                        str(level),
+                        *cells,
+                    ]
+                )
+            notes.append(f"- {label}, {run_label(run)}: " + "; ".join(ratio_lines(run, levels, compact=True)) + ".")
+    lines = [
+        "Output tokens/s, Gemma 3 270M, streaming, medians of 3 runs with the servers interleaved, on each kind of "
+        "CPU the project runs on (its newest runs; each row is one run: compare within a row, `—`: not in that "
+        "run):",
+        "",
+        *table(["CPU", "run", "c", *(label for _, label in COLUMNS)], rows),
+        "",
+        *notes,
+        "",
+        f"Measure your CPU with `{REPRODUCE}` (setup: [benchmarks/README.md](benchmarks/README.md)); every kind "
+        "measured, with latencies: [docs/performance.md](docs/performance.md#against-vllm-and-llama-server).",
     ]
     return "\n".join(lines) + "\n"
 
