@@ -24,6 +24,9 @@ from inferd.bench import runs
 RESULTS = Path(__file__).parent / "results"
 OUT_HELP = "results file (default: benchmarks/results/<benchmark>-<this CPU's kind>.json): a name there, or a path"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# what a run of repeated prompts records it did with inferd's prefix cache; the report reads a run without it as
+# one whose runs after the first were served their prompts' KV from the cache
+PREFIX_CACHE_RESET = "reset before each timed run"
 
 
 def median_time(fn: Callable[[], object], runs: int = 5, warmup: int = 1) -> float:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import OUT_HELP, machine, median_time, record_run
+from benchmarks.common import OUT_HELP, PREFIX_CACHE_RESET, machine, median_time, record_run
 from inferd import LLM, SamplingParams
 from inferd.config import DEFAULT_MODEL, engine_choices, engine_default
 from inferd.measure.hardware import best_time, matmul_peak, memory_bandwidth
@@ -41,6 +41,7 @@ def make_workload(n: int, seed: int, vocab_lo: int = 1000, vocab_hi: int = 200_0
 
 def run_inferd(llm: LLM, prompts, outputs) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+    llm.reset_prefix_cache()  # a run repeats the last one's prompts: none may be served from its cache
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t
@@ -278,6 +279,7 @@ def main() -> None:
             "attention_backend": args.attention_backend,
             "kv_cache_dtype": str(llm.engine.kv_dtype).removeprefix("torch."),
             "cpu_linear": args.cpu_linear,
+            "prefix_cache": PREFIX_CACHE_RESET,
         },
         "machine": info,
         "matmul_peak_gflops": {

@@ -55,6 +55,7 @@ def main() -> int:
     for _ in range(args.rounds):
         for prompt in PROMPTS:
             for mode, llm in llms.items():  # alternated request by request
+                llm.reset_prefix_cache()  # each round repeats the prompts
                 t = time.perf_counter()
                 out = llm.generate([prompt], params)[0].outputs[0].token_ids
                 seconds[mode].append(time.perf_counter() - t)

@@ -5,7 +5,10 @@ no quantization while `inferd serve` takes its default), with max_num_seqs = the
 batch sizes match and the difference is what HTTP, SSE and the step thread cost. Output tokens/s of both and their
 ratio go to benchmarks/results/server_overhead-<kind>.json, one run per invocation. Target: the server keeps
 >= 90% of offline throughput.
-The two run alternately (`--repeats`, medians), and each server run says where the cores' time went.
+The two run alternately (`--repeats`, medians), and each server run says where the cores' time went. Each side
+warms up on prompts of its own that are not timed, and the offline engine's prefix cache is reset before each
+timed run (a new server process starts with an empty one), so neither side is served a timed prompt from its
+cache.
 
     .venv/bin/python benchmarks/server_overhead.py --num-requests 64 --output-len 64
 """
@@ -72,10 +75,10 @@ def make_llm(args) -> LLM:
     return LLM(args.model, **engine_kwargs(args) | {"kv_cache_memory": parse_memory(args.kv_cache_memory)})
 
 
-def run_offline(args, llm: LLM, prompts: list[str]) -> dict:
+def run_offline(args, llm: LLM, prompts: list[str], warm: list[str]) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    warm = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[: args.concurrency], warm)  # warm-up: a short one left the first timed run slow
+    llm.generate(warm, params)  # warm-up: a short one left the first timed run slow
+    llm.reset_prefix_cache()  # the last repeat's prompts are this one's: none may be served from the cache
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -156,10 +159,12 @@ async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
     return tokens
 
 
-async def _drive(url: str, server_pid: int, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[int, float]:
+async def _drive(
+    url: str, server_pid: int, prompts: list[str], warm: list[str], concurrency: int, max_tokens: int
+) -> tuple[int, float]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(_one(client, p, max_tokens) for p in prompts[:concurrency]))  # warm-up
+        await asyncio.gather(*(_one(client, p, max_tokens) for p in warm))  # warm-up, on prompts not timed
         queue = list(reversed(prompts))
         total = 0
 
@@ -175,12 +180,12 @@ async def _drive(url: str, server_pid: int, prompts: list[str], concurrency: int
         return total, wall, cpu_split(server_pid, threads0, thread_cpu(server_pid), wall, client_s)
 
 
-def run_server(args, prompts: list[str]) -> dict:
+def run_server(args, prompts: list[str], warm: list[str]) -> dict:
     port = free_port()
     proc = start_server(args, port)
     try:
         url = f"http://127.0.0.1:{port}"
-        tokens, elapsed, cpu = asyncio.run(_drive(url, proc.pid, prompts, args.concurrency, args.output_len))
+        tokens, elapsed, cpu = asyncio.run(_drive(url, proc.pid, prompts, warm, args.concurrency, args.output_len))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -209,13 +214,15 @@ def main() -> None:
     p.add_argument("--out", help=OUT_HELP)
     args = p.parse_args()
 
-    prompts = make_prompts(args.num_requests, args.input_words)
+    # the warm-up's prompts (one per slot) are not timed: none of the timed prompts is cached on either side
+    prompts = make_prompts(args.num_requests + args.concurrency, args.input_words)
+    prompts, warm = prompts[: args.num_requests], prompts[args.num_requests :]
     llm = make_llm(args)
     runs = []
     for i in range(args.repeats):  # alternated, so a drift of the machine's speed hits both sides alike
-        offline = run_offline(args, llm, prompts)
+        offline = run_offline(args, llm, prompts, warm)
         print(f"offline: {offline['output_tokens_per_s']:.1f} output tok/s ({offline['seconds']:.1f} s)", flush=True)
-        server = run_server(args, prompts)
+        server = run_server(args, prompts, warm)
         print(f"server:  {server['output_tokens_per_s']:.1f} output tok/s ({server['seconds']:.1f} s)", flush=True)
         cpu = server["cpu"]
         print(

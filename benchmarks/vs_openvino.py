@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import OUT_HELP, machine, record_run  # noqa: E402
+from benchmarks.common import OUT_HELP, PREFIX_CACHE_RESET, machine, record_run  # noqa: E402
 from inferd.bench.peers import home_path, importable, peer_python, peers_dir  # noqa: E402
 
 VENV = peers_dir() / "openvino"
@@ -104,6 +104,7 @@ def run_inferd(llm, prompts: list[list[int]], outs: list[int]) -> dict:
     from inferd import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outs]
+    llm.reset_prefix_cache()  # every round sends the same prompts; OpenVINO runs with its prefix cache off
     start = time.perf_counter()
     done = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -148,6 +149,7 @@ def main() -> None:
         line = "  ".join(f"{k} {v[-1]['output_tokens'] / v[-1]['seconds']:.1f}" for k, v in rounds.items())
         print(f"round {r + 1}: output tok/s  {line}", flush=True)
     workload_rec = {"requests": args.requests, "seed": args.seed, "prompt_tokens": [lengths[0], lengths[-1]]}
+    workload_rec["prefix_cache"] = PREFIX_CACHE_RESET
     workload_rec |= {"prompt_tokens_total": sum(lengths), "output_tokens_total": sum(outs), **LIMITS}
     result = {"machine": machine(), "workload": workload_rec}
     result["engines"] = {

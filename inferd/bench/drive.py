@@ -226,7 +226,7 @@ def serve(
 ) -> Run:
     """Run `jobs` through the engine of `llm` and time everything (see the module docstring)."""
     engine = llm.engine
-    engine.kv.reset_prefix_cache()  # each run starts cold: an earlier run's prompts must not hit
+    llm.reset_prefix_cache()  # each run starts cold: an earlier run's prompts must not hit
     feeder = _Feeder(jobs, concurrency, static_batch, max_wait)
     counters = _spec_counters(engine)
     t0 = time.monotonic()

@@ -31,7 +31,7 @@ def measure(ctx: LabContext) -> Measurement:
     n = dict(prefixes=w.prefixes, users=w.users, prefix_len=w.prefix_len)
     for caching in ("on", "off"):  # one engine
         llm = ctx.llm(enable_prefix_caching=caching == "on")
-        llm.engine.kv.reset_prefix_cache()
+        llm.reset_prefix_cache()
         run = serve(llm, [Job(p, 2) for p in w.prompts(0, vocab)], concurrency=4)
         n[f"ttft_{caching}_ms"] = run.metrics()["mean_ttft_ms"]
         n[f"computed_{caching}"] = sum(s.input_tokens - s.cached_tokens for s in run.served)

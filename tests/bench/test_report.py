@@ -39,3 +39,12 @@ def test_every_kind_of_today_with_a_comparable_run_is_shown_once():
     text = report.render_how_fast()
     for kind in shown:
         assert f"`{kind}`" in text
+
+
+def test_a_run_that_reused_its_prompts_from_the_prefix_cache_shows_its_first_round():
+    rounds = [400.0, 520.0, 540.0]
+    assert report.cold({"workload": {}}, rounds) == (400.0, True)
+    reset = {"workload": {"prefix_cache": report.PREFIX_CACHE_RESET}}
+    assert report.cold(reset, rounds) == (520.0, False)
+    assert report.cold({"workload": {}}, [400.0]) == (400.0, False)
+    assert report.cold({}, []) == (None, False)

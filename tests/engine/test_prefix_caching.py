@@ -127,3 +127,19 @@ def test_random_add_step_abort_leaves_every_block_free_or_cached(fuzz_llm, actio
     for rid in live:
         engine.abort(rid)
     assert_idle(fuzz_llm)
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_in_full(tiny_models):
+    """What a benchmark's repeated runs rely on: after `LLM.reset_prefix_cache` a prompt seen before hits nothing
+    and gives the same tokens."""
+    llm = LLM(str(tiny_models["gemma3"]), max_model_len=128, dtype="float32", num_blocks=64)
+    prompt = list(range(3, 3 + 48))
+    first = llm.generate([prompt], GREEDY)[0]
+    assert llm.reset_prefix_cache() is True
+    before = llm.engine.kv.stats.hits
+    again = llm.generate([prompt], GREEDY)[0]
+    assert llm.engine.kv.stats.hits == before
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.generate([prompt], GREEDY)  # cached again once computed: the reset forgot, it did not switch caching off
+    assert llm.engine.kv.stats.hits - before == 32
+    assert_idle(llm)
