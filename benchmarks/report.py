@@ -268,15 +268,8 @@ def render_how_fast() -> str:
         label = cpu_label(kind, data[kind])
         for i, (run, levels) in enumerate(current_peer_runs(data[kind], README_LEVELS)):
             for j, level in enumerate(levels):
-                cells = [cell(run, n, level, False) for n, _ in COLUMNS]
-                rows.append(
-                    [
-                        label if i == j == 0 else "",
-                        run.get("date") or "undated",
-                        str(level),
-                        *cells,
-                    ]
-                )
+                first = [label if i == j == 0 else "", run.get("date") or "undated", str(level)]
+                rows.append(first + [cell(run, n, level, False) for n, _ in COLUMNS])
             notes.append(f"- {label}, {run_label(run)}: " + "; ".join(ratio_lines(run, levels, compact=True)) + ".")
     lines = [
         "Output tokens/s, Gemma 3 270M, streaming, medians of 3 runs with the servers interleaved, on each kind of "
