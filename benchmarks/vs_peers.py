@@ -299,7 +299,8 @@ def servers(model: Model, port: int) -> dict[str, Server]:
     }
 
 
-CPU_FLAGS_FILE = "cpu-flags.txt"
+CPU_FLAGS_FILE = "cpu-flags.txt"  # a build's CPU, as builds before OPTIONS_FILE noted it
+OPTIONS_FILE = "ggml-cpu-options.txt"  # the CPU options a build was configured with
 
 
 def ggml_cpu_options() -> list[str]:
@@ -313,13 +314,15 @@ def ggml_cpu_options() -> list[str]:
 
 
 def built_for_this_cpu(binary: Path) -> bool:
-    """False when the binary's build folder says it was built for a CPU with other flags (its features are
-    this CPU's, and a binary from another CPU may die with SIGILL); True when they match or nothing says (a
-    build from before the note)."""
-    note = binary.parent.parent / CPU_FLAGS_FILE
-    if not note.exists():
-        return True
-    return frozenset(note.read_text().partition(":")[2].split()) == cpu_flags()
+    """False when the binary's build folder says it was built with other CPU options than this CPU (under
+    `INFERD_MAX_CPU_ISA`, its capped features) gives: a binary from another CPU may die with SIGILL, and one
+    with features above the cap is not the capped CPU's peer. True when they match or nothing says."""
+    build = binary.parent.parent
+    if (build / OPTIONS_FILE).exists():
+        return (build / OPTIONS_FILE).read_text().split() == ggml_cpu_options()
+    if (build / CPU_FLAGS_FILE).exists():  # an older build's note: the CPU's flags
+        return frozenset((build / CPU_FLAGS_FILE).read_text().partition(":")[2].split()) == cpu_flags()
+    return True
 
 
 # -- setup ---------------------------------------------------------------------------------------------
@@ -338,18 +341,18 @@ def setup_commands(peer: str) -> list[str]:
         v = d / "llama-cpp-python"
         return [f"python3 -m venv {v}", f"{v}/bin/pip install 'llama-cpp-python[server]'"]
     if peer == "llama-server":
-        src = d / "llama.cpp"
+        src, build = d / "llama.cpp", peer_runs.llama_cpp_build_dir()
+        options = " ".join(ggml_cpu_options())
         return [
             f"mkdir -p {src}/sdist",
             f"{sys.executable} -m pip download --no-binary :all: --no-deps llama-cpp-python -d {src}/sdist",
             f"tar -xzf $(ls -t {src}/sdist/llama_cpp_python-*.tar.gz | head -1) -C {src}/sdist",
-            f"cmake -S $(ls -dt {src}/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1) -B {src}/build "
-            "-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF "
-            + " ".join(ggml_cpu_options()),
+            f"cmake -S $(ls -dt {src}/sdist/llama_cpp_python-*/vendor/llama.cpp | head -1) -B {build} "
+            f"-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF {options}",
             # llama-perplexity and llama-tokenize: the file's own perplexity (benchmarks/perplexity_vs_llama_cpp.py)
-            f"cmake --build {src}/build --target llama-server llama-perplexity llama-tokenize -j 2",
-            # built for this CPU's features: on another CPU it may die with SIGILL, so note which CPU it was
-            f"grep -m1 '^flags' /proc/cpuinfo > {src}/build/{CPU_FLAGS_FILE}",
+            f"cmake --build {build} --target llama-server llama-perplexity llama-tokenize -j 2",
+            # built for this CPU's features: on another CPU it may die with SIGILL, so note which they were
+            f"echo {options} > {build}/{OPTIONS_FILE}",
         ]
     raise SystemExit(f"unknown peer {peer!r}")
 

@@ -204,10 +204,18 @@ def peer_python(peer: str) -> Path:
     return peers_dir() / peer / "bin" / "python"
 
 
+def llama_cpp_build_dir() -> Path:
+    """Where `vs_peers.py --setup llama-server` builds llama.cpp: `build`, or `build-<cap>` under
+    `INFERD_MAX_CPU_ISA`, whose build takes only the CPU features below the cap (a Zen 3's or a Zen 5's
+    llama.cpp on a bigger CPU, beside the capped inferd)."""
+    cap = cpu.isa_cap()
+    return peers_dir() / "llama.cpp" / (f"build-{cap}" if cap else "build")
+
+
 def llama_cpp_bin(tool: str) -> Path:
     """A llama.cpp program (llama-server, llama-perplexity, llama-tokenize) as `vs_peers.py --setup
     llama-server` builds it."""
-    return peers_dir() / "llama.cpp" / "build" / "bin" / tool
+    return llama_cpp_build_dir() / "bin" / tool
 
 
 def importable(python: Path, module: str, name: str, timeout_s: float) -> str | None:

@@ -159,3 +159,24 @@ def test_targets_take_the_no_flags_server_against_vllms_faster_dtype_and_the_fas
     assert "c=16, no flags over vllm" in {t.name for t in peers.targets(peers.level_figures(servers))}
     summary = vs_peers.target(servers)["mixed"]
     assert summary["c=1, no flags over llama-server"]["met"] is False
+
+
+def test_llama_cpp_under_a_cap_is_its_own_build_with_the_capped_features(monkeypatch, tmp_path):
+    """A capped run's llama-server is built apart, from the capped flags, and a build is taken only where the
+    options it noted are the ones this CPU (capped or not) gives."""
+    monkeypatch.setattr(peers, "peers_dir", lambda: tmp_path)
+    monkeypatch.delenv(MAX_ISA_ENV, raising=False)
+    native = peers.llama_cpp_bin("llama-server")
+    monkeypatch.setenv(MAX_ISA_ENV, "avx2")
+    capped = peers.llama_cpp_bin("llama-server")
+    assert native.parent.parent.name == "build" and capped.parent.parent.name == "build-avx2"
+    assert "-DGGML_AVX512=OFF" in vs_peers.ggml_cpu_options()
+    setup = " ".join(vs_peers.setup_commands("llama-server"))
+    assert f"-B {capped.parent.parent} " in setup and "-DGGML_AVX512=OFF" in setup
+    build = capped.parent.parent
+    assert vs_peers.built_for_this_cpu(capped)  # nothing noted
+    build.mkdir(parents=True)
+    (build / vs_peers.OPTIONS_FILE).write_text(" ".join(vs_peers.ggml_cpu_options()) + "\n")
+    assert vs_peers.built_for_this_cpu(capped)
+    (build / vs_peers.OPTIONS_FILE).write_text(" ".join(vs_peers.ggml_cpu_options()).replace("=OFF", "=ON"))
+    assert not vs_peers.built_for_this_cpu(capped)
