@@ -44,7 +44,7 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: int, w
     built by submitting everything at once (concurrency 0 does that, for raw throughput).
     """
     engine = llm.engine
-    engine.kv.reset_prefix_cache()
+    llm.reset_prefix_cache()
     if warm_prefix:
         warm_prefixes(llm, prompts, warm_prefix)
     hits0, queries0 = engine.kv.stats.hits, engine.kv.stats.queries

@@ -49,7 +49,7 @@ class _TimedEvents(StepEvents):
 def _round(llm: LLM, prompts: list[list[int]], params: SamplingParams, events: StepEvents | None) -> list[float]:
     engine = llm.engine
     engine.events = events
-    engine.kv.reset_prefix_cache()
+    llm.reset_prefix_cache()
     for i, p in enumerate(prompts):
         engine.add_request(f"b-{i}", p, params)
     steps = []
