@@ -142,12 +142,14 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = ()
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached block no request holds; True when the index is left empty."""
         for block in self.blocks:
             if block.ref_cnt == 0:
                 self._evict(block)
         if self.tiers is not None:
             self.tiers.clear()
+        return not self._cached
 
     def snapshot(self) -> dict[BlockHash, tuple[BlockHash | None, list[int], str | None]]:
         """Every indexed block: key -> (parent key, token ids, adapter)."""
@@ -360,8 +362,8 @@ class KVCacheManager:
         # tail first, so the LRU queue evicts the end of a sequence before its shared head
         self.pool.free(reversed(blocks))
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
 
     def snapshot_events(self) -> list[KVCacheEvent]:
         """The whole cache as KV events: AllBlocksCleared, then every indexed block (a resync)."""
