@@ -30,13 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: make `inferd` importable from the checkout
 from benchmarks.common import PREFIX_CACHE_RESET  # noqa: E402
 from inferd.bench import peers  # noqa: E402
-from inferd.cpu import KINDS  # noqa: E402
+from inferd.cpu import KINDS, amd_core  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
 # the kinds README's table shows, this project's machines of today, each by its newest comparable runs; a kind
-# with none is shown by its stand-in's (a Zen 5 measured before its family was read is an `avx512-bf16`)
+# is shown by its stand-in's where those are newer (the AVX512_BF16 machines measured so far were Zen 4s, kind
+# `avx512-bf16`; the one `zen5` file is an outside probe's, which named no family)
 README_KINDS = ("zen5", "xeon-amx", "zen3")
 README_STAND_INS = {"zen5": "avx512-bf16", "zen3": "avx2"}
 LEVELS = (1, 4, 16, 32)
@@ -107,14 +108,17 @@ def mode_label(server: dict) -> str:
 
 
 def cpu_label(kind: str, runs: list[dict]) -> str:
-    """'Intel Xeon Processor, 2 vCPUs (`xeon-amx`)': the CPU model and cores the newest run that recorded
-    them gave; the kind's description where none did."""
+    """'AMD EPYC (Zen 4), 2 vCPUs, `avx512-bf16`': the CPU model (with its AMD core, where the run recorded its
+    family) and cores the newest run that recorded them gave; the kind's description where none did."""
     named = [r for r in runs if (r.get("cpu") or {}).get("model")] or runs
     run = named[-1]
     model = (run.get("cpu") or {}).get("model")
     if not model:
         return f"{KINDS.get(kind, kind)}, `{kind}`"
     model = re.sub(r"\((R|TM)\)", "", model).replace("  ", " ").strip()
+    core = amd_core(run["cpu"].get("flags"), run["cpu"].get("vendor"), run["cpu"].get("family"))
+    if core and "Zen" not in model:
+        model += f" ({core})"
     machine = run.get("machine") or {}
     cores = machine.get("cpu_count") or machine.get("cores")
     return f"{model}{f', {cores} vCPUs' if cores else ''}, `{kind}`"

@@ -9,7 +9,7 @@ Linux only (/proc/cpuinfo); elsewhere the flags are empty and the kind is "other
 imports: the model code, the benchmarks and the load generator all read it.
 
 `INFERD_MAX_CPU_ISA` runs this CPU as a lesser kind, as oneDNN's `ONEDNN_MAX_CPU_ISA` does for its kernels:
-`avx512-bf16` (a Zen 5's features: no AMX, no AVX512-FP16) or `avx2` (a Zen 3's: no AVX-512, no AVX-VNNI, no
+`avx512-bf16` (a Zen 4's or Zen 5's features: no AMX, no AVX512-FP16) or `avx2` (a Zen 3's: no AVX-512, no AVX-VNNI, no
 AMX). The flags every choice reads lose the features above the cap, the native kernels are compiled without
 them (`compiler_flags`), and torch's own kernels are capped too (`ONEDNN_MAX_CPU_ISA`, `ATEN_CPU_CAPABILITY`,
 set on `import inferd` unless already set), so one machine runs, and tests, the code paths of the kinds below
@@ -29,14 +29,14 @@ VECTOR_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "am
 KINDS = {
     "xeon-amx": "AMX tiles (Intel Xeon, Sapphire Rapids and later)",
     "zen5": "AMD Zen 5: AVX-512 with AVX512_BF16 and VNNI, no AMX",
-    "avx512-bf16": "AVX-512 with AVX512_BF16, no AMX (not a Zen 5, or its family is not known)",
+    "avx512-bf16": "AVX-512 with AVX512_BF16, no AMX, not a Zen 5 (an AMD Zen 4, or a CPU whose family is not known)",
     "zen3": "AMD Zen 3: AVX2 only, no AVX-512, no native bf16",
     "avx2": "AVX2 only, no AVX-512, no native bf16 (not a Zen 3, or its family is not known)",
     "other": "no AVX2, or not an x86 CPU",
 }
 _AMD = "AuthenticAMD"
 _ZEN5_FAMILY = 26  # 0x1a
-_ZEN3_FAMILY = 25  # 0x19 (Zen 4 too, which has AVX-512)
+_ZEN3_FAMILY = 25  # 0x19: Zen 3, and Zen 4 (which has AVX-512)
 
 MAX_ISA_ENV = "INFERD_MAX_CPU_ISA"
 
@@ -131,14 +131,27 @@ def cpu_kind(flags=None, vendor: str | None = None, family: int | None = None) -
         flags, ident = cpu_flags(), cpu_identity()
         vendor, family = ident["vendor"], ident["family"]
     have = set(flags)
+    core = amd_core(have, vendor, family)
     if {"amx_tile", "amx_bf16"} & have:
         return "xeon-amx"
     if "avx512_bf16" in have:
-        return "zen5" if vendor == _AMD and family == _ZEN5_FAMILY else "avx512-bf16"
+        return "zen5" if core == "Zen 5" else "avx512-bf16"
     if "avx2" in have:
-        avx512 = "avx512f" in have
-        return "zen3" if vendor == _AMD and family == _ZEN3_FAMILY and not avx512 else "avx2"
+        return "zen3" if core == "Zen 3" else "avx2"
     return "other"
+
+
+def amd_core(flags, vendor: str | None, family: int | None) -> str | None:
+    """'Zen 4': the AMD core of a vendor, family and flags (Zen 3 and Zen 4 share family 25, and only Zen 4
+    has AVX-512); None for another vendor or family, or where they are not known. A VM's model name is often
+    just 'AMD EPYC', so this is what tells its figures apart."""
+    if vendor != _AMD:
+        return None
+    if family == _ZEN5_FAMILY:
+        return "Zen 5"
+    if family == _ZEN3_FAMILY:
+        return "Zen 4" if "avx512f" in set(flags or ()) else "Zen 3"
+    return None
 
 
 def vector_flags(flags) -> str | None:

@@ -34,6 +34,21 @@ def test_the_kind_follows_the_vector_features(flags, vendor, family, kind):
     assert cpu.cpu_kind(flags, vendor, family) == kind and kind in cpu.KINDS
 
 
+@pytest.mark.parametrize(
+    "flags, vendor, family, core",
+    [
+        (BF16, "AuthenticAMD", 26, "Zen 5"),
+        (BF16, "AuthenticAMD", 25, "Zen 4"),
+        ({"avx2", "fma"}, "AuthenticAMD", 25, "Zen 3"),
+        ({"avx2", "fma"}, "AuthenticAMD", 23, None),
+        (AMX, "GenuineIntel", 6, None),
+        (BF16, None, None, None),
+    ],
+)
+def test_an_amd_core_is_told_by_its_family_and_avx512(flags, vendor, family, core):
+    assert cpu.amd_core(flags, vendor, family) == core
+
+
 def test_this_machine_has_a_kind():
     assert cpu.cpu_kind() in cpu.KINDS
     assert cpu.vector_flags(None) is None and cpu.vector_flags({"avx2", "fma"}) == "avx2"

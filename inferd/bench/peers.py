@@ -206,7 +206,7 @@ def peer_python(peer: str) -> Path:
 
 def llama_cpp_build_dir() -> Path:
     """Where `vs_peers.py --setup llama-server` builds llama.cpp: `build`, or `build-<cap>` under
-    `INFERD_MAX_CPU_ISA`, whose build takes only the CPU features below the cap (a Zen 3's or a Zen 5's
+    `INFERD_MAX_CPU_ISA`, whose build takes only the CPU features below the cap (a Zen 3's or a Zen 4's
     llama.cpp on a bigger CPU, beside the capped inferd)."""
     cap = cpu.isa_cap()
     return peers_dir() / "llama.cpp" / (f"build-{cap}" if cap else "build")
