@@ -9,11 +9,11 @@ Linux only (/proc/cpuinfo); elsewhere the flags are empty and the kind is "other
 imports: the model code, the benchmarks and the load generator all read it.
 
 `INFERD_MAX_CPU_ISA` runs this CPU as a lesser kind, as oneDNN's `ONEDNN_MAX_CPU_ISA` does for its kernels:
-`avx512-bf16` (a Zen 4's or Zen 5's features: no AMX, no AVX512-FP16) or `avx2` (a Zen 3's: no AVX-512, no AVX-VNNI, no
-AMX). The flags every choice reads lose the features above the cap, the native kernels are compiled without
-them (`compiler_flags`), and torch's own kernels are capped too (`ONEDNN_MAX_CPU_ISA`, `ATEN_CPU_CAPABILITY`,
-set on `import inferd` unless already set), so one machine runs, and tests, the code paths of the kinds below
-its own. Results files are kept per real kind, so a benchmark refuses to file a capped run there.
+`avx512-bf16` (a Zen 4's or Zen 5's features: no AMX, no AVX512-FP16) or `avx2` (a Zen 3's: no AVX-512, no AVX-VNNI,
+no AMX). The flags every choice reads lose the features above the cap, the native kernels are compiled without them
+(`compiler_flags`), and torch's own kernels are capped too (`ONEDNN_MAX_CPU_ISA`, `ATEN_CPU_CAPABILITY`, set on
+`import inferd` unless already set), so one machine runs, and tests, the code paths of the kinds below its own.
+Results files are kept per real kind, so a benchmark refuses to file a capped run there.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ KINDS = {
 }
 _AMD = "AuthenticAMD"
 _ZEN5_FAMILY = 26  # 0x1a
-_ZEN3_FAMILY = 25  # 0x19: Zen 3, and Zen 4 (which has AVX-512)
+_ZEN3_ZEN4_FAMILY = 25  # 0x19: Zen 3, and Zen 4 (which has AVX-512)
 
 MAX_ISA_ENV = "INFERD_MAX_CPU_ISA"
 
@@ -149,7 +149,7 @@ def amd_core(flags, vendor: str | None, family: int | None) -> str | None:
         return None
     if family == _ZEN5_FAMILY:
         return "Zen 5"
-    if family == _ZEN3_FAMILY:
+    if family == _ZEN3_ZEN4_FAMILY:
         return "Zen 4" if "avx512f" in set(flags or ()) else "Zen 3"
     return None
 
