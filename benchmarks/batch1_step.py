@@ -2,9 +2,10 @@
 
 For each mode the engine decodes one request and the step is timed (median of `--steps`); the weights the
 step reads are summed (`inferd.measure.model.weight_bytes`: the linear layers as stored, the LM head's
-tiles included), so the JSON says how close each mode comes to the machine's memory bandwidth,
-measured in the same run. Modes are loaded one after another and the whole list is repeated (`--rounds`),
-so a drift of the machine's speed shows up as a spread rather than as a difference between modes.
+tiles included), so the JSON says how close each mode comes to the machine's memory bandwidth, probed right
+after each mode's steps (a VM's bandwidth drifts by a third within minutes). Modes are loaded one after
+another and the whole list is repeated (`--rounds`), so a drift of the machine's speed shows up as a spread
+rather than as a difference between modes.
 
     .venv/bin/python -m benchmarks.batch1_step --modes default,auto,int8,int4,fp32
 """
@@ -49,7 +50,7 @@ def time_mode(model_name: str, settings: dict, steps: int) -> dict:
     return {"step_s": statistics.median(times), "weights_bytes": weight_bytes(engine.model)}
 
 
-def mode_summary(mode: str, runs: list[dict], bandwidth: float) -> dict:
+def mode_summary(mode: str, runs: list[dict]) -> dict:
     step = statistics.median(x["step_s"] for x in runs)
     size = runs[0]["weights_bytes"]
     return {
@@ -58,7 +59,9 @@ def mode_summary(mode: str, runs: list[dict], bandwidth: float) -> dict:
         "median_step_s": step,
         "tokens_per_s": 1 / step,
         "weights_bytes": size,
-        "fraction_of_bandwidth": size / step / 1e9 / bandwidth,
+        # each round's read rate over the bandwidth probed right after it: the VM's bandwidth drifts by a
+        # third within minutes, so a probe taken once, apart from the steps, says little about them
+        "fraction_of_bandwidth": statistics.median(x["read_gbs"] / x["bandwidth_gbs"] for x in runs),
     }
 
 
@@ -74,21 +77,23 @@ def main() -> None:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
-    bandwidth = memory_bandwidth() / 1e9
     rounds: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode in modes:
             res = time_mode(args.model, MODES[mode], args.steps)
             res["read_gbs"] = res["weights_bytes"] / res["step_s"] / 1e9
+            res["bandwidth_gbs"] = memory_bandwidth() / 1e9
             rounds[mode].append(res)
             print(f"round {r + 1} {mode:5s} step {res['step_s'] * 1e3:.1f} ms, weights "
-                  f"{res['weights_bytes'] / 1e6:.0f} MB, {res['read_gbs']:.1f} GB/s", flush=True)  # fmt: skip
+                  f"{res['weights_bytes'] / 1e6:.0f} MB, {res['read_gbs']:.1f} GB/s, "
+                  f"probe {res['bandwidth_gbs']:.1f} GB/s", flush=True)  # fmt: skip
+    bandwidth = statistics.median(x["bandwidth_gbs"] for runs in rounds.values() for x in runs)
     result = {
         "model": args.model,
         "machine": machine(),
-        "memory_read_gbs": bandwidth,
+        "memory_read_gbs": bandwidth,  # the median of the probes, one after each mode's steps
         "steps_timed": args.steps,
-        "modes": {m: mode_summary(m, runs, bandwidth) for m, runs in rounds.items()},
+        "modes": {m: mode_summary(m, runs) for m, runs in rounds.items()},
     }
     path = record_run("batch1_step", result, sys.argv, args.out)
     print(f"memory read bandwidth {bandwidth:.1f} GB/s; wrote {path}")
