@@ -244,10 +244,14 @@ def target_line(run: dict, levels: list[int]) -> str | None:
 
 def peers_table(kind: str, runs: list[dict], detail: bool, shown: tuple[int, ...] = LEVELS) -> list[str]:
     rows = []
-    for run, levels in current_peer_runs(runs, shown):
-        for level in levels:
-            rows.append([run.get("date") or "undated", str(level), *(cell(run, n, level, detail) for n, _ in COLUMNS)])
+    for level, run in by_level(current_peer_runs(runs, shown)):
+        rows.append([run.get("date") or "undated", str(level), *(cell(run, n, level, detail) for n, _ in COLUMNS)])
     return table(["run", "c", *(label for _, label in COLUMNS)], rows)
+
+
+def by_level(current: list[tuple[dict, list[int]]]) -> list[tuple[int, dict]]:
+    """(level, the run it is shown from), lowest concurrency first, whichever run each came from."""
+    return sorted(((level, run) for run, levels in current for level in levels), key=lambda x: x[0])
 
 
 def readme_kinds(data: dict[str, list[dict]]) -> list[str]:
@@ -270,13 +274,14 @@ def render_how_fast() -> str:
     rows, notes = [], []
     for kind in readme_kinds(data):
         label = cpu_label(kind, data[kind])
-        for i, (run, levels) in enumerate(current_peer_runs(data[kind], README_LEVELS)):
-            for j, level in enumerate(levels):
-                first = [label if i == j == 0 else "", run.get("date") or "undated", str(level)]
-                rows.append(first + [cell(run, n, level, False) for n, _ in COLUMNS])
+        current = current_peer_runs(data[kind], README_LEVELS)
+        for i, (level, run) in enumerate(by_level(current)):
+            first = [label if i == 0 else "", run.get("date") or "undated", str(level)]
+            rows.append(first + [cell(run, n, level, False) for n, _ in COLUMNS])
+        for run, levels in current:
             notes.append(f"- {label}, {run_label(run)}: " + "; ".join(ratio_lines(run, levels, compact=True)) + ".")
     lines = [
-        "Output tokens/s, Gemma 3 270M, streaming, medians of 3 runs with the servers interleaved, on each kind of "
+        "Output tokens/s, Gemma 3 270M, streaming, medians of 3-5 runs with the servers interleaved, on each kind of "
         "CPU the project runs on (its newest runs; each row is one run: compare within a row, `—`: not in that "
         "run):",
         "",
