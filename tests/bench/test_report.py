@@ -1,6 +1,7 @@
 """README's speed table shows each kind of CPU the project runs on by its newest runs: a Zen 5 by its own
-results once they exist, by the `avx512-bf16` runs (a Zen 5 measured before its family was read) until then.
-Offline figures of a run that repeated its prompts on a warm prefix cache are shown by its first round."""
+results once they exist, by the `avx512-bf16` runs (the Zen 4s measured here) until then, each kind's levels
+in order of concurrency and its AMD core named. Offline figures of a run that repeated its prompts on a warm
+prefix cache are shown by its first round."""
 
 import copy
 
@@ -29,6 +30,20 @@ def test_stand_in_shown_until_its_kind_has_a_newer_run():
     assert report.readme_kinds(data) == ["zen5"]
     data["avx512-bf16"] = [_dated("2099-02-01 00:00 UTC")]
     assert report.readme_kinds(data) == ["avx512-bf16"]
+
+
+def test_levels_are_listed_by_concurrency_whichever_run_each_comes_from():
+    older, newer = _dated("2026-12-01 00:00 UTC"), _dated("2026-12-02 00:00 UTC")
+    shown = report.by_level([(older, [16, 32]), (newer, [1])])
+    assert [level for level, _ in shown] == [1, 16, 32]
+    assert shown[0][1] is newer and shown[1][1] is older
+
+
+def test_an_amd_cpu_is_labelled_with_its_core():
+    run = {"cpu": {"model": "AMD EPYC", "vendor": "AuthenticAMD", "family": 25, "flags": ["avx2", "avx512f"]}}
+    assert report.cpu_label("avx512-bf16", [run]).startswith("AMD EPYC (Zen 4)")
+    run["cpu"]["model"] = "AMD EPYC (Zen 5)"  # a model string that names its core keeps it
+    assert report.cpu_label("zen5", [run]).startswith("AMD EPYC (Zen 5),")
 
 
 def test_every_kind_of_today_with_a_comparable_run_is_shown_once():
