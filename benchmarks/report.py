@@ -112,11 +112,12 @@ def cpu_label(kind: str, runs: list[dict]) -> str:
     family) and cores the newest run that recorded them gave; the kind's description where none did."""
     named = [r for r in runs if (r.get("cpu") or {}).get("model")] or runs
     run = named[-1]
-    model = (run.get("cpu") or {}).get("model")
+    cpu = run.get("cpu") or {}
+    model = cpu.get("model")
     if not model:
         return f"{KINDS.get(kind, kind)}, `{kind}`"
     model = re.sub(r"\((R|TM)\)", "", model).replace("  ", " ").strip()
-    core = amd_core(run["cpu"].get("flags"), run["cpu"].get("vendor"), run["cpu"].get("family"))
+    core = amd_core(cpu.get("flags"), cpu.get("vendor"), cpu.get("family"))
     if core and "Zen" not in model:
         model += f" ({core})"
     machine = run.get("machine") or {}
