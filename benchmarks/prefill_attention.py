@@ -1,4 +1,4 @@
-"""Prefill attention: the native AMX-BF16 kernel against torch's SDPA, one layer and a whole prefill.
+"""Prefill attention: the native kernel (AMX-BF16 or AVX512_BF16) against torch's SDPA, one layer and a whole prefill.
 
 1. One layer of Gemma 3 270M's attention (4 query heads on one KV head, head_dim 256, causal, bf16) at each
    prompt length: the kernel reading K/V from a paged cache against `scaled_dot_product_attention` on the
@@ -6,7 +6,8 @@
 2. A whole prefill (one request, `max_tokens=1`) through two engines in one process, `--attention-backend
    torch` (SDPA) and the default (the kernel), alternated, medians of `--repeats`.
 
-Only where the CPU has AMX-BF16 (elsewhere the kernel is absent and the script says so).
+Only where the CPU has AMX-BF16 or AVX512_BF16 (elsewhere the kernel is absent and the script says so); the run
+records which the kernel took (`kernel_isa`).
 
     .venv/bin/python benchmarks/prefill_attention.py   # a run in results/prefill_attention-<kind>.json
     .venv/bin/python benchmarks/prefill_attention.py --lengths 128,290 --repeats 5 --quantization int8
@@ -80,7 +81,8 @@ def whole_prefill(lengths: list[int], repeats: int, quantization: str | None) ->
 def main() -> int:
     args = kernel_args(__doc__, [128, 290, 460, 1024])
     if cpu_kernels.prefill_attention_kernel() is None:
-        print("this CPU (or its OS) has no AMX-BF16, or the kernel did not build: nothing to compare", file=sys.stderr)
+        why = "this CPU has no AMX-BF16 or AVX512_BF16, or the kernel did not build"
+        print(f"{why}: nothing to compare", file=sys.stderr)
         return 1
     layers = [one_layer(n, args.repeats) for n in args.lengths]
     for r in layers:
@@ -95,6 +97,7 @@ def main() -> int:
         "prefill_attention",
         {
             "machine": machine(),
+            "kernel_isa": cpu_kernels.prefill_attention_isa(),
             "quantization": quantization,
             "repeats": args.repeats,
             "one_layer": layers,

@@ -470,7 +470,8 @@ def render_kernels() -> str:
                  for r in run["whole_prefill"]]  # fmt: skip
         lines += [f"Prefill attention, **{cpu_label(kind, runs)}**, {run_label(run)} "
                   f"(`benchmarks/results/prefill_attention-{kind}.json`):", ""]  # fmt: skip
-        lines += [*table(["tokens", "AMX-BF16 kernel, ms", "torch SDPA, ms", "speed-up"], rows), ""]
+        kernel = {"amx-bf16": "AMX-BF16", "avx512-bf16": "AVX512_BF16"}.get(run.get("kernel_isa", "amx-bf16"))
+        lines += [*table(["tokens", f"{kernel} kernel, ms", "torch SDPA, ms", "speed-up"], rows), ""]
     for kind, runs in kinds_of("kv_cache_dtype").items():
         run = runs[-1]
         names = list(run["tokens_in_2gib"])

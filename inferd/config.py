@@ -364,7 +364,7 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto",
         "attention: native CPU kernels where they build (auto; decode in fp32/bf16, prefill in bf16 on "
-        "AMX-BF16 CPUs), the decode kernel required (cpu-kernel), or the PyTorch reference (torch)",
+        "AMX-BF16 or AVX512_BF16 CPUs), the decode kernel required (cpu-kernel), or the PyTorch reference (torch)",
         choices=("auto", "cpu-kernel", "torch"),
     )
     quantization: str | None = setting(

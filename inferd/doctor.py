@@ -44,7 +44,7 @@ def report() -> dict:
     choice = dtypes.resolve_dtype("auto", device)
     weights = quant.resolve_quantization("auto", device, {"Q4_K": 1})  # what a quantized GGUF gets here
     weights_path = f"{weights.name or 'the dtype'} for a quantized checkpoint (a GGUF); a float one keeps its dtype"
-    prefill = cpu_kernels.prefill_attention_kernel() is not None
+    prefill = kernels["prefill_attention"].get("isa") if cpu_kernels.prefill_attention_kernel() else None
     int8 = kernels["int8_linear"].get("isa")
     int4 = kernels["int4_linear"].get("isa")
     gguf = kernels["gguf_linear"].get("isa")
@@ -52,9 +52,9 @@ def report() -> dict:
         "dtype (--dtype auto)": f"{choice.name} ({choice.reason})",
         "weights (--quantization auto)": weights_path,
         "decode attention": "native paged kernel" if built["paged_decode"] else "PyTorch reference",
-        "prefill attention (bf16)": "native AMX-BF16 kernel"
+        "prefill attention (bf16)": f"native kernel ({prefill})"
         if prefill
-        else "PyTorch SDPA" + ("" if not built["prefill_attention"] else " (this CPU has no AMX-BF16)"),
+        else "PyTorch SDPA" + ("" if not built["prefill_attention"] else " (this CPU has no AMX-BF16 or AVX512_BF16)"),
         "int8 weights": f"native kernel ({int8})" if int8 else "PyTorch reference",
         "int4 weights": f"native kernel ({int4})" if int4 else "unavailable (int4 needs its native kernel)",
         "GGUF blocks (--quantization gguf)": f"native kernel ({gguf})" if gguf else "unavailable (needs its kernel)",

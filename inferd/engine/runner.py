@@ -114,13 +114,14 @@ class ModelRunner:
         return kernel
 
     def _pick_prefill_kernel(self, backend: str):
-        """The AMX-BF16 prefill kernel for a bf16 cache on a CPU that has it; SDPA everywhere else."""
+        """The native prefill kernel (AMX-BF16 or AVX512_BF16) for bf16 on a CPU that has either; SDPA elsewhere."""
         if backend == "torch" or self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return None
-        from inferd.models.cpu_kernels import prefill_attention_kernel
+        from inferd.models.cpu_kernels import prefill_attention_isa, prefill_attention_kernel
 
         kernel = prefill_attention_kernel()
-        logger.info("prefill attention: %s", "native CPU kernel (AMX-BF16)" if kernel else "PyTorch SDPA")
+        how = f"native CPU kernel ({prefill_attention_isa()})" if kernel else "PyTorch SDPA"
+        logger.info("prefill attention: %s", how)
         return kernel
 
     @staticmethod

@@ -10,7 +10,7 @@ of doing paged attention without a custom kernel, so the runner sorts decodes by
 them into groups to keep the padding (copied and attended for nothing) small.
 
 Native CPU kernels take over where they are built (the runner puts them in the metadata): decodes in fp32 or
-bf16 (`kernels/paged_decode_cpu.cpp`), and prefill chunks in bf16 on CPUs with AMX-BF16
+bf16 (`kernels/paged_decode_cpu.cpp`), and prefill chunks in bf16 on CPUs with AMX-BF16 or AVX512_BF16
 (`kernels/prefill_attention_cpu.cpp`); both read K/V from the block tables in place.
 
 The cache may be fp8 (`--kv-cache-dtype`): new K/V are rounded into it as they are written, and every path
@@ -77,7 +77,8 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     #: the native kernel reading K/V in place (CPU, fp32 or bf16), or None for the PyTorch reference
     decode_kernel: Callable | None = None
-    #: the native prefill kernel (CPU, bf16, AMX-BF16; reads K/V in place, writes its output), or None for SDPA
+    #: the native prefill kernel (CPU, bf16, AMX-BF16 or AVX512_BF16; reads K/V in place, writes its output), or
+    #: None for SDPA
     prefill_kernel: Callable | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     _prefill_masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)

@@ -99,14 +99,21 @@ def paged_decode_threads() -> int:
 
 @functools.cache
 def _prefill_attention_module():
-    return _build("inferd_prefill_attention", _PREFILL_SOURCE, "CPU prefill attention kernel (AMX-BF16)")
+    return _build("inferd_prefill_attention", _PREFILL_SOURCE, "CPU prefill attention kernel (AMX-BF16, AVX512_BF16)")
 
 
 def prefill_attention_kernel() -> Callable | None:
     """The compiled `prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, window, softcap,
-    out)` (bfloat16, writes out), or None where the CPU or the OS has no AMX-BF16 or the build failed."""
+    out)` (bfloat16, writes out), or None where the CPU has neither AMX-BF16 (granted by the OS) nor AVX512_BF16,
+    or the build failed. The module's `isa()` says which its products run on."""
     module = _prefill_attention_module()
     return module.prefill_attention if module is not None and module.available() else None
+
+
+def prefill_attention_isa() -> str:
+    """What the prefill kernel's products run on here: `amx-bf16`, `avx512-bf16`, or `none` (SDPA stays)."""
+    module = _prefill_attention_module()
+    return "none" if module is None else module.isa()
 
 
 @functools.cache

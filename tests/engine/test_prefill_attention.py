@@ -1,7 +1,8 @@
-"""The native prefill attention kernel (AMX-BF16) against the PyTorch reference on the same bf16 values.
+"""The native prefill attention kernel (AMX-BF16 or AVX512_BF16) against the PyTorch reference on the same bf16
+values.
 
-Where the CPU has AMX-BF16 the kernel must be there and agree with SDPA computed in fp32 on the same rounded
-values; elsewhere it must be absent (the runner keeps SDPA) and refuse to run with a clear error.
+Where the CPU has AMX-BF16 or AVX512_BF16 the kernel must be there and agree with SDPA computed in fp32 on the
+same rounded values; elsewhere it must be absent (the runner keeps SDPA) and refuse to run with a clear error.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from inferd.models.attention import AttentionMetadata, PrefillChunk, paged_atten
 from tests.conftest import assert_idle, cpu_feature
 
 HAS_AMX_BF16 = {"amx_bf16", "amx_tile"} <= dtypes.cpu_flags()
+HAS_AVX512_BF16 = {"avx512_bf16", "avx512bw", "avx512vl"} <= dtypes.cpu_flags()
+HAS_PREFILL = HAS_AMX_BF16 or HAS_AVX512_BF16  # the CPUs the kernel runs on
 
 
 def _case(seed, heads, kv_heads, head_dim, block_size, chunks):
@@ -45,14 +48,16 @@ def _run(kernel, tensors, prefills, slots, window, softcap, dtype):
     return paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5, window, softcap)
 
 
-def test_the_kernel_is_there_exactly_where_the_cpu_has_amx_bf16():
-    assert (cpu_kernels.prefill_attention_kernel() is not None) == HAS_AMX_BF16
+def test_the_kernel_is_there_exactly_where_the_cpu_has_amx_bf16_or_avx512_bf16():
+    assert (cpu_kernels.prefill_attention_kernel() is not None) == HAS_PREFILL
+    want = "amx-bf16" if HAS_AMX_BF16 else "avx512-bf16" if HAS_AVX512_BF16 else "none"
+    assert cpu_kernels.prefill_attention_isa() == want
 
 
 CHUNKS = [(70, 0), (17, 37), (33, 0), (16, 100), (2, 5)]  # (new tokens, tokens computed before)
 
 
-needs_amx_bf16 = cpu_feature(not HAS_AMX_BF16, "the prefill kernel needs AMX-BF16, which this CPU lacks")
+needs_prefill = cpu_feature(not HAS_PREFILL, "the prefill kernel needs AMX-BF16 or AVX512_BF16, which this CPU lacks")
 
 CASES = [
     pytest.param(heads, kv_heads, head_dim, block_size, window, softcap)
@@ -71,7 +76,7 @@ def _error(got, ref) -> float:
     return float((got.float() - ref).norm() / ref.norm())
 
 
-@needs_amx_bf16
+@needs_prefill
 @pytest.mark.parametrize(ARGS, CASES)
 def test_kernel_matches_the_fp32_reference_on_the_same_values(heads, kv_heads, head_dim, block_size, window, softcap):
     tensors, prefills, slots = _case(heads + head_dim + block_size, heads, kv_heads, head_dim, block_size, CHUNKS)
@@ -96,17 +101,17 @@ def test_bf16_sdpa_matches_the_fp32_reference(heads, kv_heads, head_dim, block_s
     assert _error(got, ref) <= BF16_REL_NORM
 
 
-@cpu_feature(HAS_AMX_BF16, "this CPU has AMX-BF16: the kernel runs there (checked below)")
-def test_kernel_refuses_to_run_without_amx_bf16():
-    """The module builds on every CPU, and where there is no AMX-BF16 it refuses to run at all."""
+@cpu_feature(HAS_PREFILL, "this CPU has AMX-BF16 or AVX512_BF16: the kernel runs there (checked below)")
+def test_kernel_refuses_to_run_without_amx_bf16_or_avx512_bf16():
+    """The module builds on every CPU, and where there is neither it refuses to run at all."""
     kernel = cpu_kernels._prefill_attention_module().prefill_attention
     q = torch.zeros(3, 2, 32, dtype=torch.bfloat16)
     cache = torch.zeros(4, 4, 1, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="needs AMX-BF16"):
+    with pytest.raises(RuntimeError, match="needs AMX-BF16 .* or AVX512_BF16"):
         kernel(q, cache, cache, torch.zeros(2, dtype=torch.long), 0, 1.0, 0, 0.0, q.clone())
 
 
-@needs_amx_bf16
+@needs_prefill
 def test_kernel_rejects_what_it_cannot_run():
     kernel = cpu_kernels._prefill_attention_module().prefill_attention
     q = torch.zeros(3, 2, 32, dtype=torch.bfloat16)
@@ -136,7 +141,7 @@ def test_bf16_engine_with_chunks_and_cached_prefixes_agrees_with_sdpa(tiny_model
             max_num_batched_tokens=16,
             enable_prefix_caching=True,
         )
-        assert (llm.engine.runner.prefill_kernel is not None) == (backend == "auto" and HAS_AMX_BF16)
+        assert (llm.engine.runner.prefill_kernel is not None) == (backend == "auto" and HAS_PREFILL)
         llm.generate(prompts[:1], params)  # the prefix is cached for the others
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert_idle(llm)

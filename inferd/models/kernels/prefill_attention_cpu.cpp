@@ -1,10 +1,11 @@
-// Paged attention for prefill chunks on CPU with AMX-BF16: a chunk's queries attend its request's keys and
-// values read from the block table (earlier chunks', a prefix cache hit's and its own, already written), with
-// the causal mask, an optional sliding window and an optional logit softcap.
+// Paged attention for prefill chunks on CPU with AMX-BF16 or AVX512_BF16: a chunk's queries attend its request's
+// keys and values read from the block table (earlier chunks', a prefix cache hit's and its own, already written),
+// with the causal mask, an optional sliding window and an optional logit softcap.
 //
 // Why: torch's CPU flash attention ran a 290-token prompt's 18 layers of Gemma 3 270M (4 query heads on one KV
-// head, head_dim 256) at ~110 GFLOP/s here, 29 ms of a ~160 ms prefill step, and chunks with a context went
-// through a gather of their blocks and a masked SDPA. Here both matmuls are AMX tiles.
+// head, head_dim 256) at ~110 GFLOP/s on a Xeon, 29 ms of a ~160 ms prefill step, and at 55-85 GFLOP/s on a Zen 4
+// (128-512 keys); chunks with a context went through a gather of their blocks and a masked SDPA. Here both
+// matmuls are AMX tiles, or AVX512_BF16's vdpbf16ps on the same layouts where there is no AMX.
 //
 // Per KV head the chunk's keys [first, total) are copied once out of their blocks into the layouts AMX-BF16's
 // B tiles want: K as [D / 2][keys][2] (a B row is one pair of d for 16 keys: Q K^T), V as [keys / 2][D][2] (a
@@ -13,9 +14,12 @@
 //   softcap, mask, max, exp, sum), P = the exps rounded to bf16, O = P V (float32), out = O / sum (bf16).
 // The whole row of scores is kept (32 x keys floats in L2), not an online softmax: prompts here are hundreds
 // to a few thousand tokens. The items are claimed by the threads as they become free (work_queue.h): causal
-// rows further down see more keys.
+// rows further down see more keys. Without AMX a B row is one zmm register of 16 columns' pairs, and vdpbf16ps
+// adds a row's broadcast pair of A times it into 16 float sums: the same products as the tiles', in another
+// order of float additions.
 //
-// Only on CPUs with AMX-BF16 (`available()`); elsewhere the caller keeps PyTorch's SDPA.
+// Only on CPUs with AMX-BF16 (granted by the OS) or AVX512_BF16 (`available()`, `isa()`); elsewhere the
+// caller keeps PyTorch's SDPA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "amx.h"
@@ -36,8 +41,15 @@ using namespace inferd;
 
 namespace {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__))
+#define INFERD_PREFILL 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define INFERD_PREFILL_AMX 1
+#endif
+#if defined(__AVX512BF16__)
+#define INFERD_PREFILL_BF16 1
+#endif
 
 constexpr int64_t kRows = 32;  // query rows per work item: two A tiles
 constexpr int64_t kStep = 32;  // keys per step of either product; d per step of P V
@@ -59,6 +71,7 @@ struct Chunk {
   int64_t ctx, first, total, Lp;  // keys [first, total) are copied; Lp: their count rounded up to kStep
   int64_t window;                 // <= 0: none
   float scale, softcap;           // softcap <= 0: none
+  bool amx;                       // the products on AMX tiles, else on vdpbf16ps
 };
 
 // A cache value's bf16 bits: itself in a bf16 cache; an fp8 cache's, looked up (exact).
@@ -109,6 +122,7 @@ void repack(const Chunk& c, const C* k_cache, const C* v_cache, const int64_t* t
   });
 }
 
+#if defined(INFERD_PREFILL_AMX)
 // Two row tiles (32 query rows) x two column tiles, C tiles 4-7 = (A0, A1) x (B0, B1) over `steps` k-steps;
 // a(r, s) / b(t, s) give tile r's / t's source at step s. One row tile when `two_rows` is false.
 template <typename A, typename B>
@@ -139,6 +153,61 @@ inline void store_product(float* c, int64_t ld, bool two_rows) {
     _tile_stored(6, c + 16 * ld, ld * 4);
     _tile_stored(7, c + 16 * ld + 16, ld * 4);
   }
+}
+#endif
+
+#if defined(INFERD_PREFILL_BF16)
+// The same product without AMX: c[rows, 32] = A B over `steps` k-steps, A's rows 32 bf16 a step (a(r, s): row
+// tile r's 16 rows at step s, a_stride bytes apart), B a step's 16 rows of pairs for 16 columns (b(t, s): column
+// tile t's, b_stride bytes apart), each one zmm. Eight rows at a time: 16 float accumulators over two column
+// tiles, each row's pair of A broadcast once for both.
+template <typename A, typename B>
+inline void product_bf16(int64_t steps, bool two_rows, int64_t a_stride, int64_t b_stride, A a, B b, float* c,
+                         int64_t ld) {
+  constexpr int R = 8;
+  for (int64_t r0 = 0; r0 < (two_rows ? 32 : 16); r0 += R) {
+    __m512 acc[R][2];
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < steps; ++s) {
+      const uint8_t* ap = reinterpret_cast<const uint8_t*>(a(r0 / 16, s)) + (r0 % 16) * a_stride;
+      const uint8_t* b0 = reinterpret_cast<const uint8_t*>(b(0, s));
+      const uint8_t* b1 = reinterpret_cast<const uint8_t*>(b(1, s));
+      for (int p = 0; p < 16; ++p) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + p * b_stride);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + p * b_stride);
+        for (int i = 0; i < R; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, ap + i * a_stride + 4 * p, 4);
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, x);
+          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, x);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      _mm512_storeu_ps(c + (r0 + i) * ld, acc[i][0]);
+      _mm512_storeu_ps(c + (r0 + i) * ld + 16, acc[i][1]);
+    }
+  }
+}
+#endif
+
+// c [rows 0-15 | 16-31 (two_rows)] x [columns 0-31] (float, row stride ld floats) = A B, on whichever unit runs
+template <typename A, typename B>
+inline void block_product(bool amx, int64_t steps, bool two_rows, int64_t a_stride, int64_t b_stride, A a, B b,
+                          float* c, int64_t ld) {
+#if defined(INFERD_PREFILL_AMX)
+  if (amx) {
+    product(steps, two_rows, a_stride, b_stride, a, b);
+    store_product(c, ld, two_rows);
+    return;
+  }
+#endif
+#if defined(INFERD_PREFILL_BF16)
+  product_bf16(steps, two_rows, a_stride, b_stride, a, b, c, ld);
+#else
+  TORCH_CHECK(false, "prefill_attention: built without AVX512_BF16, and AMX is not granted");
+#endif
 }
 
 // Row r of scores s over keys [lo, hi) (relative to c.first) -> exps rounded to bf16 in p over [a, b), zero in
@@ -189,10 +258,9 @@ void attend_rows(const Chunk& c, const uint16_t* kb, const uint16_t* vb, int64_t
   const int64_t lo = (lo_pos - c.first) / kStep * kStep;
   const int64_t hi = (last + 1 - c.first + kStep - 1) / kStep * kStep;
   for (int64_t n0 = lo; n0 < hi; n0 += kStep) {  // S = Q K^T, 32 keys at a time
-    product(
-        D / 32, two, D * 2, Lp * 4, [&](int r, int64_t s) { return qbuf + r * 16 * D + 32 * s; },
-        [&](int t, int64_t s) { return kb + (16 * s) * 2 * Lp + 2 * (n0 + 16 * t); });
-    store_product(sbuf + n0, Lp, two);
+    block_product(
+        c.amx, D / 32, two, D * 2, Lp * 4, [&](int r, int64_t s) { return qbuf + r * 16 * D + 32 * s; },
+        [&](int t, int64_t s) { return kb + (16 * s) * 2 * Lp + 2 * (n0 + 16 * t); }, sbuf + n0, Lp);
   }
   float inv[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
@@ -206,10 +274,10 @@ void attend_rows(const Chunk& c, const uint16_t* kb, const uint16_t* vb, int64_t
     inv[r] = 1.f / softmax_row(c, sbuf + r * Lp, pbuf + r * Lp, lo, hi, a, pos + 1 - c.first);
   }
   for (int64_t d0 = 0; d0 < D; d0 += kStep) {  // O = P V, 32 of d at a time
-    product(
-        (hi - lo) / kStep, two, Lp * 2, D * 4, [&](int r, int64_t s) { return pbuf + r * 16 * Lp + lo + kStep * s; },
-        [&](int t, int64_t s) { return vb + ((lo + kStep * s) / 2) * 2 * D + 2 * (d0 + 16 * t); });
-    store_product(obuf + d0, D, two);
+    block_product(
+        c.amx, (hi - lo) / kStep, two, Lp * 2, D * 4,
+        [&](int r, int64_t s) { return pbuf + r * 16 * Lp + lo + kStep * s; },
+        [&](int t, int64_t s) { return vb + ((lo + kStep * s) / 2) * 2 * D + 2 * (d0 + 16 * t); }, obuf + d0, D);
   }
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* o = c.out + ((i0 + r) * c.H + h) * D;
@@ -226,7 +294,9 @@ void attend_chunk(const Chunk& c, const C* k_cache, const C* v_cache, const int6
   for (int64_t g = 0; g < c.KVH; ++g) repack(c, k_cache, v_cache, table, BS, g, kb.data() + g * Lp * D, vb.data() + g * Lp * D);
   // items: (query head, row block), the last row blocks (the most keys) first
   parallel_claim(c.H * blocks, 1, [&](auto each) {
-    configure_full_tiles();
+#if defined(INFERD_PREFILL_AMX)
+    if (c.amx) configure_full_tiles();
+#endif
     Buffer<uint16_t> qbuf(kRows * D), pbuf(kRows * Lp);
     Buffer<float> sbuf(kRows * Lp), obuf(kRows * D);
     each([&](int64_t item) {
@@ -234,19 +304,35 @@ void attend_chunk(const Chunk& c, const C* k_cache, const C* v_cache, const int6
       const int64_t g = h / G;
       attend_rows(c, kb.data() + g * Lp * D, vb.data() + g * Lp * D, h, block * kRows, qbuf.p, sbuf.p, pbuf.p, obuf.p);
     });
-    _tile_release();
+#if defined(INFERD_PREFILL_AMX)
+    if (c.amx) _tile_release();
+#endif
   });
 }
 #endif
 
 }  // namespace
 
-bool available() {
+// AMX's tiles where the build has them and the OS grants them, else AVX512_BF16's vdpbf16ps where built with it
+bool use_amx() {
 #if defined(INFERD_PREFILL_AMX)
   return amx_permitted();
 #else
   return false;
 #endif
+}
+
+bool available() {
+#if defined(INFERD_PREFILL_BF16)
+  return true;
+#else
+  return use_amx();
+#endif
+}
+
+std::string isa() {
+  if (use_amx()) return "amx-bf16";
+  return available() ? "avx512-bf16" : "none";
 }
 
 // q, out: [T, H, D] bfloat16 (out may be a slice of a larger contiguous tensor); k_cache, v_cache: [num_blocks,
@@ -255,7 +341,7 @@ bool available() {
 // softcap <= 0 mean none.
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                        int64_t context_len, double scale, int64_t window, double softcap, torch::Tensor out) {
-  TORCH_CHECK(available(), "prefill_attention: needs AMX-BF16, granted by the OS");
+  TORCH_CHECK(available(), "prefill_attention: needs AMX-BF16 (granted by the OS) or AVX512_BF16");
   const auto kv = k_cache.scalar_type();
   const bool kv_ok = kv == torch::kBFloat16 || is_fp8_type(kv);
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 && kv_ok &&
@@ -269,13 +355,13 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.dim() == 1, "prefill_attention: int64 table");
   const int64_t total = context_len + T;
   TORCH_CHECK(context_len >= 0 && block_table.numel() * BS >= total, "prefill_attention: the table is too short");
-#if defined(INFERD_PREFILL_AMX)
+#if defined(INFERD_PREFILL)
   const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window + 1) : 0;
   auto table = block_table.contiguous();
   auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
   const Chunk c{bits(q), bits(out), T, H, KVH, D, context_len, first, total,
                 (total - first + kStep - 1) / kStep * kStep, window, static_cast<float>(scale),
-                static_cast<float>(softcap)};
+                static_cast<float>(softcap), use_amx()};
   with_cache_type(kv, uint16_t{0}, [&](auto tag) {
     using C = decltype(tag);
     attend_chunk(c, reinterpret_cast<const C*>(k_cache.data_ptr()), reinterpret_cast<const C*>(v_cache.data_ptr()),
@@ -285,8 +371,10 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this CPU and OS run the kernel (AMX-BF16)");
-  m.def("prefill_attention", &prefill_attention, "paged causal attention for a prefill chunk (CPU, AMX-BF16)",
+  m.def("available", &available, "whether this CPU and OS run the kernel (AMX-BF16 or AVX512_BF16)");
+  m.def("isa", &isa, "what the products run on: amx-bf16, avx512-bf16 or none");
+  m.def("prefill_attention", &prefill_attention,
+        "paged causal attention for a prefill chunk (CPU, AMX-BF16 or AVX512_BF16)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"),
         py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("out"));
 }
