@@ -47,7 +47,7 @@ def time_mode(model_name: str, settings: dict, steps: int) -> dict:
         engine.step()
         times.append(time.perf_counter() - t)
     engine.abort("one")
-    return {"step_s": statistics.median(times), "weights_bytes": weight_bytes(engine.model)}
+    return {"step_s": statistics.median(times), "weights_bytes": weight_bytes(engine.model, rows=1)}
 
 
 def mode_summary(mode: str, runs: list[dict]) -> dict:

@@ -99,6 +99,7 @@ def fill_decode_batch(engine, prompts, max_tokens: int) -> list[str]:
 PARTS = {
     "attention": ("inferd::paged_decode_cpu",),
     "linears": ("inferd::int8_linear", "inferd::gguf_linear", "inferd::gguf_linear_dense", "inferd::int8_unpack")
+    + ("inferd::gguf_linear_compact",)
     + ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise")
     + ("aten::_weight_int8pack_mm",),  # int8 layers without the native kernel
     "lm_head": ("inferd::int8_argmax",),

@@ -28,6 +28,7 @@ def report() -> dict:
 
     from inferd import cpu
     from inferd.models import cpu_kernels, dtypes, huge_pages, quant
+    from inferd.models.gguf_blocks import COMPACT_MAX_ROWS
 
     flags = cpu.cpu_flags()
     built = cpu_kernels.build_all()
@@ -58,6 +59,9 @@ def report() -> dict:
         "int8 weights": f"native kernel ({int8})" if int8 else "PyTorch reference",
         "int4 weights": f"native kernel ({int4})" if int4 else "unavailable (int4 needs its native kernel)",
         "GGUF blocks (--quantization gguf)": f"native kernel ({gguf})" if gguf else "unavailable (needs its kernel)",
+        f"GGUF int8 layers, 1-{COMPACT_MAX_ROWS} rows": "the file's own blocks, compact (AVX-512 VNNI)"
+        if gguf and cpu_kernels.gguf_module().compact_available()
+        else "int8 (the compact tiles need AVX-512 VNNI)",
         "RMS norm, rotary, gated activations": "native kernels" if built["norm_rope"] else "PyTorch reference",
         "LoRA adapters' products": "native kernel" if built["lora"] else "PyTorch matmuls",
         "quantized weights' pages": huge_pages.describe(),

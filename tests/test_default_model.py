@@ -34,6 +34,12 @@ def test_the_default_mode_serves_the_gguf_in_int8_and_still_knows_paris():
     default = LLM(max_model_len=256, kv_cache_memory=64 * 1024**2)
     assert default.engine.quantization == "int8", default.engine.quant_choice
     assert "Q8_0" in default.engine.quant_choice.reason  # what the file stores, read from the GGUF
+    # a few rows read the file's own blocks: every body layer but the 9 down projections the file keeps in Q6_K
+    from inferd.models.cpu_kernels import gguf_module
+
+    compact = gguf_module() is not None and gguf_module().compact_available()
+    small = [m for m in default.engine.model.modules() if getattr(m, "small", None) is not None]
+    assert len(small) == (18 * 4 - 9 if compact else 0)
     out = default.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0]
     assert "Paris" in out.outputs[0].text
     assert_idle(default)

@@ -129,7 +129,15 @@ class Engine:
         self.quantization = self.quant_choice.name  # int8, int4, gguf, or None: the checkpoint's values in self.dtype
         logger.info("quantization: %s (%s)", self.quantization or "none", self.quant_choice.reason)
         self.model = loader.load_model(
-            folder, hf_config, self.dtype, self.device, self.max_model_len, config.cpu_linear, self.quantization, gguf
+            folder,
+            hf_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.cpu_linear,
+            self.quantization,
+            gguf,
+            self.quant_choice.small_on_blocks,
         )
         self.vocab_size = hf_config.vocab_size
         self.model_type = getattr(hf_config, "model_type", "")  # the family's formats (tool calls) follow it

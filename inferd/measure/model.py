@@ -22,9 +22,16 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elem_b
     return 2 * num_layers * num_kv_heads * head_dim * elem_bytes
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of weights one forward pass reads: every linear layer's, as stored (see the module docstring)."""
-    return sum(m.weight_bytes() for m in model.modules() if callable(getattr(m, "weight_bytes", None)))
+def weight_bytes(model: Any, rows: int | None = None) -> int:
+    """Bytes of weights one forward pass reads: every linear layer's, as stored (see the module docstring); of
+    `rows` activation rows, where a layer reads other weights for a few rows (`Int8Linear.bytes_at`)."""
+    total = 0
+    for m in model.modules():
+        if rows is not None and callable(getattr(m, "bytes_at", None)):
+            total += m.bytes_at(rows)
+        elif callable(getattr(m, "weight_bytes", None)):
+            total += m.weight_bytes()
+    return total
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ transformers does for Llama-family GGUFs). A layer whose tensor is missing, of a
 that does not match stays on the int8 path (`quant.Int8Linear`), and the log says which and why. The LM head's
 vocabulary tiles take their rows of the file's output (or tied embedding) tensor; the embedding lookup keeps
 the float table.
+
+`--quantization auto` serves such a file in int8 (faster from a few rows up), and gives each body layer whose
+blocks have compact tiles a `CompactBlocks` for 1-`COMPACT_MAX_ROWS` activation rows: the same file values at
+the file's own bits (Q5_0 5.5 a weight, Q4_K 6), where a batch-1 step is bound by the bytes it reads.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ GGUF_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 1
 # than these tiles from 128 rows (int8's own kernel, unlike these tiles, takes bf16 rows at every count on AVX-512).
 GGUF_TILE_MAX_ROWS = {torch.float32: 1 << 62, torch.bfloat16: 64}
 GGUF_CHUNK_ROWS = 2048  # weight rows dequantized at a time
+#: activation rows up to which an int8 layer of a GGUF (`--quantization auto`) reads its compact blocks instead
+COMPACT_MAX_ROWS = 3
 
 
 class GGUFLinear(nn.Module):
@@ -114,6 +120,40 @@ class GGUFLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, GGUF {kinds} blocks in tiles"
 
 
+class CompactBlocks:
+    """A layer's weights as the GGUF's blocks, in compact tiles (`gguf_pack_compact`: 16 rows a tile, the
+    codes at the file's bits) for a few activation rows: `gguf_linear_compact` gives the bits `GGUFLinear`
+    does on the same blocks. Held by an `Int8Linear` (`small`), which takes it for up to `max_rows` rows."""
+
+    max_rows = COMPACT_MAX_ROWS
+
+    def __init__(self, segments: list[tuple[int, torch.Tensor]], in_features: int, bias, kernels):
+        self.in_features = in_features
+        self.types = [int(t) for t, _ in segments]
+        self.rows = [int(w.shape[0]) for _, w in segments]
+        self.tiles = [kernels.gguf_pack_compact(w.contiguous(), t, in_features) for t, w in segments]
+        self.bias = None if bias is None else bias.detach().float().clone()
+        self.kernels = kernels
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernels.gguf_linear_compact
+        return named_in_profiles(
+            "inferd::gguf_linear_compact", kernel, x2, self.tiles, self.types, self.rows, self.bias
+        )
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() for t in self.tiles)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights (float32 [N, K]), exactly as the file's blocks dequantize."""
+        unpack = self.kernels.gguf_unpack_compact
+        parts = [
+            unpack(t, kind, self.in_features, 0, n)
+            for t, kind, n in zip(self.tiles, self.types, self.rows, strict=True)
+        ]
+        return torch.cat(parts)
+
+
 def _tensor_name_map(architecture: str, num_layers: int):
     import gguf
 
@@ -180,10 +220,10 @@ def _matching_rows(kernels, type_code: int, rows: torch.Tensor, want: torch.Tens
     return None
 
 
-def use_gguf_blocks(model: nn.Module, source, kernels) -> tuple[int, dict[str, str]]:
-    """Replace each linear layer (the LM head's tiles included) by a `GGUFLinear` on the file's blocks where
-    they dequantize exactly to its float weights. Returns (how many layers were replaced, {layer: why not}
-    for the others, which the caller quantizes otherwise)."""
+def _file_layers(model: nn.Module, source, kernels):
+    """Each linear layer (the LM head's tiles included) with the file's blocks that make up its rows, in order:
+    yields (parent, child name, layer, path, [(GGML type code, uint8 rows)] or None, why not, whether it is a
+    head tile). Blocks must dequantize exactly to the layer's float weights."""
     config = model.config
     blocks = _Blocks(source, config.num_hidden_layers)
     heads = [getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", 0)]
@@ -191,7 +231,6 @@ def use_gguf_blocks(model: nn.Module, source, kernels) -> tuple[int, dict[str, s
     head_tiles = {id(t): lo for lo, t in zip(head.offsets, head.tiles, strict=True)} if isinstance(head, LMHead) else {}
     tied = getattr(config, "tie_word_embeddings", False)
     head_tensor = blocks.lookup("model.embed_tokens" if tied else "lm_head")
-    replaced, skipped = 0, {}
     for path_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, Linear):
@@ -219,11 +258,46 @@ def use_gguf_blocks(model: nn.Module, source, kernels) -> tuple[int, dict[str, s
                     segments.append((GGUF_TYPES[shard[0]], rows))
                 if why:
                     break
-            if why:
-                skipped[name] = why
-                continue
-            layer = GGUFLinear(segments, weight.shape[1], child.bias, kernels)
-            layer.out_sizes = list(getattr(child, "out_sizes", [layer.out_features]))
-            setattr(parent, child_name, layer)
-            replaced += 1
+            yield parent, child_name, child, name, None if why else segments, why, id(child) in head_tiles
+
+
+def use_gguf_blocks(model: nn.Module, source, kernels) -> tuple[int, dict[str, str]]:
+    """Replace each linear layer (the LM head's tiles included) by a `GGUFLinear` on the file's blocks where
+    they dequantize exactly to its float weights. Returns (how many layers were replaced, {layer: why not}
+    for the others, which the caller quantizes otherwise)."""
+    replaced, skipped = 0, {}
+    for parent, child_name, child, name, segments, why, _ in _file_layers(model, source, kernels):
+        if why:
+            skipped[name] = why
+            continue
+        layer = GGUFLinear(segments, child.weight.shape[1], child.bias, kernels)
+        layer.out_sizes = list(getattr(child, "out_sizes", [layer.out_features]))
+        setattr(parent, child_name, layer)
+        replaced += 1
     return replaced, skipped
+
+
+#: GGML types with compact tiles (the kernel's `compact_type`)
+COMPACT_TYPES = {GGUF_TYPES[t] for t in ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K")}
+
+
+def compact_blocks(model: nn.Module, source, kernels) -> tuple[dict[int, CompactBlocks], dict[str, str]]:
+    """For `--quantization auto`'s int8 on a GGUF: each body layer's blocks as `CompactBlocks`, by the id of the
+    float layer they dequantize to, where all its segments have compact tiles and those read fewer bytes than
+    int8 (a layer stored in Q6_K, or all in Q8_0, keeps int8 at every row count). The LM head keeps int8 (its
+    Q8_0 would read more). Returns ({id: blocks}, {layer: why not})."""
+    found, skipped = {}, {}
+    for _, _, child, name, segments, why, head in _file_layers(model, source, kernels):
+        if head:
+            continue
+        if why is None and (kinds := {t for t, _ in segments} - COMPACT_TYPES):
+            names = {code: n for n, code in GGUF_TYPES.items()}
+            why = f"stored as {', '.join(sorted(names[k] for k in kinds))}, which has no compact tiles"
+        if why is None:
+            blocks = CompactBlocks(segments, child.weight.shape[1], child.bias, kernels)
+            if blocks.weight_bytes() < child.weight.numel():
+                found[id(child)] = blocks
+                continue
+            why = "its blocks read no fewer bytes than int8"
+        skipped[name] = why
+    return found, skipped

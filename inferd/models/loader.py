@@ -290,11 +290,13 @@ def load_model(
     cpu_linear: str = engine_default("cpu_linear"),
     quantization: str | None = None,
     gguf: GGUFSource | None = None,
+    small_on_blocks: bool = False,
 ) -> CausalLM:
     """Build the model class for `config` (a text config, see `text_config`) and fill it from `folder`.
 
     The checkpoint is read into float32; `quantization` (see inferd.models.quant) quantizes from those values,
-    then the rest of the model is cast to `dtype`. `gguf`: the GGUF file whose blocks --quantization gguf serves."""
+    then the rest of the model is cast to `dtype`. `gguf`: the GGUF file whose blocks --quantization gguf serves
+    (and int8 layers for a few rows, with `small_on_blocks`: `quant.QuantChoice`)."""
     cls = model_class_for(config)
     with _skip_init(), torch.device(device):
         model = cls(config, max_positions)
@@ -307,7 +309,7 @@ def load_model(
         model.tile_lm_head()  # tiles view the cast weight: a tied head stays shared with the embedding
     else:
         model.tile_lm_head()  # tiles view the fp32 weights, then become int8 copies
-        quantize_model(model, quantization, device, gguf)
+        quantize_model(model, quantization, device, gguf, small_on_blocks)
         if isinstance(model.lm_head, LMHead):
             join_int8_tiles(model.lm_head)
         weights_to_huge_pages(model)

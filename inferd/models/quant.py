@@ -51,6 +51,7 @@ from torch import nn
 from inferd.errors import ConfigError
 from inferd.models import huge_pages
 from inferd.models.cpu_kernels import named_in_profiles
+from inferd.models.gguf_blocks import COMPACT_MAX_ROWS
 from inferd.models.layers import Linear
 from inferd.models.lm_head import LMHead
 
@@ -130,6 +131,8 @@ class Int8Linear(QuantizedLinear):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.int8pack_ok = self.in_features % INT8PACK_K_MULTIPLE == 0
         self.all_rows = native is not None and bf16_rows_at_every_count(native)
+        #: a GGUF's own blocks for a few rows (`gguf_blocks.CompactBlocks`, --quantization auto), or None
+        self.small = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, native=None) -> Int8Linear:
@@ -146,6 +149,11 @@ class Int8Linear(QuantizedLinear):
         """What a pass over the layer reads: its int8 weights (with the tiles' padding) and scales."""
         weights = self.packed if self.native is not None else self.qweight
         return weights.numel() + self.scale.numel() * self.scale.element_size()
+
+    def bytes_at(self, rows: int) -> int:
+        """What a pass of `rows` activation rows reads: the compact blocks' bytes where they take those rows."""
+        small = self.small
+        return small.weight_bytes() if small is not None and rows <= small.max_rows else self.weight_bytes()
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.int8_weight().float() * self.scale[:, None]).to(dtype)
@@ -179,6 +187,9 @@ class Int8Linear(QuantizedLinear):
 
     def _forward_rows(self, x2: torch.Tensor) -> torch.Tensor:
         dtype = x2.dtype
+        small = self.small
+        if small is not None and x2.shape[0] <= small.max_rows and dtype in (torch.float32, torch.bfloat16):
+            return small(x2)
         if self.takes_kernel(x2):
             return named_in_profiles(
                 "inferd::int8_linear", self.native.int8_linear, x2, self.packed, self.scale, self.bias
@@ -362,6 +373,8 @@ class QuantChoice:
 
     name: str | None
     reason: str
+    #: int8 layers take the GGUF's own blocks for a few rows (`gguf_blocks.compact_blocks`): auto on a GGUF
+    small_on_blocks: bool = False
 
 
 def check_quantization(name: str | None, device: torch.device) -> None:
@@ -404,15 +417,18 @@ def resolve_quantization(name: str | None, device: torch.device, formats: dict[s
         return QuantChoice(None, f"auto: the checkpoint stores {listing} blocks, but the int8 kernel did not build")
     return QuantChoice(
         "int8",
-        f"auto: the checkpoint stores {listing} blocks; int8 reads half of bf16's bytes "
-        "(--quantization gguf: the file's own values, a little slower)",
+        f"auto: the checkpoint stores {listing} blocks; int8 reads half of bf16's bytes, and up to "
+        f"{COMPACT_MAX_ROWS} rows a layer reads the file's own blocks where they are fewer "
+        "(--quantization gguf: the file's own values at every row count, a little slower)",
+        small_on_blocks=gguf is not None,
     )
 
 
-def quantize_model(model: nn.Module, name: str, device: torch.device, gguf=None) -> int:
+def quantize_model(model: nn.Module, name: str, device: torch.device, gguf=None, small_on_blocks: bool = False) -> int:
     """Replace every Linear (the LM head's tiles included) by its quantized form; returns how many. gguf: each
     layer on the blocks of the GGUF file `gguf` (a `loader.GGUFSource`) where it can be
-    (inferd/models/gguf_blocks.py), int8 otherwise."""
+    (inferd/models/gguf_blocks.py), int8 otherwise. `small_on_blocks` (int8 of a GGUF): each int8 layer whose
+    blocks have compact tiles takes them for a few rows (`gguf_blocks.compact_blocks`)."""
     check_quantization(name, device)
     from inferd.models.cpu_kernels import gguf_module, int4_kernels, int8_module
 
@@ -420,6 +436,7 @@ def quantize_model(model: nn.Module, name: str, device: torch.device, gguf=None)
     on_blocks = 0
     if name == "gguf":
         on_blocks = _use_gguf_blocks(model, gguf, gguf_module())
+    small = _compact_blocks(model, gguf, gguf_module()) if name == "int8" and small_on_blocks and native else {}
     int4 = None
     if name == "int4":
         int4 = int4_kernels()
@@ -443,6 +460,7 @@ def quantize_model(model: nn.Module, name: str, device: torch.device, gguf=None)
         else:
             kept_int8 += name == "int4"
             quantized = Int8Linear.from_linear(child, native)
+            quantized.small = small.get(id(child))
         if hasattr(child, "out_sizes"):  # FusedLinear: keep how its output splits
             quantized.out_sizes = child.out_sizes
         setattr(parent, child_name, quantized)
@@ -476,6 +494,21 @@ def _use_gguf_blocks(model: nn.Module, gguf, kernels) -> int:
     for layer, why in sorted(skipped.items()):
         logger.info("quantization gguf: %s stays int8: %s", layer, why)
     return replaced
+
+
+def _compact_blocks(model: nn.Module, gguf, kernels) -> dict:
+    """{id of a float layer: its `CompactBlocks`} for int8 on a GGUF, where the compact kernel runs here."""
+    from inferd.models.gguf_blocks import compact_blocks
+
+    if gguf is None or kernels is None or not kernels.compact_available():
+        why = "not a GGUF" if gguf is None else "the compact GGUF kernel needs AVX-512 VNNI"
+        logger.info("quantization int8: every row count takes the int8 weights (%s)", why)
+        return {}
+    found, skipped = compact_blocks(model, gguf, kernels)
+    for layer, why in sorted(skipped.items()):
+        logger.info("quantization int8: %s takes int8 at every row count: %s", layer, why)
+    logger.info("quantization int8: %d layers read the file's own blocks for 1-%d rows", len(found), COMPACT_MAX_ROWS)
+    return found
 
 
 def _linears(parent: nn.Module):

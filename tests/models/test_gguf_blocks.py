@@ -18,8 +18,10 @@ from inferd.errors import ConfigError
 from inferd.models import cpu_kernels as ck
 from inferd.models import loader
 from inferd.models.cpu_kernels import gguf_module
-from inferd.models.gguf_blocks import GGUF_TYPES, GGUFLinear
+from inferd.models.dtypes import cpu_flags
+from inferd.models.gguf_blocks import COMPACT_MAX_ROWS, GGUF_TYPES, CompactBlocks, GGUFLinear
 from inferd.models.quant import Int8Linear
+from tests.conftest import cpu_feature
 
 T = GGMLQuantizationType
 
@@ -181,6 +183,72 @@ def test_the_kernels_refuse_what_does_not_fit(kernels):
         kernels.gguf_linear(torch.randn(1, 512), tiles, [int(T.Q5_0)], [4], None)
 
 
+# -- compact tiles: a few rows on the file's own bits -----------------------------------------------------------
+HAS_COMPACT = {"avx512_vnni", "avx512bw", "avx512vl", "f16c"} <= cpu_flags()
+needs_compact = cpu_feature(not HAS_COMPACT, "the compact GGUF kernel needs AVX-512 VNNI, which this CPU lacks")
+COMPACT_KINDS = [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_K, T.Q5_K]
+#: bits a weight of each kind's compact tiles: the file's codes, fp16 steps (Q8_0/Q4_0/Q5_0 as stored), the
+#: k-quants' A and B in float32
+COMPACT_BITS = {T.Q8_0: 8.5, T.Q4_0: 4.5, T.Q5_0: 5.5, T.Q4_K: 6.0, T.Q5_K: 7.0}
+
+
+def test_the_compact_kernel_is_built_exactly_where_the_cpu_has_avx512_vnni(kernels):
+    assert kernels.compact_available() == HAS_COMPACT
+
+
+@pytest.mark.parametrize("kind", COMPACT_KINDS, ids=lambda k: k.name)
+def test_compact_tiles_hold_exactly_the_files_values_at_its_bits(kernels, kind):
+    """37 rows: two full tiles of 16 and one of 5."""
+    raw = random_blocks(kind, 37, 512, seed=3)
+    tiles = kernels.gguf_pack_compact(torch.from_numpy(raw), int(kind), 512)
+    assert tiles.shape == (3, 512 // 32 * int(COMPACT_BITS[kind] * 16 * 32 / 8))  # a group: 16 rows x 32 weights
+    want = kernels.gguf_dequantize(torch.from_numpy(raw), int(kind), 512, 0, 37)
+    assert torch.equal(kernels.gguf_unpack_compact(tiles, int(kind), 512, 0, 37), want)
+    assert torch.equal(kernels.gguf_unpack_compact(tiles, int(kind), 512, 6, 19), want[6:19])
+
+
+@needs_compact
+@pytest.mark.parametrize("kind", COMPACT_KINDS, ids=lambda k: k.name)
+def test_the_compact_kernel_gives_the_tile_kernels_bits(kernels, kind):
+    """The same integer sums and float steps in the same order as the 8-row tiles' kernel: the same output bits,
+    at 1-7 rows (partial blocks of 4), float32 and bf16, with a bias, over a partial last tile."""
+    raw = random_blocks(kind, 37, 512, seed=5)
+    tiles = packed(kernels, raw, kind, 512)
+    compact = kernels.gguf_pack_compact(torch.from_numpy(raw), int(kind), 512)
+    bias = torch.randn(37)
+    for rows in (1, 2, 3, 4, 5, 7):
+        x = torch.randn(rows, 512) * 3
+        for dtype in (torch.float32, torch.bfloat16):
+            want = kernels.gguf_linear(x.to(dtype), tiles, [int(kind)], [37], bias)
+            got = kernels.gguf_linear_compact(x.to(dtype), [compact], [int(kind)], [37], bias)
+            assert torch.equal(got, want), (rows, dtype)
+
+
+@needs_compact
+def test_compact_segments_of_several_types_are_one_layer(kernels):
+    k = 256
+    parts = [(T.Q5_0, random_blocks(T.Q5_0, 24, k, 1)), (T.Q8_0, random_blocks(T.Q8_0, 9, k, 2)),
+             (T.Q4_K, random_blocks(T.Q4_K, 16, k, 3))]  # fmt: skip
+    blocks = CompactBlocks([(int(kind), torch.from_numpy(raw)) for kind, raw in parts], k, None, kernels)
+    x = torch.randn(2, k)
+    alone = [
+        kernels.gguf_linear(x, packed(kernels, raw, kind, k), [int(kind)], [len(raw)], None) for kind, raw in parts
+    ]
+    assert torch.equal(blocks(x), torch.cat(alone, 1))
+    w = torch.cat([torch.from_numpy(dequantize(raw, kind).reshape(-1, k).astype(np.float32)) for kind, raw in parts])
+    assert torch.equal(blocks.dequantized(), w)
+    assert blocks.weight_bytes() == sum(t.numel() for t in blocks.tiles)
+
+
+def test_the_compact_kernels_refuse_what_they_cannot_run(kernels):
+    raw = torch.from_numpy(random_blocks(T.Q6_K, 4, 256))
+    with pytest.raises(RuntimeError, match="has no compact tiles"):
+        kernels.gguf_pack_compact(raw, int(T.Q6_K), 256)
+    tiles = kernels.gguf_pack_compact(torch.from_numpy(random_blocks(T.Q5_0, 4, 256)), int(T.Q5_0), 256)
+    with pytest.raises(RuntimeError, match="do not fit" if HAS_COMPACT else "needs AVX-512 VNNI"):
+        kernels.gguf_linear_compact(torch.randn(1, 512), [tiles], [int(T.Q5_0)], [4], None)
+
+
 # -- a model on a GGUF file's blocks ---------------------------------------------------------------------------
 # what each matrix is stored as in the test's file (the gguf package quantizes these types)
 STORED = {"attn_v": T.Q8_0, "attn_output": T.Q4_0, "ffn_down": T.Q4_0, "token_embd": T.Q8_0, "output": T.Q8_0}
@@ -274,6 +342,40 @@ def test_a_layer_whose_blocks_do_not_match_stays_int8_and_the_log_says_why(tiny_
     layers = llm.engine.model.model.layers
     assert isinstance(layers[1].mlp.down_proj, Int8Linear) and isinstance(layers[0].mlp.down_proj, GGUFLinear)
     assert "model.layers.1.mlp.down_proj stays int8: its blocks do not dequantize to the loaded weights" in caplog.text
+
+
+@needs_compact
+def test_auto_int8_reads_the_files_own_blocks_for_a_few_rows(tiny_models, tmp_path):
+    """--quantization auto on a GGUF: int8 layers, each body layer holding its compact blocks (the file's values)
+    for 1-COMPACT_MAX_ROWS rows, where it gives --quantization gguf's bits; more rows take int8; explicit
+    --quantization int8 has none. The LM head stays int8."""
+    import json
+
+    write_gguf(tiny_models["gemma3"], tmp_path / "gemma3", "gemma3", permute=False)
+    # what converting the file records: its matrices' types (auto quantizes a checkpoint that stored them so)
+    (tmp_path / "gemma3" / loader.FORMATS_FILE).write_text(json.dumps({"Q5_0": 1, "Q8_0": 1, "Q4_0": 1}))
+    kw = dict(max_model_len=64, num_blocks=32, block_size=8, dtype="float32")
+    auto = LLM(str(tmp_path / "gemma3"), **kw)
+    blocks = LLM(str(tmp_path / "gemma3"), quantization="gguf", **kw)
+    int8 = LLM(str(tmp_path / "gemma3"), quantization="int8", **kw)
+    assert auto.engine.quantization == "int8" and auto.engine.quant_choice.small_on_blocks
+    ours, theirs = dict(auto.engine.model.named_modules()), dict(blocks.engine.model.named_modules())
+    body = {n: m for n, m in ours.items() if isinstance(m, Int8Linear) and not n.startswith("lm_head")}
+    assert body and all(m.small is not None for m in body.values())
+    assert all(m.small is None for n, m in ours.items() if isinstance(m, Int8Linear) and n.startswith("lm_head"))
+    assert all(m.small is None for m in int8.engine.model.modules() if isinstance(m, Int8Linear))
+    for name, layer in body.items():
+        assert torch.equal(layer.small.dequantized(), theirs[name].dequantized()), name
+        assert layer.bytes_at(1) == layer.small.weight_bytes() < layer.weight_bytes() == layer.bytes_at(8)
+        for rows in (1, COMPACT_MAX_ROWS, COMPACT_MAX_ROWS + 1):
+            x = torch.randn(rows, layer.in_features)
+            if rows <= COMPACT_MAX_ROWS:
+                assert torch.equal(layer(x), theirs[name](x)), (name, rows)
+            else:
+                assert torch.equal(layer(x), int8.engine.model.get_submodule(name)(x)), (name, rows)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = auto.generate(["the quick brown fox", "a b c d"], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
 
 
 def test_gguf_needs_a_gguf_checkpoint(tiny_models):

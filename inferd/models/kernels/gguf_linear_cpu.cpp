@@ -646,6 +646,169 @@ std::vector<Segment> segments(const std::vector<torch::Tensor>& weights, const s
 }
 
 
+// ---- Compact tiles: a few activation rows on the file's own bits (AVX-512 VNNI) ----
+// The tiles above hold a code a byte (9-10 bits a weight with the factors), which reads more bytes than int8 at
+// batch 1. Compact tiles keep the file's bits: 16 rows a tile (one int32 lane each, as the int8 kernel's), a
+// group of 32 k in one run of bytes: for the 4- and 5-bit types the codes as nibbles (quads j and j + 4 of the
+// 16 rows in one 64-byte vector, low and high nibbles), Q5_0/Q5_K's fifth bits in 64 bytes more (byte i: bit j
+// the fifth bit of quad j's byte i), then A (fp16 where it is the file's fp16 step: Q4_0, Q5_0, Q8_0; else
+// float32) and a k-quant's B. Q5_0 is 5.5 bits a weight as in the file, Q4_0 4.5, Q4_K 6, Q8_0 8.5 (its codes
+// stored + 128, unsigned, the offset taken off as Q5_0's 16 is). Q6_K has none. The integer sums and the
+// float steps are those of tile_dot, in the same order: the same bits as the 8-row tiles.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define INFERD_GGUF_COMPACT 1
+#endif
+
+constexpr int64_t kCRows = 16;
+
+inline bool compact_type(int64_t type) { return type == Q4_0 || type == Q5_0 || type == Q8_0 || type == Q4_K || type == Q5_K; }
+inline bool k_quant(int64_t type) { return type == Q4_K || type == Q5_K; }
+
+// Where the parts of a group start in a compact tile, and its bytes
+struct CompactGroup {
+  int64_t hb, a, b, bytes;
+  explicit CompactGroup(int64_t type) {
+    const bool nib = type != Q8_0, five = type == Q5_0 || type == Q5_K;
+    hb = nib ? 4 * 64 : 8 * 64;
+    a = hb + (five ? 64 : 0);
+    b = a + (k_quant(type) ? 64 : 32);
+    bytes = b + (k_quant(type) ? 64 : 0);
+  }
+};
+
+// Offset's constant of a compact type (Q8_0's codes are stored + 128)
+inline int32_t compact_offset(int64_t type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
+
+// 16 decoded rows (rows past nr zero) -> one compact tile of G groups at out
+void build_compact(int64_t type, const Decoded* w, int nr, int64_t G, uint8_t* out) {
+  const CompactGroup cg(type);
+  const bool nib = type != Q8_0, five = type == Q5_0 || type == Q5_K;
+  for (int64_t g = 0; g < G; ++g) {
+    uint8_t* o = out + g * cg.bytes;
+    std::memset(o, 0, cg.bytes);
+    auto code = [&](int r, int j, int kk) -> uint8_t {
+      return r < nr ? w[r].codes[g * w[r].stride + 4 * j + kk] : 0;
+    };
+    for (int r = 0; r < kCRows; ++r)
+      for (int kk = 0; kk < 4; ++kk) {
+        const int at = r * 4 + kk;
+        if (!nib) {
+          for (int j = 0; j < 8; ++j) o[j * 64 + at] = static_cast<uint8_t>(code(r, j, kk) ^ 0x80);
+          continue;
+        }
+        for (int q = 0; q < 4; ++q) {
+          const uint8_t lo = code(r, q, kk), hi = code(r, q + 4, kk);
+          o[q * 64 + at] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+          if (five) o[cg.hb + at] |= static_cast<uint8_t>((((lo >> 4) & 1) << q) | (((hi >> 4) & 1) << (q + 4)));
+        }
+      }
+    for (int r = 0; r < kCRows; ++r) {
+      const float a = r < nr ? w[r].a[g] : 0.f;
+      if (k_quant(type)) {
+        const float b = r < nr ? w[r].b[g] : 0.f;
+        std::memcpy(o + cg.a + 4 * r, &a, 4);
+        std::memcpy(o + cg.b + 4 * r, &b, 4);
+        continue;
+      }
+      const uint16_t h = c10::Half(a).x;
+      TORCH_CHECK(static_cast<float>(c10::Half(h, c10::Half::from_bits())) == a, "gguf_pack_compact: a step is not fp16");
+      std::memcpy(o + cg.a + 2 * r, &h, 2);
+    }
+  }
+}
+
+// A compact group's code of row r, k = 4j + kk (Q8_0's back to its signed byte) and its A and B
+inline uint8_t compact_code(int64_t type, const uint8_t* o, const CompactGroup& cg, int r, int j, int kk) {
+  const int at = r * 4 + kk;
+  if (type == Q8_0) return static_cast<uint8_t>(o[j * 64 + at] ^ 0x80);
+  const uint8_t v = o[(j % 4) * 64 + at];
+  uint8_t u = j < 4 ? (v & 15) : (v >> 4);
+  if (type == Q5_0 || type == Q5_K) u |= ((o[cg.hb + at] >> j) & 1) << 4;
+  return u;
+}
+
+#if defined(INFERD_GGUF_COMPACT)
+// MB activation rows (from m0) against one compact tile: f[m] its 16 outputs' sums
+template <Codes C, bool Nib, bool Five, int MB>
+void compact_dot(const uint8_t* tile, int64_t G, const CompactGroup& cg, const QuantizedRows& a, int64_t m0,
+                 int32_t c, __m512* f) {
+  for (int m = 0; m < MB; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* p = tile + g * cg.bytes;
+    if (m0 == 0)
+      for (int64_t off = 0; off < cg.bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + off), _MM_HINT_T0);
+    __m512i w[8];
+    if constexpr (Nib) {
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(p + q * 64);
+        w[q] = _mm512_and_si512(v, low);
+        w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      if constexpr (Five) {  // bit j of the plane's byte -> bit 4 of w[j]'s: w | (shifted & 0x10) in one op
+        const __m512i h = _mm512_loadu_si512(p + cg.hb), bit = _mm512_set1_epi8(0x10);
+        w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_slli_epi16(h, 4), bit, 0xF8);
+        w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_slli_epi16(h, 3), bit, 0xF8);
+        w[2] = _mm512_ternarylogic_epi32(w[2], _mm512_slli_epi16(h, 2), bit, 0xF8);
+        w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_slli_epi16(h, 1), bit, 0xF8);
+        w[4] = _mm512_ternarylogic_epi32(w[4], h, bit, 0xF8);
+        w[5] = _mm512_ternarylogic_epi32(w[5], _mm512_srli_epi16(h, 1), bit, 0xF8);
+        w[6] = _mm512_ternarylogic_epi32(w[6], _mm512_srli_epi16(h, 2), bit, 0xF8);
+        w[7] = _mm512_ternarylogic_epi32(w[7], _mm512_srli_epi16(h, 3), bit, 0xF8);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(p + j * 64);
+    }
+    const __m512 A = C == Codes::Affine
+                         ? _mm512_loadu_ps(reinterpret_cast<const float*>(p + cg.a))
+                         : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + cg.a)));
+    for (int m = 0; m < MB; ++m) {
+      __m512i acc = C == Codes::Offset ? _mm512_set1_epi32(-c * a.isumg(m0 + m, g)) : _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) acc = _mm512_dpbusd_epi32(acc, w[j], _mm512_set1_epi32(quad_of(a, m0 + m, g, j)));
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(A, _mm512_set1_ps(a.dg(m0 + m, g))), f[m]);
+      if constexpr (C == Codes::Affine)
+        f[m] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(p + cg.b)),
+                               _mm512_set1_ps(a.xsg(m0 + m, g)), f[m]);
+    }
+  }
+}
+
+template <Codes C, bool Nib, bool Five, typename Out>
+void compact_out(const uint8_t* tile, int64_t G, const CompactGroup& cg, const QuantizedRows& a, int64_t M,
+                 int32_t c, const float* bias, int64_t n0, int nr, Out* y, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    __m512 f[4];
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    switch (mb) {
+      case 4: compact_dot<C, Nib, Five, 4>(tile, G, cg, a, m0, c, f); break;
+      case 3: compact_dot<C, Nib, Five, 3>(tile, G, cg, a, m0, c, f); break;
+      case 2: compact_dot<C, Nib, Five, 2>(tile, G, cg, a, m0, c, f); break;
+      default: compact_dot<C, Nib, Five, 1>(tile, G, cg, a, m0, c, f); break;
+    }
+    for (int64_t m = 0; m < mb; ++m) {
+      alignas(64) float out[kCRows];
+      _mm512_store_ps(out, f[m]);
+      for (int r = 0; r < nr; ++r) put(out[r] + (bias ? bias[n0 + r] : 0.f), y + (m0 + m) * N + n0 + r);
+    }
+  }
+}
+
+template <typename Out>
+void compact_out(int64_t type, const uint8_t* tile, int64_t G, const QuantizedRows& a, int64_t M, const float* bias,
+                 int64_t n0, int nr, Out* y, int64_t N) {
+  const CompactGroup cg(type);
+  const int32_t c = compact_offset(type);
+  switch (type) {
+    case Q4_0: return compact_out<Codes::Offset, true, false>(tile, G, cg, a, M, c, bias, n0, nr, y, N);
+    case Q5_0: return compact_out<Codes::Offset, true, true>(tile, G, cg, a, M, c, bias, n0, nr, y, N);
+    case Q8_0: return compact_out<Codes::Offset, false, false>(tile, G, cg, a, M, c, bias, n0, nr, y, N);
+    case Q4_K: return compact_out<Codes::Affine, true, false>(tile, G, cg, a, M, c, bias, n0, nr, y, N);
+    default: return compact_out<Codes::Affine, true, true>(tile, G, cg, a, M, c, bias, n0, nr, y, N);
+  }
+}
+#endif
+
 }  // namespace
 
 // One segment's rows [lo, hi) as float32 [hi - lo, K], computed as the `gguf` package's dequantize does
@@ -787,11 +950,123 @@ torch::Tensor gguf_unpack(std::vector<torch::Tensor> tile, int64_t type, int64_t
   return out;
 }
 
+// One segment's rows as compact tiles (above): uint8 [T, G * group bytes] for T = ceil(rows / 16) tiles.
+torch::Tensor gguf_pack_compact(torch::Tensor weight, int64_t type, int64_t K) {
+  TORCH_CHECK(compact_type(type), "gguf_pack_compact: GGML type ", type, " has no compact tiles");
+  const std::vector<Segment> segs = segments({weight}, {type}, K);
+  const Segment& sg = segs[0];
+  const int64_t G = K / kGroup, T = (sg.rows + kCRows - 1) / kCRows, bytes = G * CompactGroup(type).bytes;
+  torch::Tensor out = torch::empty({T, bytes}, weight.options());
+  uint8_t* O = out.data_ptr<uint8_t>();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    std::vector<Decoded> w(kCRows, Decoded(K));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int nr = static_cast<int>(std::min<int64_t>(kCRows, sg.rows - t * kCRows));
+      for (int j = 0; j < nr; ++j) decode_row(type, sg.data + (t * kCRows + j) * sg.row_bytes, K, w[j]);
+      build_compact(type, w.data(), nr, G, O + t * bytes);
+    }
+  });
+  return out;
+}
+
+// Rows [lo, hi) of a compact segment as float32 [hi - lo, K], the values its blocks dequantize to (weight_value)
+torch::Tensor gguf_unpack_compact(torch::Tensor tiles, int64_t type, int64_t K, int64_t lo, int64_t hi) {
+  TORCH_CHECK(compact_type(type) && K % kGroup == 0, "gguf_unpack_compact: a compact type and K a multiple of 32");
+  const CompactGroup cg(type);
+  const int64_t G = K / kGroup;
+  TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == G * cg.bytes && 0 <= lo && lo <= hi && hi <= tiles.size(0) * kCRows,
+              "gguf_unpack_compact: tiles [T, G * group bytes] and rows in range");
+  auto out = torch::empty({hi - lo, K}, tiles.options().dtype(torch::kFloat32));
+  const uint8_t* P = tiles.data_ptr<uint8_t>();
+  float* O = out.data_ptr<float>();
+  for (int64_t row = lo; row < hi; ++row) {
+    const int64_t t = row / kCRows;
+    const int r = static_cast<int>(row % kCRows);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* o = P + t * G * cg.bytes + g * cg.bytes;
+      float a, b = 0.f;
+      if (k_quant(type)) {
+        std::memcpy(&a, o + cg.a + 4 * r, 4);
+        std::memcpy(&b, o + cg.b + 4 * r, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, o + cg.a + 2 * r, 2);
+        a = static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+      }
+      for (int j = 0; j < 8; ++j)
+        for (int kk = 0; kk < 4; ++kk)
+          O[(row - lo) * K + g * kGroup + 4 * j + kk] = weight_value(type, compact_code(type, o, cg, r, j, kk), a, b, 1);
+    }
+  }
+  return out;
+}
+
+// A few activation rows (float32 or bfloat16) against layers packed by gguf_pack_compact: per segment its type,
+// number of rows and tiles; returns [M, N] in x's dtype, the bits gguf_linear gives on the same blocks.
+torch::Tensor gguf_linear_compact(torch::Tensor x, std::vector<torch::Tensor> tiles, std::vector<int64_t> types,
+                                  std::vector<int64_t> rows, c10::optional<torch::Tensor> bias) {
+#if defined(INFERD_GGUF_COMPACT)
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "gguf_linear_compact: x is float32 or bfloat16 [M, K]");
+  TORCH_CHECK(tiles.size() == types.size() && rows.size() == types.size() && !types.empty(),
+              "gguf_linear_compact: one tiles tensor, type and row count per segment");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "gguf_linear_compact: K must be a multiple of 32");
+  std::vector<int64_t> first(types.size() + 1, 0);
+  std::vector<std::pair<int64_t, int64_t>> items;  // (segment, tile)
+  for (size_t i = 0; i < types.size(); ++i) {
+    TORCH_CHECK(compact_type(types[i]), "gguf_linear_compact: GGML type ", types[i], " has no compact tiles");
+    const int64_t T = (rows[i] + kCRows - 1) / kCRows;
+    TORCH_CHECK(tiles[i].is_contiguous() && tiles[i].dim() == 2 && tiles[i].size(0) == T &&
+                    tiles[i].size(1) == G * CompactGroup(types[i]).bytes,
+                "gguf_linear_compact: segment ", i, "'s tiles do not fit K = ", K, " and ", rows[i], " rows");
+    first[i + 1] = first[i] + rows[i];
+    for (int64_t t = 0; t < T; ++t) items.emplace_back(i, t);
+  }
+  const int64_t N = first.back();
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
+  const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows a = x.scalar_type() == torch::kFloat32 ? quantize_rows(x.data_ptr<float>(), M, K, M)
+                                                              : quantize_rows(x.data_ptr<at::BFloat16>(), M, K, M);
+  auto run = [&](auto* Y) {
+    parallel_claim(static_cast<int64_t>(items.size()), 2, [&](auto each) {
+      each([&](int64_t i) {
+        const auto [seg, t] = items[i];
+        const int64_t type = types[seg];
+        const uint8_t* tile = tiles[seg].data_ptr<uint8_t>() + t * tiles[seg].size(1);
+        const int nr = static_cast<int>(std::min<int64_t>(kCRows, rows[seg] - t * kCRows));
+        compact_out(type, tile, G, a, M, B, first[seg] + t * kCRows, nr, Y, N);
+      });
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32) run(y.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  return y;
+#else
+  TORCH_CHECK(false, "gguf_linear_compact: needs AVX-512 VNNI");
+  return x;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, "a segment's rows as float32, as the gguf package dequantizes");
   m.def("gguf_pack", &gguf_pack, "a segment's blocks as tiles of 8 rows: (codes, a, b, s)");
   m.def("gguf_linear", &gguf_linear, "a linear layer on packed tiles, float32/bfloat16 rows (CPU)");
   m.def("gguf_unpack", &gguf_unpack, "a packed segment's rows as float32");
+  m.def("gguf_pack_compact", &gguf_pack_compact, "a segment's blocks as compact tiles of 16 rows, at the file's bits");
+  m.def("gguf_unpack_compact", &gguf_unpack_compact, "a compact segment's rows as float32");
+  m.def("gguf_linear_compact", &gguf_linear_compact, "a linear layer on compact tiles, for a few rows (AVX-512 VNNI)");
+  m.def("compact_available", [] {
+#if defined(INFERD_GGUF_COMPACT)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether gguf_linear_compact is built (AVX-512 VNNI)");
 #if defined(INFERD_GGUF_AMX)
   m.def("set_amx", [](bool on) { amx_enabled = on; }, "use AMX from 8 rows (on by default where the CPU has it)");
 #endif
