@@ -233,20 +233,25 @@ def join_int8_tiles(head: LMHead) -> bool:
 
 
 def weights_to_huge_pages(model: nn.Module) -> int:
-    """The CPU weights of the quantized layers (int8's and int4's packed buffers, the GGUF tiles) copied into one
-    mapping in huge pages, each layer then holding a view of its part (`huge_pages`); a joined LM head has its
-    own already. Returns the bytes moved. Measured on the Zen 3, alternated in one process: a pass over the
-    body's 72 int8 matrices of Gemma 3 270M 4.39 -> 4.04 ms, its LM head 5.83 -> 5.51 ms."""
+    """The CPU weights of the quantized layers (int8's and int4's packed buffers, the GGUF tiles, an int8 layer's
+    compact blocks) copied into one mapping in huge pages, each layer then holding a view of its part
+    (`huge_pages`); a joined LM head has its own already. Returns the bytes moved. Measured on the Zen 3,
+    alternated in one process: a pass over the body's 72 int8 matrices of Gemma 3 270M 4.39 -> 4.04 ms, its LM
+    head 5.83 -> 5.51 ms. On a Zen 4 the compact blocks gained nothing in 4 KiB pages, 5-9% of a batch-1 step in
+    huge pages (docs/performance.md)."""
     from inferd.models.gguf_blocks import GGUFLinear
 
     heads = [m for m in model.modules() if getattr(m, "joined", None)]
     joined = {id(t) for m in heads for t in m.tiles}
-    owners: list[tuple[nn.Module, str | int]] = []  # (module, buffer name) or (GGUFLinear, index into its tiles)
+    owners: list[tuple[object, str | int]] = []  # (module, buffer name) or (owner of `tiles`, index into them)
     tensors: list[torch.Tensor] = []
     for m in model.modules():
         if isinstance(m, Int8Linear) and m.native is not None and id(m) not in joined:
             owners.append((m, "packed"))
             tensors.append(m.packed)
+            for i, tile in enumerate(m.small.tiles if m.small is not None else ()):  # its compact blocks
+                owners.append((m.small, i))
+                tensors.append(tile)
         elif isinstance(m, Int4Linear):
             owners.append((m, "qweight"))
             tensors.append(m.qweight)
