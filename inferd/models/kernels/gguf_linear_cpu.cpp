@@ -809,6 +809,31 @@ void compact_out(int64_t type, const uint8_t* tile, int64_t G, const QuantizedRo
 }
 #endif
 
+// A call's segments laid out: each one's first output column, its tiles as (segment, tile) items, the outputs'
+// count N and the bias in float32. `fits(i, tiles)` checks segment i's tiles (it has `tiles` of `tile_rows` rows).
+struct Plan {
+  std::vector<int64_t> first;
+  std::vector<std::pair<int64_t, int64_t>> items;
+  int64_t N = 0;
+  torch::Tensor bias;
+  const float* B() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+};
+
+template <typename Fits>
+Plan plan(const std::vector<int64_t>& rows, int64_t tile_rows, const c10::optional<torch::Tensor>& bias, Fits fits) {
+  Plan p;
+  p.first.assign(rows.size() + 1, 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t T = (rows[i] + tile_rows - 1) / tile_rows;
+    fits(i, T);
+    p.first[i + 1] = p.first[i] + rows[i];
+    for (int64_t t = 0; t < T; ++t) p.items.emplace_back(i, t);
+  }
+  p.N = p.first.back();
+  if (bias.has_value() && bias->defined()) p.bias = bias->to(torch::kFloat32).contiguous();
+  return p;
+}
+
 }  // namespace
 
 // One segment's rows [lo, hi) as float32 [hi - lo, K], computed as the `gguf` package's dequantize does
@@ -871,21 +896,12 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> tiles, std
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, "gguf_linear: K must be a multiple of 32");
-  std::vector<int64_t> first(types.size() + 1, 0);
-  std::vector<std::pair<int64_t, int64_t>> items;  // (segment, tile)
-  for (size_t i = 0; i < types.size(); ++i) {
+  const Plan pl = plan(rows, kTileRows, bias, [&](size_t i, int64_t T) {
     layout(types[i]);
-    const int64_t T = (rows[i] + kTileRows - 1) / kTileRows;
     TORCH_CHECK(tiles[4 * i].is_contiguous() && tiles[4 * i].size(0) == T && tiles[4 * i].size(1) == tile_codes(G),
                 "gguf_linear: segment ", i, "'s tiles do not fit K = ", K, " and ", rows[i], " rows");
-    first[i + 1] = first[i] + rows[i];
-    for (int64_t t = 0; t < T; ++t) items.emplace_back(i, t);
-  }
-  const int64_t N = first.back();
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
-  const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto y = torch::empty({M, N}, x.options());
+  });
+  auto y = torch::empty({M, pl.N}, x.options());
   if (M == 0) return y;
 #if defined(INFERD_GGUF_AMX)
   const bool amx = use_amx(M);
@@ -897,19 +913,19 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> tiles, std
   const QuantizedRows a = x.scalar_type() == torch::kFloat32 ? quantize_rows(x.data_ptr<float>(), M, K, Mp)
                                                               : quantize_rows(x.data_ptr<at::BFloat16>(), M, K, Mp);
   auto run = [&](auto* Y) {
-    parallel_claim(static_cast<int64_t>(items.size()), 2, [&](auto each) {
+    parallel_claim(static_cast<int64_t>(pl.items.size()), 2, [&](auto each) {
 #if defined(INFERD_GGUF_AMX)
       if (amx) configure_tiles();
 #endif
       each([&](int64_t i) {
-        const auto [seg, t] = items[i];
+        const auto [seg, t] = pl.items[i];
         const torch::Tensor* p = &tiles[4 * seg];
         TileIn in{p[0].data_ptr<uint8_t>() + t * tile_codes(G), p[1].data_ptr<float>() + t * tile_a(G),
                   p[2].numel() ? p[2].data_ptr<float>() + t * tile_b(G) : nullptr,
                   types[seg] == Q6_K ? p[3].data_ptr<int16_t>() + t * tile_s(G) : nullptr};
         const int nr = static_cast<int>(std::min<int64_t>(kTileRows, rows[seg] - t * kTileRows));
         __builtin_prefetch(in.codes + tile_codes(G), 0, 3);
-        tile_out(types[seg], in, a, M, B, first[seg] + t * kTileRows, nr, Y, N, amx);
+        tile_out(types[seg], in, a, M, pl.B(), pl.first[seg] + t * kTileRows, nr, Y, pl.N, amx);
       });
 #if defined(INFERD_GGUF_AMX)
       if (amx) _tile_release();
@@ -1013,33 +1029,24 @@ torch::Tensor gguf_linear_compact(torch::Tensor x, std::vector<torch::Tensor> ti
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, "gguf_linear_compact: K must be a multiple of 32");
-  std::vector<int64_t> first(types.size() + 1, 0);
-  std::vector<std::pair<int64_t, int64_t>> items;  // (segment, tile)
-  for (size_t i = 0; i < types.size(); ++i) {
+  const Plan pl = plan(rows, kCRows, bias, [&](size_t i, int64_t T) {
     TORCH_CHECK(compact_type(types[i]), "gguf_linear_compact: GGML type ", types[i], " has no compact tiles");
-    const int64_t T = (rows[i] + kCRows - 1) / kCRows;
     TORCH_CHECK(tiles[i].is_contiguous() && tiles[i].dim() == 2 && tiles[i].size(0) == T &&
                     tiles[i].size(1) == G * CompactGroup(types[i]).bytes,
                 "gguf_linear_compact: segment ", i, "'s tiles do not fit K = ", K, " and ", rows[i], " rows");
-    first[i + 1] = first[i] + rows[i];
-    for (int64_t t = 0; t < T; ++t) items.emplace_back(i, t);
-  }
-  const int64_t N = first.back();
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
-  const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
-  auto y = torch::empty({M, N}, x.options());
+  });
+  auto y = torch::empty({M, pl.N}, x.options());
   if (M == 0) return y;
   const QuantizedRows a = x.scalar_type() == torch::kFloat32 ? quantize_rows(x.data_ptr<float>(), M, K, M)
                                                               : quantize_rows(x.data_ptr<at::BFloat16>(), M, K, M);
   auto run = [&](auto* Y) {
-    parallel_claim(static_cast<int64_t>(items.size()), 2, [&](auto each) {
+    parallel_claim(static_cast<int64_t>(pl.items.size()), 2, [&](auto each) {
       each([&](int64_t i) {
-        const auto [seg, t] = items[i];
+        const auto [seg, t] = pl.items[i];
         const int64_t type = types[seg];
         const uint8_t* tile = tiles[seg].data_ptr<uint8_t>() + t * tiles[seg].size(1);
         const int nr = static_cast<int>(std::min<int64_t>(kCRows, rows[seg] - t * kCRows));
-        compact_out(type, tile, G, a, M, B, first[seg] + t * kCRows, nr, Y, N);
+        compact_out(type, tile, G, a, M, pl.B(), pl.first[seg] + t * kCRows, nr, Y, pl.N);
       });
     });
   };
