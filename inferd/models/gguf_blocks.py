@@ -220,20 +220,22 @@ def _matching_rows(kernels, type_code: int, rows: torch.Tensor, want: torch.Tens
     return None
 
 
-def _file_layers(model: nn.Module, source, kernels):
-    """Each linear layer (the LM head's tiles included) with the file's blocks that make up its rows, in order:
-    yields (parent, child name, layer, path, [(GGML type code, uint8 rows)] or None, why not, whether it is a
-    head tile). Blocks must dequantize exactly to the layer's float weights."""
+def _file_layers(model: nn.Module, source, kernels, head: bool = True):
+    """Each linear layer (the LM head's tiles too, with `head`) with the file's blocks that make up its rows, in
+    order: yields (parent, child name, layer, path, [(GGML type code, uint8 rows)] or None, why not). Blocks must
+    dequantize exactly to the layer's float weights."""
     config = model.config
     blocks = _Blocks(source, config.num_hidden_layers)
     heads = [getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", 0)]
-    head = getattr(model, "lm_head", None)
-    head_tiles = {id(t): lo for lo, t in zip(head.offsets, head.tiles, strict=True)} if isinstance(head, LMHead) else {}
+    lm_head = getattr(model, "lm_head", None)
+    head_tiles = (
+        {id(t): lo for lo, t in zip(lm_head.offsets, lm_head.tiles, strict=True)} if isinstance(lm_head, LMHead) else {}
+    )
     tied = getattr(config, "tie_word_embeddings", False)
-    head_tensor = blocks.lookup("model.embed_tokens" if tied else "lm_head")
+    head_tensor = blocks.lookup("model.embed_tokens" if tied else "lm_head") if head and head_tiles else None
     for path_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if not isinstance(child, Linear):
+            if not isinstance(child, Linear) or (not head and id(child) in head_tiles):
                 continue
             name = f"{path_name}.{child_name}" if path_name else child_name
             weight = child.weight.detach().float()
@@ -258,7 +260,7 @@ def _file_layers(model: nn.Module, source, kernels):
                     segments.append((GGUF_TYPES[shard[0]], rows))
                 if why:
                     break
-            yield parent, child_name, child, name, None if why else segments, why, id(child) in head_tiles
+            yield parent, child_name, child, name, None if why else segments, why
 
 
 def use_gguf_blocks(model: nn.Module, source, kernels) -> tuple[int, dict[str, str]]:
@@ -266,7 +268,7 @@ def use_gguf_blocks(model: nn.Module, source, kernels) -> tuple[int, dict[str, s
     they dequantize exactly to its float weights. Returns (how many layers were replaced, {layer: why not}
     for the others, which the caller quantizes otherwise)."""
     replaced, skipped = 0, {}
-    for parent, child_name, child, name, segments, why, _ in _file_layers(model, source, kernels):
+    for parent, child_name, child, name, segments, why in _file_layers(model, source, kernels):
         if why:
             skipped[name] = why
             continue
@@ -287,9 +289,7 @@ def compact_blocks(model: nn.Module, source, kernels) -> tuple[dict[int, Compact
     int8 (a layer stored in Q6_K, or all in Q8_0, keeps int8 at every row count). The LM head keeps int8 (its
     Q8_0 would read more). Returns ({id: blocks}, {layer: why not})."""
     found, skipped = {}, {}
-    for _, _, child, name, segments, why, head in _file_layers(model, source, kernels):
-        if head:
-            continue
+    for _, _, child, name, segments, why in _file_layers(model, source, kernels, head=False):
         if why is None and (kinds := {t for t, _ in segments} - COMPACT_TYPES):
             names = {code: n for n, code in GGUF_TYPES.items()}
             why = f"stored as {', '.join(sorted(names[k] for k in kinds))}, which has no compact tiles"
