@@ -663,14 +663,15 @@ constexpr int64_t kCRows = 16;
 
 inline bool compact_type(int64_t type) { return type == Q4_0 || type == Q5_0 || type == Q8_0 || type == Q4_K || type == Q5_K; }
 inline bool k_quant(int64_t type) { return type == Q4_K || type == Q5_K; }
+inline bool nibbles(int64_t type) { return type != Q8_0; }                   // codes as nibbles (else bytes)
+inline bool fifth_bits(int64_t type) { return type == Q5_0 || type == Q5_K; }  // and a plane of fifth bits
 
 // Where the parts of a group start in a compact tile, and its bytes
 struct CompactGroup {
   int64_t hb, a, b, bytes;
   explicit CompactGroup(int64_t type) {
-    const bool nib = type != Q8_0, five = type == Q5_0 || type == Q5_K;
-    hb = nib ? 4 * 64 : 8 * 64;
-    a = hb + (five ? 64 : 0);
+    hb = nibbles(type) ? 4 * 64 : 8 * 64;
+    a = hb + (fifth_bits(type) ? 64 : 0);
     b = a + (k_quant(type) ? 64 : 32);
     bytes = b + (k_quant(type) ? 64 : 0);
   }
@@ -682,7 +683,7 @@ inline int32_t compact_offset(int64_t type) { return type == Q4_0 ? 8 : type == 
 // 16 decoded rows (rows past nr zero) -> one compact tile of G groups at out
 void build_compact(int64_t type, const Decoded* w, int nr, int64_t G, uint8_t* out) {
   const CompactGroup cg(type);
-  const bool nib = type != Q8_0, five = type == Q5_0 || type == Q5_K;
+  const bool nib = nibbles(type), five = fifth_bits(type);
   for (int64_t g = 0; g < G; ++g) {
     uint8_t* o = out + g * cg.bytes;
     std::memset(o, 0, cg.bytes);
@@ -717,13 +718,13 @@ void build_compact(int64_t type, const Decoded* w, int nr, int64_t G, uint8_t* o
   }
 }
 
-// A compact group's code of row r, k = 4j + kk (Q8_0's back to its signed byte) and its A and B
+// A compact group's code of row r at k = 4j + kk, as decode_row gives it (Q8_0's back to its signed byte)
 inline uint8_t compact_code(int64_t type, const uint8_t* o, const CompactGroup& cg, int r, int j, int kk) {
   const int at = r * 4 + kk;
-  if (type == Q8_0) return static_cast<uint8_t>(o[j * 64 + at] ^ 0x80);
+  if (!nibbles(type)) return static_cast<uint8_t>(o[j * 64 + at] ^ 0x80);
   const uint8_t v = o[(j % 4) * 64 + at];
   uint8_t u = j < 4 ? (v & 15) : (v >> 4);
-  if (type == Q5_0 || type == Q5_K) u |= ((o[cg.hb + at] >> j) & 1) << 4;
+  if (fifth_bits(type)) u |= ((o[cg.hb + at] >> j) & 1) << 4;
   return u;
 }
 
