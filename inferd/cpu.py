@@ -98,9 +98,11 @@ def _capped(flags: frozenset[str], cap: str) -> frozenset[str]:
 
 
 def compiler_flags() -> list[str]:
-    """What the native kernels' compiler takes after -march=native: nothing, or the cap's switches."""
+    """What the native kernels' compiler takes after -march=native: the cap's switches, if any, and
+    `-DINFERD_AMD` on an AMD CPU, whose weight streams prefetch with another hint (quantized_common.h)."""
     cap = isa_cap()
-    return list(ISA_CAPS[cap].compiler) if cap else []
+    vendor = ["-DINFERD_AMD"] if cpu_identity()["vendor"] == _AMD else []
+    return [*(ISA_CAPS[cap].compiler if cap else ()), *vendor]
 
 
 def cap_torch() -> None:

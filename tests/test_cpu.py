@@ -97,6 +97,13 @@ def test_a_cap_takes_away_the_features_above_it_from_every_choice(xeon):
         cpu.cpu_flags()
 
 
+def test_an_amd_cpu_builds_its_kernels_with_its_prefetch_hint(xeon):
+    xeon.setattr(cpu, "cpu_identity", lambda: {"model": "AMD EPYC", "vendor": "AuthenticAMD", "family": 25})
+    assert cpu.compiler_flags() == ["-DINFERD_AMD"]
+    xeon.setenv(cpu.MAX_ISA_ENV, "avx2")  # the cap's switches, and still the vendor's
+    assert cpu.compiler_flags()[-1] == "-DINFERD_AMD" and "-mno-avx512f" in cpu.compiler_flags()
+
+
 def test_a_capped_run_is_not_filed_under_the_kind_it_stands_in_for(xeon):
     from inferd.bench import runs
 

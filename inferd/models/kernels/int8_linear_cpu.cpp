@@ -207,14 +207,21 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int64_
   return r;
 }
 
-// The next stripe's weights, which the blocks after a stripe's first ask for into L2 one line a quad, so the
-// next stripe's first block finds them there: its own prefetching, a few KB ahead of its loads, left the
-// memory idle while the stripe's other blocks computed. Per thread (set in compute()).
-// Without AMX: a 32-row step of Gemma 3 270M 1.067x, the LM head alone at 32 rows 1.33x (Xeon capped at
-// avx512-bf16); 1 and 4 rows, which take one block a stripe or run on memory's speed, unchanged.
+// The next stripe's weights, which the blocks after a stripe's first ask for into L2, so the next stripe's first
+// block finds them there: its own prefetching, a few KB ahead of its loads, left the memory idle while the
+// stripe's other blocks computed. Per thread (set in compute()). Without AMX: a 32-row step of Gemma 3 270M
+// 1.067x, the LM head alone at 32 rows 1.33x (Xeon capped at avx512-bf16); 1 and 4 rows, which take one block a
+// stripe or run on memory's speed, unchanged. Each quad of the later blocks asks for per_quad lines, so that
+// they cover the whole next stripe: one a quad covered a quarter of it where one block follows the first (7-12
+// rows) and half where two do; whole, the LM head at 12 and 16 rows took 0.83x and 0.87x the time (Zen 4).
 struct Ahead {
   const char* p = nullptr;
   int64_t lines = 0;  // 64-byte lines not yet asked for
+  int64_t per_quad = 1;
+  // the next stripe's `lines` from p, spread over the quads of the `later` blocks that follow the first
+  Ahead(const char* p, int64_t lines, int64_t later, int64_t quads)
+      : p(p), lines(lines), per_quad(later > 0 ? std::max<int64_t>(1, (lines + later * quads - 1) / (later * quads)) : 1) {}
+  Ahead() = default;
 };
 thread_local Ahead ahead;
 
@@ -360,11 +367,11 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
     const char* pf = reinterpret_cast<const char*>(base);
     int64_t pf_step = 0;
     if constexpr (!prefetch) {
-      if (ahead.lines >= Width / 4) {
+      if (ahead.lines >= Width / 4 * ahead.per_quad) {
         pf = ahead.p;
         pf_step = 64;
-        ahead.lines -= Width / 4;
-        ahead.p += Width / 4 * 64;
+        ahead.lines -= Width / 4 * ahead.per_quad;
+        ahead.p += Width / 4 * ahead.per_quad * 64;
       } else {
         for (; ahead.lines > 0; --ahead.lines, ahead.p += 64) _mm_prefetch(ahead.p, _MM_HINT_T1);
       }
@@ -376,14 +383,13 @@ void block_body(const uint8_t* P, int64_t tile_bytes, const QuantizedRows& a, in
     }
     for (int64_t j = g * Width / 4; j < (g + 1) * Width / 4; ++j) {
       if constexpr (!prefetch) {
-        _mm_prefetch(pf, _MM_HINT_T1);
-        pf += pf_step;
+        for (int64_t i = 0; i < ahead.per_quad; ++i, pf += pf_step) _mm_prefetch(pf, _MM_HINT_T1);
       }
       __m512i w[NT];
       const int64_t pf_at = tile_ahead.at(j);
       for (int t = 0; t < NT; ++t) {
         const uint8_t* p = base + t * tile_bytes + j * 64;
-        if constexpr (prefetch) _mm_prefetch(reinterpret_cast<const char*>(base + t * tile_bytes + pf_at), _MM_HINT_T0);
+        if constexpr (prefetch) _mm_prefetch(reinterpret_cast<const char*>(base + t * tile_bytes + pf_at), INFERD_STREAM_HINT);
         w[t] = _mm512_loadu_si512(p);
       }
       for (int m = 0; m < MB; ++m) {
@@ -819,7 +825,10 @@ void compute(const Products& p, MakeY&& make_y) {
       const int64_t t0 = s * nt;
       const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
       const int64_t next = std::clamp<int64_t>(tiles - t0 - nt, 0, nt);  // tiles of the next stripe
-      ahead = next ? Ahead{reinterpret_cast<const char*>(P + (t0 + nt) * tile_bytes), next * tile_bytes / 64} : Ahead{};
+      const int64_t later = (M + rows - 1) / rows - 1;  // blocks after the first
+      ahead = next ? Ahead(reinterpret_cast<const char*>(P + (t0 + nt) * tile_bytes), next * tile_bytes / 64, later,
+                           c.Kp / 4)
+                   : Ahead();
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mb = static_cast<int>(std::min<int64_t>(rows, M - m0));
         p.wide ? run_block<kWide>(mb, n, P, tile_bytes, a, m0, t0, m0 == 0, o, Y)
