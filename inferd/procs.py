@@ -344,13 +344,28 @@ def _interrupt(proc: subprocess.Popen, grace_s: float) -> None:
         proc.wait()
 
 
+def _sigint_by_default() -> None:
+    """In a child before it runs its command: SIGINT taken by its default action and not blocked. A child inherits
+    an ignored or blocked signal through exec (a library in this process may have set either), and a Python
+    command that starts with SIGINT ignored never raises KeyboardInterrupt, so its clean-up would not run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def run_bounded(argv: list[str], log: Path, timeout_s: float, grace_s: float, cwd: Path = ROOT) -> int:
     """Run `argv` in its own process group, its output in `log`; its exit status. Past `timeout_s` (or when
     this process is interrupted) the group gets SIGINT, then SIGKILL `grace_s` later, and the timeout raises
     `subprocess.TimeoutExpired`: the command is never left running."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_sigint_by_default,  # two calls before exec: no lock a fork could have left held
+        )
     try:
         return proc.wait(timeout=timeout_s)
     except BaseException:

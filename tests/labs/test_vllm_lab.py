@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -229,6 +230,21 @@ def test_a_live_run_past_its_time_is_interrupted_and_ended(tmp_path, kind):
     # the process group is gone
     alive = [p for p in Path("/proc").glob("[0-9]*") if _cmdline(p).endswith(f"{script} {done} {kind}")]
     assert alive == []
+
+
+def test_a_live_run_is_interrupted_even_where_this_process_ignores_ctrl_c(tmp_path):
+    """A parent started with SIGINT ignored (a background job of a script) would hand that to the command through
+    exec, and a Python command then never raises KeyboardInterrupt: run_bounded gives it the default back."""
+    done = tmp_path / "done"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            procs.run_bounded([sys.executable, str(script), str(done), "cooperative"], tmp_path / "log", 4, 3)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert done.read_text() == "cleaned up"
 
 
 def test_a_live_run_past_its_time_fails_naming_its_log(tmp_path, monkeypatch):
