@@ -826,6 +826,7 @@ void compute(const Products& p, MakeY&& make_y) {
   const int rows = static_cast<int>(std::min<int64_t>(M, kMaxRows));
 #endif
   const int nt = tiles_for(rows);  // tiles per stripe: each stripe's weights are read from memory once
+  const int64_t later = (M + rows - 1) / rows - 1;  // blocks after a stripe's first
   const int64_t stripes = (tiles + nt - 1) / nt;
   parallel_claim(stripes, 1, [&](auto each) {
     const auto Y = make_y();
@@ -833,7 +834,6 @@ void compute(const Products& p, MakeY&& make_y) {
       const int64_t t0 = s * nt;
       const int n = static_cast<int>(std::min<int64_t>(nt, tiles - t0));
       const int64_t next = std::clamp<int64_t>(tiles - t0 - nt, 0, nt);  // tiles of the next stripe
-      const int64_t later = (M + rows - 1) / rows - 1;  // blocks after the first
       ahead = next ? Ahead(reinterpret_cast<const char*>(P + (t0 + nt) * tile_bytes), next * tile_bytes / 64, later,
                            c.Kp / 4)
                    : Ahead();
